@@ -1,0 +1,84 @@
+"""Drafters propose up to k tokens per sequence; the engine verifies them against the policy.
+
+A drafter keeps per-row state for the live batch. The engine calls, in order:
+  begin(prompts, prefill_hidden)            once per batch
+  propose(contexts, caps, sampling, u)      before each verify forward
+  observe(new_tokens, hidden, num_new)      after it, with what the policy accepted
+  keep_rows(rows)                           when finished rows leave the batch
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from drafter.sampling import BatchSampling
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # (B, K) long, padded with 0 past each row's length
+    lens: torch.Tensor  # (B,) long, number of real draft tokens per row (<= caps)
+    probs: torch.Tensor | None  # (B, K, V) draft distribution, None for deterministic drafters
+
+
+class Drafter(ABC):
+    needs_hidden: bool = False  # True when the drafter consumes the policy's hidden states
+    name: str = "drafter"
+
+    def begin(self, prompts: list[list[int]], prefill_hidden: torch.Tensor | None) -> None:
+        """A new batch starts. prefill_hidden (B, P, D): hidden states of prompt[:-1], right-padded."""
+        return None
+
+    @abstractmethod
+    def propose(self, contexts: list[list[int]], caps: list[int], sampling: BatchSampling,
+                uniforms: torch.Tensor | None) -> Proposal:
+        """Draft up to caps[b] tokens after contexts[b]; uniforms (B, k) drive sampled drafts."""
+
+    def observe(self, new_tokens: list[list[int]], hidden: torch.Tensor | None) -> None:
+        """new_tokens[b]: tokens the policy emitted this step; hidden (B, T, D): its hidden states
+        at the verified positions, of which the first len(new_tokens[b]) are valid for row b."""
+        return None
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` of the batch, in that order."""
+        return None
+
+
+def pad_proposal(drafts: list[list[int]], device: torch.device | str = "cpu") -> Proposal:
+    width = max((len(d) for d in drafts), default=0)
+    tokens = torch.zeros(len(drafts), width, dtype=torch.long)
+    for b, d in enumerate(drafts):
+        tokens[b, : len(d)] = torch.tensor(d, dtype=torch.long)
+    lens = torch.tensor([len(d) for d in drafts], dtype=torch.long)
+    return Proposal(tokens.to(device), lens.to(device), None)
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens
+    (n from max_ngram down to min_ngram) and propose the tokens that followed it."""
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if min_ngram < 1 or max_ngram < min_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def lookup(self, context: list[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        seq = np.asarray(context, dtype=np.int64)
+        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)  # (L-n, n), excludes the suffix itself
+            hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n  # the most recent match
+                return seq[start : start + k].tolist()
+        return []
+
+    def propose(self, contexts, caps, sampling, uniforms) -> Proposal:
+        return pad_proposal([self.lookup(c, cap) for c, cap in zip(contexts, caps)])

@@ -1,0 +1,150 @@
+"""EAGLE-style draft head: one decoder layer over (policy hidden state, next token embedding).
+
+The head lags the policy by one position: the pair (h_i, t_{i+1}) - the policy's final hidden
+state at position i and the token that followed - predicts h_{i+1}, and the policy's own LM head
+turns that prediction into a distribution over t_{i+2}. Embedding and LM head are shared with
+the policy (not copied), so the head's own weights are one layer plus a projection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from drafter.drafters import Drafter, Proposal
+from drafter.model import CausalLM, DecoderLayer, KVCache, ModelConfig, RMSNorm, Rotary, attention_inputs
+from drafter.sampling import BatchSampling, sample, token_probs
+
+
+@dataclass
+class EagleConfig:
+    num_layers: int = 1  # EAGLE: one layer is enough to reach most of the acceptance
+    init_seed: int = 0
+
+
+class EagleHead(nn.Module):
+    def __init__(self, policy_cfg: ModelConfig, cfg: EagleConfig | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg or EagleConfig()
+        self.policy_cfg = policy_cfg
+        d = policy_cfg.hidden_size
+        self.fc = nn.Linear(2 * d, d, bias=False)  # fuse [embedding(t_{i+1}); h_i]
+        self.layers = nn.ModuleList(DecoderLayer(policy_cfg) for _ in range(self.cfg.num_layers))
+        self.norm = RMSNorm(d, policy_cfg.rms_norm_eps)
+        # drafting runs up to k positions past the policy's context: give the table room for it
+        self.rotary = Rotary(policy_cfg.head_dim, 2 * policy_cfg.max_position, policy_cfg.rope_theta)
+        gen = torch.Generator().manual_seed(self.cfg.init_seed)
+        for p in self.parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02, generator=gen)
+
+    def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
+        c = self.policy_cfg
+        return KVCache(self.cfg.num_layers, batch_size, max_len, c.num_kv_heads, c.head_dim, dtype, device)
+
+    def forward(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
+                cache: KVCache) -> torch.Tensor:
+        """features, token_embeds: (B, T, D); positions (B, T). Returns predicted features (B, T, D)."""
+        x = self.fc(torch.cat([token_embeds, features], dim=-1))  # (B, T, 2D) -> (B, T, D)
+        rope = self.rotary(positions, x.dtype)
+        mask, num_slots = attention_inputs(positions, cache)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, cache, i, positions, mask, num_slots)
+        return self.norm(x)
+
+
+class EagleDrafter(Drafter):
+    """Runs an EagleHead autoregressively for k steps per verify, one KV cache row per sequence."""
+
+    needs_hidden = True
+    name = "eagle"
+
+    def __init__(self, policy: CausalLM, head: EagleHead) -> None:
+        if head.policy_cfg.hidden_size != policy.cfg.hidden_size:
+            raise ValueError("draft head hidden_size does not match the policy's")
+        self.policy, self.head = policy, head.to(device=policy.device, dtype=policy.dtype)
+        self.cache: KVCache | None = None
+        self.pending_hidden: list[torch.Tensor] = []  # per row: (n, D) policy states not yet fed
+        self.pending_tokens: list[list[int]] = []  # per row: the n tokens that followed them
+
+    def logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        return self.policy.lm_head(predicted)
+
+    def begin(self, prompts, prefill_hidden) -> None:
+        self.cache = None
+        self.pending_hidden, self.pending_tokens = [], []
+        for b, p in enumerate(prompts):
+            n = len(p) - 1
+            hid = prefill_hidden[b, :n] if prefill_hidden is not None and n > 0 else self._empty()
+            self.pending_hidden.append(hid)
+            self.pending_tokens.append(list(p[1:]))
+
+    def _empty(self) -> torch.Tensor:
+        return torch.zeros(0, self.policy.cfg.hidden_size, dtype=self.policy.dtype, device=self.policy.device)
+
+    def ensure_cache(self, batch_size: int, needed: int) -> KVCache:
+        if self.cache is None:
+            self.cache = self.head.new_cache(batch_size, max(needed, 64), self.policy.dtype, self.policy.device)
+        elif needed > self.cache.max_len:  # grow geometrically; old slots keep their values
+            grown = self.head.new_cache(batch_size, max(needed, 2 * self.cache.max_len), self.policy.dtype,
+                                        self.policy.device)
+            grown.k[:, :, : self.cache.max_len] = self.cache.k
+            grown.v[:, :, : self.cache.max_len] = self.cache.v
+            grown.lens = self.cache.lens
+            self.cache = grown
+        return self.cache
+
+    @torch.inference_mode()
+    def propose(self, contexts, caps, sampling: BatchSampling, uniforms) -> Proposal:
+        B, device = len(contexts), self.policy.device
+        num_pending = torch.tensor([len(t) for t in self.pending_tokens], dtype=torch.long, device=device)
+        P, K = int(num_pending.max()), max(caps)
+        cache = self.ensure_cache(B, int(self.cache.lens.max() if self.cache is not None else 0) + P + K + 1)
+        lens = torch.tensor([min(c, K) if n > 0 else 0 for c, n in zip(caps, num_pending.tolist())],
+                            dtype=torch.long, device=device)
+        tokens = torch.zeros(B, K, dtype=torch.long, device=device)
+        probs = None if sampling.all_greedy else torch.zeros(B, K, self.policy.cfg.vocab_size, device=device)
+        if P == 0 or K == 0:
+            return Proposal(tokens, torch.zeros_like(lens), probs)
+        # 1) feed every row's pending true pairs (ragged, right-padded): (B, P, D)
+        feats = torch.zeros(B, P, self.policy.cfg.hidden_size, dtype=self.policy.dtype, device=device)
+        toks = torch.zeros(B, P, dtype=torch.long, device=device)
+        for b in range(B):
+            n = len(self.pending_tokens[b])
+            feats[b, :n] = self.pending_hidden[b]
+            toks[b, :n] = torch.tensor(self.pending_tokens[b], dtype=torch.long)
+        positions = cache.lens.unsqueeze(1) + torch.arange(P, device=device)  # (B, P)
+        out = self.head(feats, self.policy.embed_tokens(toks), positions, cache)  # (B, P, D)
+        last = (num_pending - 1).clamp(min=0)
+        pred = out[torch.arange(B, device=device), last].unsqueeze(1)  # (B, 1, D)
+        cache.lens = cache.lens + num_pending
+        pos = cache.lens.unsqueeze(1)  # (B, 1): next speculative slot
+        self.pending_hidden = [self._empty() for _ in range(B)]
+        self.pending_tokens = [[] for _ in range(B)]
+        # 2) draft autoregressively from the head's own predictions
+        for j in range(K):
+            logits = self.logits(pred)  # (B, 1, V)
+            if sampling.all_greedy:
+                x = logits[:, 0].argmax(-1)
+            else:
+                p = token_probs(logits, sampling)[:, 0]  # (B, V)
+                x = sample(p, uniforms[:, j])
+                probs[:, j] = p
+            tokens[:, j] = x
+            if j + 1 < K:
+                pred = self.head(pred, self.policy.embed_tokens(x.unsqueeze(1)), pos + j, cache)
+        return Proposal(tokens, lens, probs)
+
+    def observe(self, new_tokens, hidden) -> None:
+        for b, toks in enumerate(new_tokens):
+            self.pending_hidden[b] = hidden[b, : len(toks)]
+            self.pending_tokens[b] = list(toks)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        idx = rows.tolist()
+        self.pending_hidden = [self.pending_hidden[i] for i in idx]
+        self.pending_tokens = [self.pending_tokens[i] for i in idx]
+        if self.cache is not None:
+            self.cache.keep_rows(rows.to(self.cache.lens.device))

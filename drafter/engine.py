@@ -1,0 +1,238 @@
+"""Batched generation with lossless speculative decoding; k=0 is plain decoding on the same path.
+
+Per sequence the engine keeps `tokens` (prompt + generated) and the invariant
+    cache.lens[b] == len(tokens[b]) - 1
+i.e. every token but the last has its K/V in the cache. One step feeds [last, d_1..d_k] at
+positions lens..lens+k, verifies the drafts, and appends n accepted drafts plus one token from
+the policy (the correction or the bonus): n+1 new tokens for one policy forward.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from drafter.drafters import Drafter
+from drafter.model import CausalLM
+from drafter.sampling import BatchSampling, SamplingParams, verify
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class GenerationOutput:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
+    num_steps: int  # policy forwards this sequence took part in
+    num_draft_tokens: int  # drafts proposed for it
+    num_accepted: int  # drafts accepted
+    text: str | None = None  # decoded, cut before a matched stop string
+    hidden_states: torch.Tensor | None = None  # (N, D): policy state that produced token_ids[i]
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per policy forward (accepted drafts + the policy's own token)."""
+        return len(self.token_ids) / max(self.num_steps, 1)
+
+
+@dataclass
+class EngineStats:
+    num_forwards: int = 0  # batched policy forwards (prefill excluded)
+    num_seq_steps: int = 0  # sum over forwards of the sequences in them
+    num_generated: int = 0
+    num_draft_tokens: int = 0
+    num_accepted: int = 0
+    accept_hist: Counter = field(default_factory=Counter)  # accepted drafts per sequence-step
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.num_generated / max(self.num_seq_steps, 1)
+
+
+class _Row:
+    """Live state of one sequence."""
+
+    def __init__(self, req: Request, eos_ids: tuple[int, ...], limit: int, record_hidden: bool) -> None:
+        p = req.params
+        self.req, self.params, self.limit = req, p, limit
+        self.tokens = list(req.prompt_ids)
+        self.num_prompt = len(self.tokens)
+        self.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+        seed = p.seed if p.seed is not None else random.getrandbits(63)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.steps = self.drafted = self.accepted = 0
+        self.finish_reason: str | None = None
+        self.hidden: list[torch.Tensor] | None = [] if record_hidden else None
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
+
+    def cap(self, k: int) -> int:
+        """Drafts worth proposing: never past max_new_tokens or the context."""
+        return max(0, min(k, self.limit - len(self.tokens) - 1))
+
+    def append(self, new: list[int], tokenizer) -> list[int]:
+        """Append tokens one at a time, stopping exactly where plain decoding would stop."""
+        taken = []
+        for t in new:
+            self.tokens.append(t)
+            taken.append(t)
+            if t in self.stop_ids or self._stop_string_hit(tokenizer):
+                self.finish_reason = "stop"
+            elif len(self.tokens) >= self.limit:
+                self.finish_reason = "length"
+            if self.finish_reason:
+                break
+        return taken
+
+    def _stop_string_hit(self, tokenizer) -> bool:
+        stops = self.params.stop_strings
+        return bool(stops) and _find_stop(tokenizer, self.generated, stops) >= 0
+
+
+def _find_stop(tokenizer, token_ids: list[int], stops: tuple[str, ...]) -> int:
+    text = tokenizer.decode(token_ids, skip_special_tokens=False)
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else -1
+
+
+class Engine:
+    def __init__(self, model: CausalLM, tokenizer=None) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.stats = EngineStats()
+
+    def validate(self, requests: list[Request], k: int, drafter: Drafter | None) -> None:
+        if not isinstance(k, int) or k < 0:
+            raise ValueError(f"k (draft length) must be an int >= 0, got {k!r}")
+        if k > 0 and drafter is None:
+            raise ValueError("k > 0 needs a drafter")
+        if not requests:
+            raise ValueError("requests must not be empty")
+        cfg = self.model.cfg
+        for i, r in enumerate(requests):
+            if len(r.prompt_ids) == 0:
+                raise ValueError(f"prompt_ids of request {i} is empty")
+            if len(r.prompt_ids) >= cfg.max_position:
+                raise ValueError(f"prompt_ids of request {i} has {len(r.prompt_ids)} tokens; the context holds "
+                                 f"{cfg.max_position} and at least one must be left to generate")
+            if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= cfg.vocab_size:
+                raise ValueError(f"prompt_ids of request {i} has token ids outside [0, {cfg.vocab_size})")
+            if r.params.stop_strings and self.tokenizer is None:
+                raise ValueError(f"stop_strings of request {i} need a tokenizer; this engine has none")
+
+    @torch.inference_mode()
+    def generate(self, requests: list[Request], k: int = 0, drafter: Drafter | None = None,
+                 record_hidden: bool = False) -> list[GenerationOutput]:
+        """Generate for all requests as one batch. k: max draft tokens per step (0 = plain)."""
+        self.validate(requests, k, drafter)
+        model, device = self.model, self.model.device
+        drafter = drafter if k > 0 else None
+        limits = [min(len(r.prompt_ids) + r.params.max_new_tokens, model.cfg.max_position) for r in requests]
+        rows = [_Row(r, model.cfg.eos_token_ids, lim, record_hidden) for r, lim in zip(requests, limits)]
+        order = list(range(len(rows)))  # live position -> index in `rows`
+        sampling = BatchSampling.from_params([r.params for r in requests], device)
+        cache = model.new_cache(len(rows), max(limits))
+        needs_hidden = drafter is not None and drafter.needs_hidden
+        prefill_hidden = self._prefill(rows, cache, needs_hidden)
+        if drafter is not None:
+            drafter.begin([r.tokens for r in rows], prefill_hidden)
+        while order:
+            live = [rows[i] for i in order]
+            uniforms = None if sampling.all_greedy else self._uniforms(live, k)
+            if drafter is not None:
+                caps = [r.cap(k) for r in live]
+                prop = drafter.propose([r.tokens for r in live], caps, sampling,
+                                       None if uniforms is None else uniforms[:, k + 1 :])
+                K = int(prop.lens.max()) if len(live) else 0
+                draft_tokens, draft_lens = prop.tokens[:, :K].to(device), prop.lens.to(device)
+                draft_probs = None if prop.probs is None else prop.probs[:, :K]
+            else:
+                K, draft_tokens, draft_lens, draft_probs = 0, None, None, None
+            last = torch.tensor([[r.tokens[-1]] for r in live], dtype=torch.long, device=device)  # (B, 1)
+            input_ids = last if K == 0 else torch.cat([last, draft_tokens], dim=1)  # (B, K+1)
+            positions = cache.lens.unsqueeze(1) + torch.arange(K + 1, device=device)  # (B, K+1)
+            # rows drafting fewer than K tokens are padded; their pad slots lie past every real one
+            positions = positions.clamp_(max=cache.max_len - 1)
+            logits, hidden = model(input_ids, positions, cache, logits_for="all")
+            if K == 0:
+                draft_tokens = torch.zeros(len(live), 0, dtype=torch.long, device=device)
+                draft_lens = torch.zeros(len(live), dtype=torch.long, device=device)
+            verify_u = None if uniforms is None else torch.cat([uniforms[:, :K], uniforms[:, k : k + 1]], dim=1)
+            verdict = verify(logits, draft_tokens, draft_lens, draft_probs, sampling, verify_u)
+            self._advance(live, cache, verdict, draft_tokens, draft_lens, hidden, drafter)
+            done = [j for j, r in enumerate(live) if r.finish_reason]
+            if done:
+                keep = torch.tensor([j for j in range(len(live)) if not live[j].finish_reason], dtype=torch.long)
+                order = [order[j] for j in keep.tolist()]
+                cache.keep_rows(keep.to(device))
+                sampling = sampling.select(keep.to(device))
+                if drafter is not None:
+                    drafter.keep_rows(keep)
+        return [self._output(r) for r in rows]
+
+    def _uniforms(self, live: list[_Row], k: int) -> torch.Tensor:
+        """(B, 2k+1): k acceptance tests, one final draw, k for sampled drafts; drawn per row, so a row's
+        random stream depends on its own seed only, not on what else is in the batch."""
+        return torch.stack([torch.rand(2 * k + 1, generator=r.gen) for r in live]).to(self.model.device)
+
+    def _prefill(self, rows: list[_Row], cache, needs_hidden: bool) -> torch.Tensor | None:
+        """Run prompt[:-1] of every row through the policy (no logits needed)."""
+        P = max(len(r.tokens) - 1 for r in rows)
+        cache.lens = torch.tensor([len(r.tokens) - 1 for r in rows], dtype=torch.long, device=cache.lens.device)
+        if P == 0:
+            return None
+        ids = torch.zeros(len(rows), P, dtype=torch.long)
+        for b, r in enumerate(rows):
+            ids[b, : len(r.tokens) - 1] = torch.tensor(r.tokens[:-1], dtype=torch.long)
+        device = self.model.device
+        positions = torch.arange(P, device=device).expand(len(rows), P)  # padding slots get overwritten later
+        _, hidden = self.model(ids.to(device), positions, cache, logits_for="none")
+        return hidden if needs_hidden else None
+
+    def _advance(self, live, cache, verdict, draft_tokens, draft_lens, hidden, drafter) -> None:
+        num_acc = verdict.num_accepted.tolist()
+        nxt = verdict.next_tokens.tolist()
+        drafts = draft_tokens.tolist()
+        lens = draft_lens.tolist()
+        new_tokens = []
+        st = self.stats
+        st.num_forwards += 1
+        for b, r in enumerate(live):
+            n = num_acc[b]
+            taken = r.append(drafts[b][:n] + [nxt[b]], self.tokenizer)
+            new_tokens.append(taken)
+            r.steps += 1
+            r.drafted += lens[b]
+            r.accepted += n
+            if r.hidden is not None:
+                r.hidden.append(hidden[b, : len(taken)].clone())
+            st.num_seq_steps += 1
+            st.num_generated += len(taken)
+            st.num_draft_tokens += lens[b]
+            st.num_accepted += n
+            st.accept_hist[n] += 1
+        cache.lens = cache.lens + verdict.num_accepted + 1
+        if drafter is not None:
+            drafter.observe(new_tokens, hidden)
+
+    def _output(self, r: _Row) -> GenerationOutput:
+        gen = r.generated
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(gen, skip_special_tokens=True)
+            if r.params.stop_strings:
+                full = self.tokenizer.decode(gen, skip_special_tokens=False)
+                cut = _find_stop(self.tokenizer, gen, r.params.stop_strings)
+                text = full[:cut] if cut >= 0 else text
+        hidden = torch.cat(r.hidden)[: len(gen)] if r.hidden else None
+        return GenerationOutput(list(r.req.prompt_ids), gen, r.finish_reason or "length", r.steps, r.drafted,
+                                r.accepted, text, hidden)

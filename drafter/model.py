@@ -1,0 +1,221 @@
+"""A compact Llama/Qwen2 decoder written for batched decoding with ragged lengths.
+
+Every sequence b in a batch has its own length `cache_lens[b]`. KV slots are indexed by
+absolute position, so a query at position p attends to slots [0, p] of its own row; slots
+beyond a row's length hold stale values that the mask never reads. Rolling a sequence back
+(rejected draft tokens) is just lowering its length: the stale slots are overwritten later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 49152
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_layers: int = 30
+    num_heads: int = 9
+    num_kv_heads: int = 3
+    head_dim: int = 64
+    max_position: int = 8192
+    rope_theta: float = 100000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False  # Qwen2 has biases on q/k/v projections, Llama has none
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "llama"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
+        return cls(**d)
+
+
+class KVCache:
+    """Preallocated keys/values for all layers: (L, B, S, H_kv, D), one row per live sequence."""
+
+    def __init__(self, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (num_layers, batch_size, max_len, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lens = torch.zeros(batch_size, dtype=torch.long, device=device)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Drop finished sequences: keep only `rows` (a 1-D index tensor), in that order."""
+        self.k = self.k.index_select(1, rows)
+        self.v = self.v.index_select(1, rows)
+        self.lens = self.lens.index_select(0, rows)
+
+
+def attention_mask(positions: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """(B, T) absolute query positions -> (B, 1, T, S) bool, True where the slot is visible."""
+    slots = torch.arange(num_slots, device=positions.device)
+    return slots.view(1, 1, 1, -1) <= positions[:, None, :, None]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Rotary(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)  # (P, D/2)
+        angles = torch.cat([angles, angles], dim=-1)  # (P, D), HF "rotate_half" layout
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # (B, T) -> (B, T, 1, D) to broadcast over heads in (B, T, H, D)
+        return self.cos[positions].unsqueeze(2).to(dtype), self.sin[positions].unsqueeze(2).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=False)
+        self.split = (q_dim, kv_dim, kv_dim)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
+                layer: int, positions: torch.Tensor, mask: torch.Tensor | None, num_slots: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = apply_rotary(q.view(B, T, self.num_heads, self.head_dim), *rope)  # (B, T, H, D)
+        k = apply_rotary(k.view(B, T, self.num_kv_heads, self.head_dim), *rope)  # (B, T, Hkv, D)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
+        rows = torch.arange(B, device=x.device).unsqueeze(1)  # (B, 1) with positions (B, T)
+        cache.k[layer][rows, positions] = k
+        cache.v[layer][rows, positions] = v
+        keys = cache.k[layer, :, :num_slots].transpose(1, 2)  # (B, Hkv, S, D)
+        values = cache.v[layer, :, :num_slots].transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)  # (B, H, T, D)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope, cache, layer, positions, mask, num_slots):
+        x = x + self.attn(self.input_norm(x), rope, cache, layer, positions, mask, num_slots)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+def attention_inputs(positions: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor | None, int]:
+    """Mask and number of cache slots to read for a forward at `positions` (B, T)."""
+    num_slots = int(positions.max()) + 1
+    if num_slots > cache.max_len:
+        raise ValueError(f"position {num_slots - 1} is beyond the KV cache ({cache.max_len} slots)")
+    B, T = positions.shape
+    if B == 1 and T == 1:
+        return None, num_slots  # one query at the newest slot sees everything before it
+    return attention_mask(positions, num_slots), num_slots
+
+
+class CausalLM(nn.Module):
+    """Llama/Qwen2-family decoder. `forward` returns (logits, hidden) for the requested positions."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = Rotary(cfg.head_dim, cfg.max_position, cfg.rope_theta)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        c = self.cfg
+        return KVCache(c.num_layers, batch_size, min(max_len, c.max_position), c.num_kv_heads, c.head_dim,
+                       self.dtype, self.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                logits_for: str = "all") -> tuple[torch.Tensor | None, torch.Tensor]:
+        """input_ids, positions: (B, T). Writes K/V at `positions`; does not change cache.lens.
+
+        logits_for: "all" -> (B, T, V); "last" -> (B, 1, V); "none" -> None (prefill).
+        Returns the final-norm hidden states (B, T, D), the features a draft head consumes.
+        """
+        x = self.embed_tokens(input_ids)  # (B, T, D)
+        rope = self.rotary(positions, x.dtype)
+        mask, num_slots = attention_inputs(positions, cache)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, cache, i, positions, mask, num_slots)
+        hidden = self.norm(x)
+        if logits_for == "none":
+            return None, hidden
+        if logits_for == "last":
+            return self.lm_head(hidden[:, -1:]), hidden
+        return self.lm_head(hidden), hidden

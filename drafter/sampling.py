@@ -1,0 +1,151 @@
+"""Sampling parameters, the token distribution they define, and lossless draft verification."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy: the argmax token, no randomness
+    top_k: int = 0  # 0 disables top-k
+    top_p: float = 1.0  # 1.0 disables nucleus filtering
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()  # added to the model's EOS ids
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False  # benchmarks generate a fixed number of tokens
+    seed: int | None = None  # per-request seed; None draws one from torch's global generator
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop_strings must not contain an empty string")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class BatchSampling:
+    """Per-row sampling settings as tensors, so one batch can mix greedy and sampled rows."""
+
+    temperature: torch.Tensor  # (B,) float, 0 for greedy rows
+    top_k: torch.Tensor  # (B,) long, 0 = off
+    top_p: torch.Tensor  # (B,) float, 1 = off
+    is_greedy: torch.Tensor = field(init=False)  # (B,) bool
+
+    def __post_init__(self) -> None:
+        self.is_greedy = self.temperature == 0
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> BatchSampling:
+        return cls(torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+                   torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+                   torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device))
+
+    def select(self, rows: torch.Tensor) -> BatchSampling:
+        return BatchSampling(self.temperature[rows], self.top_k[rows], self.top_p[rows])
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool(self.is_greedy.all())
+
+
+def token_probs(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
+    """(B, T, V) logits -> (B, T, V) float32 probabilities after temperature, top-k and top-p.
+
+    The same function shapes the target and the draft distributions, so verification compares
+    like with like. Greedy rows get a one-hot on the argmax.
+    """
+    logits = logits.float()
+    B, T, V = logits.shape
+    temp = torch.where(sampling.is_greedy, torch.ones_like(sampling.temperature), sampling.temperature)
+    logits = logits / temp.view(B, 1, 1)
+    top_k, top_p = sampling.top_k, sampling.top_p
+    if bool(((top_k > 0) & (top_k < V)).any()) or bool((top_p < 1).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, T, V)
+        rank = torch.arange(V, device=logits.device).view(1, 1, V)
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).view(B, 1, 1)
+        drop = rank >= k
+        sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # exclusive cumsum
+        drop = drop | (mass_before >= top_p.view(B, 1, 1))  # keep the smallest prefix reaching top_p
+        drop[..., 0] = False
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(dim=-1)
+    if bool(sampling.is_greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(sampling.is_greedy.view(B, 1, 1), one_hot, probs)
+    return probs
+
+
+def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: (N, V) probabilities, (N,) uniforms in [0, 1) -> (N,) token ids."""
+    cdf = probs.cumsum(dim=-1)  # (N, V)
+    target = uniforms.unsqueeze(-1) * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    idx = idx.clamp_(max=probs.shape[-1] - 1)
+    # a zero-probability token can only be hit through rounding at the CDF's flat end: step back
+    bad = probs.gather(-1, idx.unsqueeze(-1)).squeeze(-1) <= 0
+    if bool(bad.any()):
+        idx = torch.where(bad, probs.argmax(-1), idx)
+    return idx
+
+
+@dataclass
+class Verdict:
+    num_accepted: torch.Tensor  # (B,) draft tokens accepted, 0..draft_lens[b]
+    next_tokens: torch.Tensor  # (B,) the token after the accepted ones: correction or bonus
+
+
+def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_lens: torch.Tensor,
+           draft_probs: torch.Tensor | None, sampling: BatchSampling,
+           uniforms: torch.Tensor | None) -> Verdict:
+    """Accept a prefix of each row's draft so the output keeps the target distribution exactly.
+
+    target_logits (B, K+1, V): position i scores the token after draft_tokens[:, :i].
+    draft_tokens (B, K), draft_lens (B,): row b proposes draft_tokens[b, :draft_lens[b]].
+    draft_probs (B, K, V) or None for deterministic drafters (a one-hot on the proposed token).
+    uniforms (B, K+1) in [0, 1): K acceptance tests and one draw for the final token.
+    """
+    B, K = draft_tokens.shape
+    device = target_logits.device
+    in_draft = torch.arange(K, device=device).view(1, K) < draft_lens.view(B, 1)  # (B, K)
+    if sampling.all_greedy:
+        # Greedy: accept while the draft equals the target's argmax; the next token is the argmax.
+        target_tokens = target_logits.argmax(-1)  # (B, K+1)
+        accept = (draft_tokens == target_tokens[:, :K]) & in_draft
+        num_accepted = accept.long().cumprod(dim=1).sum(dim=1)
+        return Verdict(num_accepted, target_tokens.gather(1, num_accepted.view(B, 1)).squeeze(1))
+    # Rejection sampling, with p the draft distribution and q the target distribution:
+    #   accept draft token x with probability min(1, q(x) / p(x));
+    #   on the first rejection sample from norm(max(0, q - p)); if all K pass, sample q (bonus).
+    q = token_probs(target_logits, sampling)  # (B, K+1, V), greedy rows are one-hots
+    if draft_probs is None:
+        p = torch.zeros(B, K, q.shape[-1], device=device).scatter_(-1, draft_tokens.unsqueeze(-1), 1.0)
+    else:
+        p = draft_probs.float()
+    q_x = q[:, :K].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # (B, K)
+    p_x = p.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # (B, K)
+    if uniforms is None:
+        raise ValueError("uniforms are required when any row samples (temperature > 0)")
+    accept = (uniforms[:, :K] * p_x < q_x) & in_draft  # u < q/p without dividing by p
+    num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # (B,)
+    rows = torch.arange(B, device=device)
+    q_n = q[rows, num_accepted]  # (B, V)
+    rejected = num_accepted < draft_lens
+    p_n = torch.where(rejected.view(B, 1), p[rows, num_accepted.clamp(max=max(K - 1, 0))], 0.0) if K else 0.0
+    residual = (q_n - p_n).clamp_(min=0)
+    empty = residual.sum(-1) <= 0  # only when p == q up to rounding: then q itself is exact
+    residual = torch.where(empty.view(B, 1), q_n, residual)
+    return Verdict(num_accepted, sample(residual, uniforms[:, K]))

@@ -1,0 +1,174 @@
+"""Greedy speculative decoding must reproduce plain decoding token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter.drafters import NgramDrafter
+from drafter.eagle import EagleDrafter, EagleHead
+from drafter.engine import Engine, Request
+from drafter.model import CausalLM
+from drafter.sampling import SamplingParams
+from tests.conftest import random_prompts, tiny_model
+
+LENGTHS_8 = [1, 3, 5, 9, 2, 17, 4, 33]
+
+
+def make_drafter(name: str, model: CausalLM):
+    if name == "ngram":
+        return NgramDrafter()
+    return EagleDrafter(model, EagleHead(model.cfg))
+
+
+def greedy_requests(prompts, max_new_tokens=48):
+    return [Request(p, SamplingParams(max_new_tokens=max_new_tokens)) for p in prompts]
+
+
+@pytest.mark.parametrize("drafter_name", ["ngram", "eagle"])
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+@pytest.mark.parametrize("lengths", [[6], LENGTHS_8], ids=["batch1", "batch8"])
+def test_greedy_speculative_equals_plain(tiny, drafter_name, k, lengths):
+    engine = Engine(tiny)
+    requests = greedy_requests(random_prompts(lengths, tiny.cfg.vocab_size))
+    plain = engine.generate(requests)
+    spec = engine.generate(requests, k=k, drafter=make_drafter(drafter_name, tiny))
+    for a, b in zip(plain, spec):
+        assert b.token_ids == a.token_ids
+        assert b.finish_reason == a.finish_reason
+        assert b.num_steps <= a.num_steps
+
+
+def test_ngram_drafts_are_accepted_and_save_forwards(tiny):
+    """The random tiny model repeats itself, so prompt lookup must pay: fewer forwards than tokens."""
+    engine = Engine(tiny)
+    requests = greedy_requests(random_prompts(LENGTHS_8, tiny.cfg.vocab_size), max_new_tokens=64)
+    out = engine.generate(requests, k=4, drafter=NgramDrafter())
+    assert sum(o.num_accepted for o in out) > 0
+    assert sum(o.num_steps for o in out) < sum(len(o.token_ids) for o in out)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_greedy_qwen2_architecture(tiny_qwen2, k):
+    engine = Engine(tiny_qwen2)
+    requests = greedy_requests(random_prompts(LENGTHS_8, tiny_qwen2.cfg.vocab_size, seed=3))
+    plain = engine.generate(requests)
+    spec = engine.generate(requests, k=k, drafter=NgramDrafter())
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+def test_batch_output_equals_single_sequence_output(tiny):
+    engine = Engine(tiny)
+    requests = greedy_requests(random_prompts(LENGTHS_8, tiny.cfg.vocab_size))
+    batched = engine.generate(requests, k=3, drafter=NgramDrafter())
+    for req, out in zip(requests, batched):
+        assert engine.generate([req])[0].token_ids == out.token_ids
+
+
+def fit_eagle_head(model: CausalLM, prompts: list[list[int]], steps: int = 200) -> EagleHead:
+    """Teacher-forced fit of a draft head on the policy's own greedy rollouts (a test-only trainer)."""
+    outs = Engine(model).generate(greedy_requests(prompts, max_new_tokens=32))
+    seqs = torch.tensor([o.prompt_ids + o.token_ids for o in outs if len(o.token_ids) == 32])  # (N, L)
+    N, L = seqs.shape
+    positions = torch.arange(L).expand(N, L)
+    with torch.no_grad():
+        _, hidden = model(seqs, positions, model.new_cache(N, L), logits_for="none")  # (N, L, D)
+    head = EagleHead(model.cfg)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    # pair i = (h_i, x_{i+1}) predicts h_{i+1} and, through the policy's head, x_{i+2}
+    feats, toks, target = hidden[:, :-2], seqs[:, 1:-1], seqs[:, 2:]
+    for _ in range(steps):
+        pred = head(feats, model.embed_tokens(toks), positions[:, : L - 2], head.new_cache(N, L, torch.float32, "cpu"))
+        loss = torch.nn.functional.cross_entropy(model.lm_head(pred).flatten(0, 1), target.flatten())
+        loss = loss + torch.nn.functional.smooth_l1_loss(pred, hidden[:, 1:-1])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return head.eval().requires_grad_(False)
+
+
+def acceptance(outs) -> float:
+    return sum(o.num_accepted for o in outs) / max(1, sum(o.num_draft_tokens for o in outs))
+
+
+def test_fitted_eagle_head_is_accepted_and_stays_lossless():
+    """A head fitted to the policy's rollouts must be accepted on them: this checks that the drafter
+    feeds (h_i, x_{i+1}) pairs at inference exactly as laid out in training, through the KV cache."""
+    model = tiny_model(vocab_size=32, seed=5, std=0.4)
+    engine = Engine(model)
+    prompts = random_prompts([4] * 32, model.cfg.vocab_size, seed=7)
+    head = fit_eagle_head(model, prompts)
+    requests = greedy_requests(prompts[:8], max_new_tokens=32)
+    plain = engine.generate(requests)
+    untrained = engine.generate(requests, k=4, drafter=EagleDrafter(model, EagleHead(model.cfg)))
+    one = engine.generate(requests, k=1, drafter=EagleDrafter(model, head))
+    four = engine.generate(requests, k=4, drafter=EagleDrafter(model, head))
+    for outs in (untrained, one, four):
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert acceptance(one) > 0.9
+    assert acceptance(four) > max(0.3, 2 * acceptance(untrained))
+    assert sum(o.num_steps for o in four) < sum(o.num_steps for o in plain)
+
+
+def test_sampled_generation_is_reproducible_per_seed(tiny):
+    engine = Engine(tiny)
+    prompts = random_prompts([5, 8, 3], tiny.cfg.vocab_size)
+
+    def run(seed0, k):
+        reqs = [Request(p, SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=24, seed=seed0 + i))
+                for i, p in enumerate(prompts)]
+        return [o.token_ids for o in engine.generate(reqs, k=k, drafter=NgramDrafter() if k else None)]
+
+    assert run(0, 0) == run(0, 0)
+    assert run(0, 3) == run(0, 3)
+    assert run(0, 0) != run(100, 0)
+
+
+def test_record_hidden_matches_a_full_forward(tiny):
+    engine = Engine(tiny)
+    req = greedy_requests(random_prompts([6], tiny.cfg.vocab_size), max_new_tokens=20)
+    plain = engine.generate(req)[0]
+    assert plain.hidden_states is None
+    out = engine.generate(req, k=3, drafter=NgramDrafter(), record_hidden=True)[0]
+    seq = torch.tensor([out.prompt_ids + out.token_ids])
+    L = seq.shape[1]
+    _, hidden = tiny(seq, torch.arange(L).unsqueeze(0), tiny.new_cache(1, L), logits_for="none")
+    P = len(out.prompt_ids)
+    assert out.hidden_states.shape == (len(out.token_ids), tiny.cfg.hidden_size)
+    # the state at position P-1+i produced generated token i
+    torch.testing.assert_close(out.hidden_states, hidden[0, P - 1 : L - 1], atol=1e-4, rtol=1e-4)
+
+
+def test_stop_token_and_max_new_tokens_match_plain():
+    model = tiny_model(seed=2)
+    engine = Engine(model)
+    prompts = random_prompts(LENGTHS_8, model.cfg.vocab_size, seed=4)
+    free = engine.generate(greedy_requests(prompts, max_new_tokens=30))
+    stop_tok = free[0].token_ids[5]  # a token the policy does emit
+    reqs = [Request(p, SamplingParams(max_new_tokens=30, stop_token_ids=(stop_tok,))) for p in prompts]
+    plain = engine.generate(reqs)
+    spec = engine.generate(reqs, k=5, drafter=NgramDrafter())
+    assert plain[0].token_ids[-1] == stop_tok and plain[0].finish_reason == "stop"
+    assert len(plain[0].token_ids) <= 6
+    for a, b in zip(plain, spec):
+        assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason)
+        assert len(a.token_ids) <= 30
+        assert a.finish_reason == "stop" or len(a.token_ids) == 30
+
+
+def test_model_eos_stops_unless_ignored():
+    base = tiny_model(seed=2)
+    first = Engine(base).generate(greedy_requests([[1, 2, 3]], max_new_tokens=30))[0].token_ids
+    eos = first[3]
+    model = tiny_model(seed=2, eos=(eos,))
+    out = Engine(model).generate(greedy_requests([[1, 2, 3]], max_new_tokens=30))[0]
+    assert out.token_ids[-1] == eos and out.finish_reason == "stop"
+    ignored = Engine(model).generate([Request([1, 2, 3], SamplingParams(max_new_tokens=30, ignore_eos=True))])[0]
+    assert len(ignored.token_ids) == 30 and ignored.finish_reason == "length"
+
+
+def test_context_limit_stops_with_length():
+    model = tiny_model(max_position=40)
+    out = Engine(model).generate(greedy_requests([list(range(30))], max_new_tokens=100), k=4,
+                                 drafter=NgramDrafter())[0]
+    assert len(out.token_ids) == 10 and out.finish_reason == "length"

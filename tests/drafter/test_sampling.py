@@ -1,0 +1,196 @@
+"""Under sampling, speculative decoding must keep the policy's distribution over whole sequences.
+
+Exact enumeration: on a 6-token vocabulary every 3-token continuation's probability is computed from
+the policy, and 20k speculative samples are checked against it with a chi-square test. The same test
+must reject deliberately wrong verifiers, so its threshold is known to have teeth.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import drafter.engine as engine_mod
+from drafter import sampling
+from drafter.drafters import Drafter, NgramDrafter, Proposal
+from drafter.eagle import EagleDrafter, EagleHead
+from drafter.engine import Engine, Request
+from drafter.sampling import BatchSampling, SamplingParams, Verdict, token_probs
+from tests.conftest import tiny_model
+
+VOCAB, NEW, NUM_SAMPLES, ALPHA = 6, 3, 20_000, 1e-3
+PROMPT = [1, 2, 1, 2, 1]
+PARAMS = {"temperature": 0.9, "top_k": 5, "top_p": 0.95}
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return tiny_model(vocab_size=VOCAB, seed=0, std=0.5, max_position=64)
+
+
+@pytest.fixture(scope="module")
+def exact(model) -> dict[tuple[int, ...], float]:
+    """P(continuation) for every continuation, from full forwards of the policy."""
+    seqs = list(itertools.product(range(VOCAB), repeat=NEW))
+    ids = torch.tensor([PROMPT + list(s) for s in seqs])  # (N, L)
+    N, L = ids.shape
+    logits, _ = model(ids, torch.arange(L).expand(N, L), model.new_cache(N, L))
+    bs = BatchSampling.from_params([SamplingParams(**PARAMS)] * N)
+    q = token_probs(logits, bs)[:, len(PROMPT) - 1 : -1]  # (N, NEW, V): the step producing each token
+    probs = q.gather(-1, ids[:, len(PROMPT) :].unsqueeze(-1)).squeeze(-1).prod(-1)
+    return dict(zip(seqs, probs.tolist()))
+
+
+def sample_pvalue(model, exact, k, drafter) -> float:
+    reqs = [Request(PROMPT, SamplingParams(**PARAMS, max_new_tokens=NEW, seed=i)) for i in range(NUM_SAMPLES)]
+    outs = Engine(model).generate(reqs, k=k, drafter=drafter)
+    counts: dict[tuple[int, ...], int] = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    keys = list(exact)
+    obs = np.array([counts.get(s, 0) for s in keys], dtype=float)
+    expected = np.array([exact[s] for s in keys]) * NUM_SAMPLES
+    if obs[expected == 0].sum() > 0:
+        return 0.0  # a sequence the policy can never produce
+    obs, expected = obs[expected > 0], expected[expected > 0]
+    big = expected >= 5  # pool sparse cells so the chi-square approximation holds
+    obs = np.append(obs[big], obs[~big].sum())
+    expected = np.append(expected[big], expected[~big].sum())
+    keep = expected > 0
+    obs, expected = obs[keep], expected[keep] * obs[keep].sum() / expected[keep].sum()
+    return float(chisquare(obs, expected).pvalue)
+
+
+class NoisyPolicyDrafter(Drafter):
+    """Drafts by sampling a perturbed copy of the policy: p overlaps q without equalling it, which is
+    the regime where a wrong rejection rule shows (a random draft head's p barely overlaps q)."""
+
+    name = "noisy-policy"
+
+    def __init__(self, policy, noise: float = 0.3, seed: int = 3) -> None:
+        self.model = copy.deepcopy(policy)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * noise)
+
+    def propose(self, contexts, caps, sampling_, uniforms):
+        B, K = len(contexts), max(caps)
+        ctx = [list(c) for c in contexts]
+        tokens = torch.zeros(B, K, dtype=torch.long)
+        probs = torch.zeros(B, K, VOCAB)
+        rows = torch.arange(B)
+        for j in range(K):
+            lens = torch.tensor([len(c) for c in ctx])
+            L = int(lens.max())
+            ids = torch.zeros(B, L, dtype=torch.long)
+            for b, c in enumerate(ctx):
+                ids[b, : len(c)] = torch.tensor(c)
+            logits, _ = self.model(ids, torch.arange(L).expand(B, L), self.model.new_cache(B, L))
+            p = token_probs(logits[rows, lens - 1].unsqueeze(1), sampling_)[:, 0]  # (B, V)
+            x = sampling.sample(p, uniforms[:, j])
+            tokens[:, j], probs[:, j] = x, p
+            for b in range(B):
+                ctx[b].append(int(x[b]))
+        return Proposal(tokens, torch.tensor(caps), probs)
+
+
+def make_drafter(name, model):
+    if name == "ngram":
+        return NgramDrafter()
+    if name == "eagle":
+        return EagleDrafter(model, EagleHead(model.cfg))
+    return NoisyPolicyDrafter(model)
+
+
+def test_exact_distribution_sums_to_one(exact):
+    assert abs(sum(exact.values()) - 1) < 1e-4
+
+
+def test_plain_sampling_matches_policy(model, exact):
+    assert sample_pvalue(model, exact, 0, None) > ALPHA
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("drafter_name", ["ngram", "eagle", "noisy-policy"])
+def test_speculative_sampling_matches_policy(model, exact, k, drafter_name):
+    assert sample_pvalue(model, exact, k, make_drafter(drafter_name, model)) > ALPHA
+
+
+def accept_always(target_logits, draft_tokens, draft_lens, draft_probs, sampling_, uniforms):
+    v = sampling.verify(target_logits, draft_tokens, draft_lens, draft_probs, sampling_, uniforms)
+    return Verdict(draft_lens.clone(), v.next_tokens)
+
+
+def resample_from_target(target_logits, draft_tokens, draft_lens, draft_probs, sampling_, uniforms):
+    """The classic bug: on rejection, sample q instead of norm(max(0, q - p))."""
+    v = sampling.verify(target_logits, draft_tokens, draft_lens, draft_probs, sampling_, uniforms)
+    q = token_probs(target_logits, sampling_)
+    rows = torch.arange(q.shape[0])
+    return Verdict(v.num_accepted, sampling.sample(q[rows, v.num_accepted], uniforms[:, -1]))
+
+
+@pytest.mark.parametrize(("wrong", "drafter_name"), [(accept_always, "ngram"), (accept_always, "eagle"),
+                                                    (accept_always, "noisy-policy"),
+                                                    (resample_from_target, "noisy-policy")])
+def test_wrong_verifier_fails_the_test(model, exact, monkeypatch, wrong, drafter_name):
+    monkeypatch.setattr(engine_mod, "verify", wrong)
+    assert sample_pvalue(model, exact, 2, make_drafter(drafter_name, model)) < ALPHA
+
+
+def test_token_probs_top_k_top_p_and_greedy():
+    logits = torch.tensor([[[2.0, 1.0, 0.5, 0.0, -1.0]]]).repeat(4, 1, 1)  # (4, 1, 5)
+    bs = BatchSampling(torch.tensor([1.0, 1.0, 0.5, 0.0]), torch.tensor([2, 0, 0, 0]),
+                       torch.tensor([1.0, 0.8, 1.0, 1.0]))
+    p = token_probs(logits, bs)[:, 0]
+    ref = logits[0, 0].softmax(-1)
+    torch.testing.assert_close(p[0], torch.cat([ref[:2] / ref[:2].sum(), torch.zeros(3)]))
+    # top_p=0.8: the top two hold 0.77 < 0.8, so the smallest prefix reaching 0.8 has three tokens
+    torch.testing.assert_close(p[1], torch.cat([ref[:3] / ref[:3].sum(), torch.zeros(2)]))
+    torch.testing.assert_close(p[2], (logits[0, 0] / 0.5).softmax(-1))
+    assert p[3].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_greedy_verify_counts_the_matching_prefix():
+    V = 5
+    target = torch.full((2, 4, V), -1.0)
+    target[0, torch.arange(4), torch.tensor([3, 1, 4, 2])] = 1.0  # argmax path 3, 1, 4 then 2
+    target[1, torch.arange(4), torch.tensor([0, 0, 0, 0])] = 1.0
+    drafts = torch.tensor([[3, 1, 0], [0, 0, 0]])
+    bs = BatchSampling(torch.zeros(2), torch.zeros(2, dtype=torch.long), torch.ones(2))
+    v = sampling.verify(target, drafts, torch.tensor([3, 2]), None, bs, None)
+    assert v.num_accepted.tolist() == [2, 2]  # row 1 proposes only 2: both accepted, then the bonus
+    assert v.next_tokens.tolist() == [4, 0]
+
+
+def test_sampling_params_reject_bad_values():
+    for kwargs, field in [({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"),
+                          ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"),
+                          ({"max_new_tokens": 0}, "max_new_tokens"), ({"stop_strings": ("",)}, "stop_strings")]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kwargs)
+
+
+def test_engine_rejects_bad_arguments(model):
+    engine = Engine(model)
+    ok = [Request([1, 2])]
+    with pytest.raises(ValueError, match="k"):
+        engine.generate(ok, k=-1, drafter=NgramDrafter())
+    with pytest.raises(ValueError, match="drafter"):
+        engine.generate(ok, k=2)
+    with pytest.raises(ValueError, match="prompt_ids.*empty"):
+        engine.generate([Request([])])
+    with pytest.raises(ValueError, match="prompt_ids.*context"):
+        engine.generate([Request(list(range(VOCAB)) * 20)])
+    with pytest.raises(ValueError, match="token ids"):
+        engine.generate([Request([VOCAB + 3])])
+    with pytest.raises(ValueError, match="stop_strings"):
+        engine.generate([Request([1], SamplingParams(stop_strings=("x",)))])
+    with pytest.raises(ValueError, match="requests"):
+        engine.generate([])
