@@ -1,0 +1,1 @@
+"""`tlt bench ...`: benchmarks that print a JSON object last."""
