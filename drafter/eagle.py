@@ -8,7 +8,7 @@ the policy (not copied), so the head's own weights are one layer plus a projecti
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
@@ -21,7 +21,13 @@ from drafter.sampling import BatchSampling, sample, token_probs
 @dataclass
 class EagleConfig:
     num_layers: int = 1  # EAGLE: one layer is enough to reach most of the acceptance
+    # Score only this many tokens (the most frequent in rollouts, as EAGLE-3 does): the LM head is
+    # a fifth of SmolLM2's weights, and each draft step would otherwise pay for all of it.
+    draft_vocab_size: int | None = None  # None = the policy's full vocabulary
     init_seed: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 class EagleHead(nn.Module):
@@ -39,6 +45,24 @@ class EagleHead(nn.Module):
         for p in self.parameters():
             if p.dim() == 2:
                 nn.init.normal_(p, std=0.02, generator=gen)
+        num_draft = self.cfg.draft_vocab_size or policy_cfg.vocab_size
+        if not 0 < num_draft <= policy_cfg.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, {policy_cfg.vocab_size}], got {num_draft}")
+        # policy token id of each draft-vocabulary entry; set_vocab picks them from rollouts
+        self.register_buffer("vocab_ids", torch.arange(num_draft, dtype=torch.long))
+
+    def set_vocab(self, token_counts: torch.Tensor, always: tuple[int, ...] = ()) -> None:
+        """Keep the most frequent tokens (counts: (V,) over the policy vocabulary) plus `always` (EOS)."""
+        n = self.vocab_ids.numel()
+        counts = token_counts.double().clone()
+        counts[list(always)] = float("inf")
+        ids = counts.topk(n).indices.sort().values
+        self.vocab_ids.copy_(ids)
+
+    def draft_logits(self, predicted: torch.Tensor, lm_weight: torch.Tensor) -> torch.Tensor:
+        """(..., D) predicted features -> (..., V') logits over the draft vocabulary;
+        lm_weight is the policy's LM head restricted to vocab_ids: (V', D)."""
+        return nn.functional.linear(predicted, lm_weight)
 
     def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
         c = self.policy_cfg
@@ -65,12 +89,13 @@ class EagleDrafter(Drafter):
         if head.policy_cfg.hidden_size != policy.cfg.hidden_size:
             raise ValueError("draft head hidden_size does not match the policy's")
         self.policy, self.head = policy, head.to(device=policy.device, dtype=policy.dtype)
+        self.vocab_ids = head.vocab_ids
+        self.lm_weight = policy.lm_head.weight[head.vocab_ids].contiguous()  # (V', D), sliced once
+        self.is_full_vocab = head.vocab_ids.numel() == policy.cfg.vocab_size
         self.cache: KVCache | None = None
         self.pending_hidden: list[torch.Tensor] = []  # per row: (n, D) policy states not yet fed
         self.pending_tokens: list[list[int]] = []  # per row: the n tokens that followed them
 
-    def logits(self, predicted: torch.Tensor) -> torch.Tensor:
-        return self.policy.lm_head(predicted)
 
     def begin(self, prompts, prefill_hidden) -> None:
         self.cache = None
@@ -125,13 +150,13 @@ class EagleDrafter(Drafter):
         self.pending_tokens = [[] for _ in range(B)]
         # 2) draft autoregressively from the head's own predictions
         for j in range(K):
-            logits = self.logits(pred)  # (B, 1, V)
+            logits = self.head.draft_logits(pred, self.lm_weight)  # (B, 1, V')
             if sampling.all_greedy:
-                x = logits[:, 0].argmax(-1)
+                x = self.vocab_ids[logits[:, 0].argmax(-1)]
             else:
-                p = token_probs(logits, sampling)[:, 0]  # (B, V)
-                x = sample(p, uniforms[:, j])
-                probs[:, j] = p
+                p = token_probs(logits, sampling)[:, 0]  # (B, V') draft distribution
+                x = self.vocab_ids[sample(p, uniforms[:, j])]
+                probs[:, j].index_copy_(1, self.vocab_ids, p)  # scattered onto the policy vocabulary
             tokens[:, j] = x
             if j + 1 < K:
                 pred = self.head(pred, self.policy.embed_tokens(x.unsqueeze(1)), pos + j, cache)

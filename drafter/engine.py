@@ -36,6 +36,7 @@ class GenerationOutput:
     num_accepted: int  # drafts accepted
     text: str | None = None  # decoded, cut before a matched stop string
     hidden_states: torch.Tensor | None = None  # (N, D): policy state that produced token_ids[i]
+    prompt_hidden_states: torch.Tensor | None = None  # (P-1, D): states at prompt positions 0..P-2
 
     @property
     def mean_accepted_length(self) -> float:
@@ -71,6 +72,7 @@ class _Row:
         self.steps = self.drafted = self.accepted = 0
         self.finish_reason: str | None = None
         self.hidden: list[torch.Tensor] | None = [] if record_hidden else None
+        self.prompt_hidden: torch.Tensor | None = None
 
     @property
     def generated(self) -> list[int]:
@@ -142,7 +144,12 @@ class Engine:
         sampling = BatchSampling.from_params([r.params for r in requests], device)
         cache = model.new_cache(len(rows), max(limits))
         needs_hidden = drafter is not None and drafter.needs_hidden
-        prefill_hidden = self._prefill(rows, cache, needs_hidden)
+        prefill_hidden = self._prefill(rows, cache, needs_hidden or record_hidden)
+        if record_hidden:
+            for b, r in enumerate(rows):
+                n = r.num_prompt - 1
+                r.prompt_hidden = (prefill_hidden[b, :n].clone() if prefill_hidden is not None
+                                   else torch.zeros(0, model.cfg.hidden_size, dtype=model.dtype))
         if drafter is not None:
             drafter.begin([r.tokens for r in rows], prefill_hidden)
         while order:
@@ -235,4 +242,4 @@ class Engine:
                 text = full[:cut] if cut >= 0 else text
         hidden = torch.cat(r.hidden)[: len(gen)] if r.hidden else None
         return GenerationOutput(list(r.req.prompt_ids), gen, r.finish_reason or "length", r.steps, r.drafted,
-                                r.accepted, text, hidden)
+                                r.accepted, text, hidden, r.prompt_hidden)

@@ -10,7 +10,8 @@ import sys
 def _bench_engine(args: argparse.Namespace) -> int:
     from scheduler.bench.engine import bench_engine
 
-    result = bench_engine(model_spec=args.model, num_prompts=args.prompts, new_tokens=args.new_tokens, k=args.k,
+    ks = tuple(int(k) for k in args.k.split(",") if k.strip())
+    result = bench_engine(model_spec=args.model, num_prompts=args.prompts, new_tokens=args.new_tokens, ks=ks,
                           threads=args.threads, dtype=args.dtype, with_hf=not args.no_hf)
     if not args.json:
         for batch, configs in result["configs"].items():
@@ -19,6 +20,63 @@ def _bench_engine(args: argparse.Namespace) -> int:
                 print(f"  {name:18s} {rep['tokens_per_s']:8.2f} tok/s  "
                       f"accepted length {rep['mean_accepted_length']:.2f}  x{rep['vs_ours_plain']:.2f} vs ours plain")
     print(json.dumps(result))
+    return 0
+
+
+def _bench_drafter(args: argparse.Namespace) -> int:
+    from scheduler.bench.drafter import bench_drafter
+
+    ks = tuple(int(k) for k in args.k.split(",") if k.strip())
+    result = bench_drafter(model_spec=args.model, threads=args.threads, num_eval_prompts=args.prompts,
+                           new_tokens=args.new_tokens, ks=ks, warm_prompts=args.warm_prompts,
+                           warm_steps=args.warm_steps, adapt_seconds=args.adapt_seconds, stop_trials=args.stop_trials)
+    print(json.dumps(result))
+    return 0
+
+
+def _read_prompts(path: str) -> list[str]:
+    from pathlib import Path
+
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--prompts: no such file {path}")
+    prompts = []
+    for n, line in enumerate(file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--prompts: line {n} of {path} is not JSON ({exc.msg})") from None
+        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"]:
+            raise ValueError(f'--prompts: line {n} of {path} needs a non-empty string field "prompt"')
+        prompts.append(item["prompt"])
+    if not prompts:
+        raise ValueError(f"--prompts: {path} holds no prompts")
+    return prompts
+
+
+def _drafter_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from drafter.loading import encode_prompt, load_model
+    from drafter.train import TrainConfig
+    from drafter.warmstart import HarvestConfig, warm_start
+
+    texts = _read_prompts(args.prompts)
+    if args.steps is None and args.seconds is None:
+        raise ValueError("give --steps or --seconds")
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.model)
+    prompts = [encode_prompt(loaded.tokenizer, t) for t in texts]
+    held = max(1, len(prompts) // 10) if len(prompts) > 1 else 0
+    train_prompts, eval_prompts = prompts[held:] or prompts, prompts[:held][:8]
+    _, report = warm_start(loaded.model, loaded.tokenizer, train_prompts, args.out,
+                           train_cfg=TrainConfig(total_steps=args.steps or 1000, num_unroll=args.unroll),
+                           harvest_cfg=HarvestConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size),
+                           max_steps=args.steps, max_seconds=args.seconds, draft_vocab_size=args.draft_vocab,
+                           eval_prompts=eval_prompts)
+    print(json.dumps(report.__dict__))
     return 0
 
 
@@ -57,12 +115,40 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--model", default="smollm2-135m", help="preset, smollm2-135m, .gguf file or HF directory")
     eng.add_argument("--prompts", type=int, default=16, help="number of the 16 fixed prompts to use")
     eng.add_argument("--new-tokens", type=int, default=128)
-    eng.add_argument("--k", type=int, default=4, help="draft length for the n-gram and prompt-lookup runs")
+    eng.add_argument("--k", default="2,4", help="draft lengths for the n-gram and prompt-lookup runs, e.g. 2,4")
     eng.add_argument("--threads", type=int, default=2)
     eng.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     eng.add_argument("--no-hf", action="store_true", help="skip the transformers reference runs")
     eng.add_argument("--json", action="store_true", help="print only the JSON object on stdout")
     eng.set_defaults(func=_bench_engine)
+
+    drf = bench_sub.add_parser("drafter", help="trained drafters: acceptance, speed-up, drift, stops")
+    drf.add_argument("--model", default="smollm2-135m")
+    drf.add_argument("--prompts", type=int, default=6, help="held-out evaluation prompts (of the 16 fixed ones)")
+    drf.add_argument("--new-tokens", type=int, default=96)
+    drf.add_argument("--k", default="2,3,4,6")
+    drf.add_argument("--threads", type=int, default=2)
+    drf.add_argument("--warm-prompts", type=int, default=256)
+    drf.add_argument("--warm-steps", type=int, default=600)
+    drf.add_argument("--adapt-seconds", type=float, default=60.0)
+    drf.add_argument("--stop-trials", type=int, default=20)
+    drf.add_argument("--json", action="store_true", help="accepted for symmetry; the JSON object is always last")
+    drf.set_defaults(func=_bench_drafter)
+
+    dr = sub.add_parser("drafter", help="drafter tools")
+    dr_sub = dr.add_subparsers(dest="drafter", required=True)
+    tr = dr_sub.add_parser("train", help="offline warm start: generate, harvest, train a draft head")
+    tr.add_argument("--model", default="smollm2-135m")
+    tr.add_argument("--prompts", required=True, help='JSONL file, one {"prompt": "..."} per line')
+    tr.add_argument("--out", required=True, help="directory for draft-v000001.safetensors")
+    tr.add_argument("--steps", type=int, default=None, help="training micro-steps")
+    tr.add_argument("--seconds", type=float, default=None, help="training time budget")
+    tr.add_argument("--max-new-tokens", type=int, default=128)
+    tr.add_argument("--batch-size", type=int, default=16)
+    tr.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (most frequent tokens)")
+    tr.add_argument("--unroll", type=int, default=3, help="training-time unrolled draft positions")
+    tr.add_argument("--threads", type=int, default=2)
+    tr.set_defaults(func=_drafter_train)
 
     gen = sub.add_parser("generate", help="generate from prompts with the built-in engine")
     gen.add_argument("prompt", nargs="+")

@@ -123,8 +123,10 @@ def greedy_identity(engine: Engine, prompts, new_tokens: int, ks: list[int]) -> 
     return same / total, detail
 
 
-def bench_engine(model_spec: str = "smollm2-135m", num_prompts: int = 16, new_tokens: int = 128, k: int = 4,
-                 threads: int = 2, dtype: str = "float32", with_hf: bool = True) -> dict:
+def bench_engine(model_spec: str = "smollm2-135m", num_prompts: int = 16, new_tokens: int = 128,
+                 ks: tuple[int, ...] = (2, 4), threads: int = 2, dtype: str = "float32", with_hf: bool = True) -> dict:
+    if not ks or min(ks) < 1:
+        raise ValueError(f"ks must list draft lengths >= 1, got {ks!r}")
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     torch_dtype = getattr(torch, dtype)
@@ -133,7 +135,7 @@ def bench_engine(model_spec: str = "smollm2-135m", num_prompts: int = 16, new_to
     prompts = [encode_prompt(loaded.tokenizer, t) for t in PROMPTS[:num_prompts]]
     hf = HFRunner(str(loaded.path), torch_dtype, loaded.tokenizer.pad_token_id or 0) if with_hf else None
     result: dict = {"model": loaded.name, "dtype": dtype, "threads": threads, "num_prompts": len(prompts),
-                    "new_tokens": new_tokens, "k": k, "machine": platform.processor() or platform.machine(),
+                    "new_tokens": new_tokens, "ks": list(ks), "machine": platform.processor() or platform.machine(),
                     "torch": torch.__version__, "configs": {}}
     ngram = NgramDrafter()
     # warm-up: first calls pay allocator and kernel-selection costs
@@ -141,31 +143,31 @@ def bench_engine(model_spec: str = "smollm2-135m", num_prompts: int = 16, new_to
     if hf:
         run_hf(hf, prompts[:1], 8, 0, Tally())
     for batch in (1, 8):
-        tallies = {name: Tally() for name in ("ours_plain", "ours_ngram", "hf_plain", "hf_prompt_lookup")}
+        tallies: dict[str, Tally] = {}
         for start in range(0, len(prompts), batch):
             chunk = prompts[start : start + batch]
             log(f"batch {batch}: prompts {start}..{start + len(chunk) - 1}")
-            run_ours(engine, chunk, new_tokens, 0, None, tallies["ours_plain"])
-            run_ours(engine, chunk, new_tokens, k, ngram, tallies["ours_ngram"])
+            run_ours(engine, chunk, new_tokens, 0, None, tallies.setdefault("ours_plain", Tally()))
             if hf:
-                run_hf(hf, chunk, new_tokens, 0, tallies["hf_plain"])
-                if batch == 1:  # transformers' assisted generation supports batch size 1 only
-                    run_hf(hf, chunk, new_tokens, k, tallies["hf_prompt_lookup"])
-        reports = {n: t.report() for n, t in tallies.items() if t.tokens}
+                run_hf(hf, chunk, new_tokens, 0, tallies.setdefault("hf_plain", Tally()))
+            for k in ks:
+                run_ours(engine, chunk, new_tokens, k, ngram, tallies.setdefault(f"ours_ngram_k{k}", Tally()))
+                if hf and batch == 1:  # transformers' assisted generation supports batch size 1 only
+                    run_hf(hf, chunk, new_tokens, k, tallies.setdefault(f"hf_prompt_lookup_k{k}", Tally()))
+        reports = {n: t.report() for n, t in tallies.items()}
         for rep in reports.values():
             rep["vs_ours_plain"] = round(rep["tokens_per_s"] / reports["ours_plain"]["tokens_per_s"], 3)
             if "hf_plain" in reports:
                 rep["vs_hf_plain"] = round(rep["tokens_per_s"] / reports["hf_plain"]["tokens_per_s"], 3)
         plain_out = tallies["ours_plain"].outputs
-        reports["ours_ngram"]["identical_to_plain"] = sum(
-            a == b for a, b in zip(tallies["ours_ngram"].outputs, plain_out)) / len(plain_out)
-        if hf:
-            reports["hf_plain"]["identical_to_ours_plain"] = sum(
-                a == b for a, b in zip(tallies["hf_plain"].outputs, plain_out)) / len(plain_out)
+        for name, tally in tallies.items():
+            reports[name]["identical_to_ours_plain"] = sum(
+                a == b for a, b in zip(tally.outputs, plain_out)) / len(plain_out)
         result["configs"][f"batch{batch}"] = reports
         log(f"batch {batch}: " + ", ".join(f"{n} {r['tokens_per_s']} tok/s" for n, r in reports.items()))
     b1 = result["configs"]["batch1"]
-    result["ngram_speedup"] = b1["ours_ngram"]["vs_ours_plain"]
+    result["ngram_speedup_by_k"] = {str(k): b1[f"ours_ngram_k{k}"]["vs_ours_plain"] for k in ks}
+    result["ngram_speedup"] = b1[f"ours_ngram_k{ks[0]}"]["vs_ours_plain"]
     result["ours_plain_vs_hf_plain"] = b1["ours_plain"].get("vs_hf_plain")
     log("verify-cost curve")
     result["verify_cost"] = verify_cost(loaded.model)

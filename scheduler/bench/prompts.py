@@ -24,3 +24,53 @@ INSTRUCTIONS = [
 ]
 
 PROMPTS = MATH + INSTRUCTIONS
+
+
+_NAMES = ["Tom", "Anna", "Ravi", "Mei", "Lucas", "Sofia", "Omar", "Lena", "Kenji", "Zara"]
+_ITEMS = ["apples", "books", "marbles", "stickers", "cookies", "pencils", "coins", "cards"]
+_MATH_TEMPLATES = [
+    "{a} has {x} {item}. {b} gives {a} {y} more. How many {item} does {a} have now? Explain step by step.",
+    "{a} buys {x} packs of {item} with {y} in each pack. How many {item} is that in total? Show your work.",
+    "{a} had {x} {item} and gave {y} to {b}. How many {item} are left? Think step by step.",
+    "{a} shares {x} {item} equally among {y} friends. How many does each friend get, and how many are left?",
+    "A box holds {y} {item}. How many boxes does {a} need for {x} {item}? Explain your reasoning.",
+    "{a} earns {y} dollars a day. How many days does {a} need to save {x} dollars? Solve it step by step.",
+]
+_TOPICS = ["the moon", "volcanoes", "bees", "the internet", "rainbows", "trains", "chess", "coffee", "rivers",
+           "batteries", "dinosaurs", "libraries"]
+_INSTRUCTION_TEMPLATES = [
+    "Explain how {t} work, in simple words.", "Write a short poem about {t}.",
+    "Give three interesting facts about {t}.", "Write a short story that involves {t}.",
+    "Describe {t} to a ten-year-old.", "List the pros and cons of {t}.",
+]
+_DRIFT_TEMPLATES = [
+    "Write a Python function that {task}. Explain the code.",
+    "Translate this sentence into French and explain the grammar: '{s}'",
+    "Summarize in two sentences: {s}",
+]
+_TASKS = ["reverses a string", "checks whether a number is prime", "counts the vowels in a word",
+          "returns the largest of three numbers", "sums a list of numbers", "removes duplicates from a list"]
+_SENTENCES = ["The cat sleeps on the warm chair.", "We will visit the museum tomorrow.",
+              "My brother likes to play football after school.", "The weather is cold and rainy today."]
+
+
+def synthetic_prompts(num: int, seed: int = 0, kind: str = "mixed") -> list[str]:
+    """Templated prompts: "math" word problems, "instructions", "mixed" (both, alternating), or
+    "drift" (code, translation, summaries: a different distribution, for drift experiments)."""
+    import random
+
+    if kind not in ("math", "instructions", "mixed", "drift"):
+        raise ValueError(f"kind must be math, instructions, mixed or drift, got {kind!r}")
+    rng = random.Random(seed)
+    out = []
+    for i in range(num):
+        pick = kind if kind != "mixed" else ("math" if i % 2 == 0 else "instructions")
+        if pick == "math":
+            a, b = rng.sample(_NAMES, 2)
+            out.append(rng.choice(_MATH_TEMPLATES).format(a=a, b=b, x=rng.randint(10, 99), y=rng.randint(2, 9),
+                                                          item=rng.choice(_ITEMS)))
+        elif pick == "instructions":
+            out.append(rng.choice(_INSTRUCTION_TEMPLATES).format(t=rng.choice(_TOPICS)))
+        else:
+            out.append(rng.choice(_DRIFT_TEMPLATES).format(task=rng.choice(_TASKS), s=rng.choice(_SENTENCES)))
+    return out

@@ -137,6 +137,7 @@ def test_record_hidden_matches_a_full_forward(tiny):
     assert out.hidden_states.shape == (len(out.token_ids), tiny.cfg.hidden_size)
     # the state at position P-1+i produced generated token i
     torch.testing.assert_close(out.hidden_states, hidden[0, P - 1 : L - 1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.prompt_hidden_states, hidden[0, : P - 1], atol=1e-4, rtol=1e-4)
 
 
 def test_stop_token_and_max_new_tokens_match_plain():
