@@ -20,7 +20,7 @@ from scheduler.bench.prompts import MATH
 
 NUM_PROMPTS = 4
 NEW_TOKENS = 96
-K = 4
+K = 2  # verifying 3 tokens costs about 1.1x one token on CPU; 5 tokens cost 1.65x (docs/benchmarks.md)
 
 
 def say(msg: str = "") -> None:
