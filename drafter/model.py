@@ -122,18 +122,21 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=False)
         self.split = (q_dim, kv_dim, kv_dim)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None,
                 layer: int, positions: torch.Tensor, mask: torch.Tensor | None, num_slots: int) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = apply_rotary(q.view(B, T, self.num_heads, self.head_dim), *rope)  # (B, T, H, D)
         k = apply_rotary(k.view(B, T, self.num_kv_heads, self.head_dim), *rope)  # (B, T, Hkv, D)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
-        rows = torch.arange(B, device=x.device).unsqueeze(1)  # (B, 1) with positions (B, T)
-        cache.k[layer][rows, positions] = k
-        cache.v[layer][rows, positions] = v
-        keys = cache.k[layer, :, :num_slots].transpose(1, 2)  # (B, Hkv, S, D)
-        values = cache.v[layer, :, :num_slots].transpose(1, 2)
+        if cache is None:  # training / scoring: attend within this forward only (autograd-friendly)
+            keys, values = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, T, D)
+        else:
+            rows = torch.arange(B, device=x.device).unsqueeze(1)  # (B, 1) with positions (B, T)
+            cache.k[layer][rows, positions] = k
+            cache.v[layer][rows, positions] = v
+            keys = cache.k[layer, :, :num_slots].transpose(1, 2)  # (B, Hkv, S, D)
+            values = cache.v[layer, :, :num_slots].transpose(1, 2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                              enable_gqa=self.num_heads != self.num_kv_heads)  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
@@ -163,8 +166,11 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attn_norm(x))
 
 
-def attention_inputs(positions: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor | None, int]:
-    """Mask and number of cache slots to read for a forward at `positions` (B, T)."""
+def attention_inputs(positions: torch.Tensor, cache: KVCache | None) -> tuple[torch.Tensor | None, int]:
+    """Mask and number of cache slots to read for a forward at `positions` (B, T). Without a cache
+    the keys are this forward's own tokens: causal by position, (B, 1, T, T)."""
+    if cache is None:
+        return positions[:, None, None, :] <= positions[:, None, :, None], positions.shape[1]
     num_slots = int(positions.max()) + 1
     if num_slots > cache.max_len:
         raise ValueError(f"position {num_slots - 1} is beyond the KV cache ({cache.max_len} slots)")
@@ -201,9 +207,10 @@ class CausalLM(nn.Module):
         return KVCache(c.num_layers, batch_size, min(max_len, c.max_position), c.num_kv_heads, c.head_dim,
                        self.dtype, self.device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
                 logits_for: str = "all") -> tuple[torch.Tensor | None, torch.Tensor]:
         """input_ids, positions: (B, T). Writes K/V at `positions`; does not change cache.lens.
+        cache=None: a self-contained causal forward (training, log-probabilities), differentiable.
 
         logits_for: "all" -> (B, T, V); "last" -> (B, 1, V); "none" -> None (prefill).
         Returns the final-norm hidden states (B, T, D), the features a draft head consumes.

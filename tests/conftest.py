@@ -36,3 +36,41 @@ def tiny_qwen2() -> CausalLM:
 def random_prompts(lengths: list[int], vocab_size: int, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def pattern_corpus(num_seqs: int, vocab_size: int = 48, seed: int = 0, length: int = 48) -> torch.Tensor:
+    """Sequences of fixed multi-token 'words' in random order: within a word the next token is
+    certain, across words it is not. A policy trained on it has structure a drafter can learn."""
+    g = torch.Generator().manual_seed(1234)  # the words are fixed; `seed` only orders them
+    words = [torch.randint(0, vocab_size, (int(n),), generator=g).tolist()
+             for n in torch.randint(3, 7, (12,), generator=g)]
+    rng = torch.Generator().manual_seed(seed)
+    seqs = []
+    for _ in range(num_seqs):
+        seq: list[int] = []
+        while len(seq) < length:
+            seq += words[int(torch.randint(0, len(words), (1,), generator=rng))]
+        seqs.append(seq[:length])
+    return torch.tensor(seqs)
+
+
+_STRUCTURED: dict = {}
+
+
+def structured_model(vocab_size: int = 48, steps: int = 300) -> CausalLM:
+    """A tiny policy trained a few hundred steps on pattern_corpus (cached per process)."""
+    key = (vocab_size, steps)
+    if key not in _STRUCTURED:
+        torch.manual_seed(0)
+        model = tiny_model(vocab_size=vocab_size, seed=0, std=0.02).requires_grad_(True).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        for step in range(steps):
+            ids = pattern_corpus(32, vocab_size, seed=step)
+            B, L = ids.shape
+            logits, _ = model(ids, torch.arange(L).expand(B, L), None)
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        _STRUCTURED[key] = model.eval().requires_grad_(False)
+    return _STRUCTURED[key]

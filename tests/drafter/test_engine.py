@@ -173,3 +173,11 @@ def test_context_limit_stops_with_length():
     out = Engine(model).generate(greedy_requests([list(range(30))], max_new_tokens=100), k=4,
                                  drafter=NgramDrafter())[0]
     assert len(out.token_ids) == 10 and out.finish_reason == "length"
+
+
+def test_forward_without_cache_matches_cached_forward(tiny):
+    ids = torch.tensor(random_prompts([12, 12], tiny.cfg.vocab_size))
+    pos = torch.arange(12).expand(2, 12)
+    cached, _ = tiny(ids, pos, tiny.new_cache(2, 12))
+    free, _ = tiny(ids, pos, None)
+    torch.testing.assert_close(free, cached, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,251 @@
+"""Drafter training: the EAGLE head learns the policy's next-token distribution from rollouts.
+
+Loss per pair j = (h_j, x_{j+1}): cross-entropy of the head's draft distribution against the
+policy's own distribution softmax(lm_head(h_{j+1})) over the draft vocabulary, plus a smooth-L1
+regression of the predicted feature onto h_{j+1}.
+
+Training-time unrolling (EAGLE-3's "training-time test"): at inference, draft step s > 0 feeds the
+head its own previous prediction instead of the policy's feature. Unroll step s reproduces that:
+slot j's input feature is step s-1's prediction at slot j-1, and its attention sees exactly what it
+would see at inference: the true-feature keys of its chain's past (positions <= j - s) plus the keys
+its own chain produced at steps 1..s (one per step, on the diagonal).
+
+Training runs in micro-steps (one optimizer step each); a stop request aborts the current micro-step
+before its optimizer update, so a trainer stops within one micro-step and never half-applies one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from drafter.buffer import PackedBatch, RolloutBuffer, iter_batches
+from drafter.eagle import EagleHead
+from drafter.model import CausalLM, apply_rotary
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 1e-3  # a freshly initialised 1-layer head tolerates a high rate; EAGLE fine-tunes use 3e-5
+    min_lr_ratio: float = 0.1  # cosine decay floor, relative to lr
+    warmup_steps: int = 20  # Adam's second moment is noisy for the first steps
+    total_steps: int = 1000  # horizon of the cosine schedule (training may stop earlier)
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    max_grad_norm: float = 0.5  # the unrolled loss has occasional spikes early on
+    num_unroll: int = 3  # draft positions trained per pair; inference uses k up to about this
+    unroll_decay: float = 0.8  # weight of unroll step s is decay**s: early drafts matter most
+    hidden_loss_weight: float = 0.1  # EAGLE-3 drops it; a little regression steadies early training
+    max_tokens_per_row: int = 256  # pairs per packed row; short rows keep micro-steps (and stops) fast
+    num_rows: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_unroll < 1:
+            raise ValueError(f"num_unroll must be >= 1, got {self.num_unroll}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.max_tokens_per_row < 2 or self.num_rows < 1:
+            raise ValueError("max_tokens_per_row must be >= 2 and num_rows >= 1")
+
+
+class StopRequestedError(Exception):
+    """Raised inside a micro-step when a stop was requested; the step is discarded."""
+
+
+def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x (R, T, ...) -> y with y[:, j] = x[:, j - n] (the first n slots are zeros)."""
+    if n == 0:
+        return x
+    return torch.cat([torch.zeros_like(x[:, :n]), x[:, :-n]], dim=1)
+
+
+def unrolled_predictions(head: EagleHead, embed: torch.nn.Embedding, batch: PackedBatch,
+                         num_unroll: int, check_stop: Callable[[], None] | None = None) -> list[torch.Tensor]:
+    """Predicted features for unroll steps 0..num_unroll-1, each (R, T, D)."""
+    feats, positions, seq = batch.feats, batch.positions, batch.seq_ids
+    R, T, _ = feats.shape
+    emb = embed(batch.tokens)  # (R, T, D), frozen
+    rope = head.rotary(positions, feats.dtype)
+    same = (seq[:, :, None] == seq[:, None, :]) & (seq[:, :, None] >= 0)  # (R, Tq, Tk)
+    eye = torch.eye(T, dtype=torch.bool, device=feats.device).expand(R, T, T)
+    layer_keys: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in head.layers]
+    preds, x_feats = [], feats
+    for s in range(num_unroll):
+        if check_stop is not None:
+            check_stop()
+        # keys visible to step s at query slot j: true keys at positions <= pos_j - s ...
+        base = same & (positions[:, None, :] <= positions[:, :, None] - s)  # (R, Tq, Tk)
+        # ... and step t's key at slot j - (s - t), t = 1..s (shifted onto the diagonal)
+        masks = [base] + [eye] * s
+        mask = torch.cat(masks, dim=-1).unsqueeze(1)  # (R, 1, T, T*(s+1))
+        lonely = (positions < s) | (seq < 0)  # no valid chain (or padding): attend to itself, never to nothing
+        mask[..., :T] |= eye.unsqueeze(1) & lonely.view(R, 1, T, 1)
+        x = head.fc(torch.cat([emb, x_feats], dim=-1))  # (R, T, 2D) -> (R, T, D)
+        for li, layer in enumerate(head.layers):
+            attn = layer.attn
+            h = layer.input_norm(x)
+            q, k, v = attn.qkv_proj(h).split(attn.split, dim=-1)
+            q = apply_rotary(q.view(R, T, attn.num_heads, attn.head_dim), *rope).transpose(1, 2)  # (R, H, T, D)
+            k = apply_rotary(k.view(R, T, attn.num_kv_heads, attn.head_dim), *rope).transpose(1, 2)
+            v = v.view(R, T, attn.num_kv_heads, attn.head_dim).transpose(1, 2)  # (R, Hkv, T, D)
+            layer_keys[li].append((k, v))
+            ks = [layer_keys[li][0][0]] + [_shift_right(layer_keys[li][t][0].transpose(1, 2), s - t).transpose(1, 2)
+                                           for t in range(1, s + 1)]
+            vs = [layer_keys[li][0][1]] + [_shift_right(layer_keys[li][t][1].transpose(1, 2), s - t).transpose(1, 2)
+                                           for t in range(1, s + 1)]
+            out = F.scaled_dot_product_attention(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), attn_mask=mask,
+                                                 enable_gqa=attn.num_heads != attn.num_kv_heads)  # (R, H, T, D)
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(R, T, -1))
+            x = x + layer.mlp(layer.post_attn_norm(x))
+        pred = head.norm(x)
+        preds.append(pred)
+        x_feats = _shift_right(pred, 1)  # slot j's next input is this step's prediction at slot j-1
+    return preds
+
+
+def draft_loss(head: EagleHead, policy: CausalLM, batch: PackedBatch, cfg: TrainConfig,
+               check_stop: Callable[[], None] | None = None) -> tuple[torch.Tensor, dict]:
+    lm_weight = policy.lm_head.weight[head.vocab_ids]  # (V', D), frozen
+    target_feats = batch.feats[:, 1:]  # (R, T-1, D): h_{j+1} for pair j
+    with torch.no_grad():
+        target_logp = F.log_softmax(F.linear(target_feats, lm_weight).float(), dim=-1)  # (R, T-1, V')
+    preds = unrolled_predictions(head, policy.embed_tokens, batch, cfg.num_unroll, check_stop)
+    total, stats = 0.0, {}
+    for s, pred in enumerate(preds):
+        valid = batch.target_mask[:, :-1] & (batch.positions[:, :-1] >= s)  # (R, T-1)
+        if not bool(valid.any()):
+            continue
+        logp = F.log_softmax(head.draft_logits(pred[:, :-1], lm_weight).float(), dim=-1)  # (R, T-1, V')
+        ce = -(target_logp.exp() * logp).sum(-1)[valid].mean()
+        reg = F.smooth_l1_loss(pred[:, :-1][valid], target_feats[valid])
+        agree = (logp.argmax(-1) == target_logp.argmax(-1))[valid].float().mean()
+        total = total + cfg.unroll_decay**s * (ce + cfg.hidden_loss_weight * reg)
+        stats[f"ce_{s}"], stats[f"acc_{s}"] = float(ce.detach()), float(agree)
+    return total, stats
+
+
+@dataclass
+class TrainReport:
+    num_steps: int = 0
+    num_tokens: int = 0
+    seconds: float = 0.0
+    stopped: bool = False  # True when a stop request ended training
+    losses: list[float] = field(default_factory=list)
+    last_stats: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / max(self.seconds, 1e-9)
+
+
+class DraftTrainer:
+    """Trains an EagleHead against a frozen policy on a RolloutBuffer, in stoppable micro-steps."""
+
+    def __init__(self, policy: CausalLM, head: EagleHead, cfg: TrainConfig | None = None) -> None:
+        self.policy, self.head, self.cfg = policy, head, cfg or TrainConfig()
+        self.head.train().requires_grad_(True)
+        self.head.vocab_ids.requires_grad_(False)
+        params = [p for p in head.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=self.cfg.lr, betas=self.cfg.betas,
+                                           weight_decay=self.cfg.weight_decay)
+        self.step = 0  # optimizer steps taken by this trainer (drives the schedule)
+        self.num_tokens = 0
+        self.stop_event = threading.Event()
+        self._epoch = 0
+        self._batches: Iterator[PackedBatch] | None = None
+
+    def lr_at(self, step: int) -> float:
+        c = self.cfg
+        if step < c.warmup_steps:
+            return c.lr * (step + 1) / c.warmup_steps
+        progress = min(1.0, (step - c.warmup_steps) / max(1, c.total_steps - c.warmup_steps))
+        cosine = 0.5 * (1 + torch.cos(torch.tensor(progress * torch.pi)).item())
+        return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * cosine)
+
+    def request_stop(self) -> None:
+        self.stop_event.set()
+
+    def _check_stop(self) -> None:
+        if self.stop_event.is_set():
+            raise StopRequestedError
+
+    def next_batch(self, buffer: RolloutBuffer) -> PackedBatch:
+        """Cycle over the buffer, one shuffled epoch after another."""
+        if len(buffer) == 0:
+            raise ValueError("the rollout buffer is empty: nothing to train on")
+        for _ in range(2):
+            if self._batches is None:
+                self._batches = iter_batches(buffer, self.cfg.max_tokens_per_row, self.cfg.num_rows, shuffle=True,
+                                             seed=self.cfg.seed + self._epoch)
+                self._epoch += 1
+            batch = next(self._batches, None)
+            if batch is not None:
+                return batch
+            self._batches = None
+        raise ValueError("the rollout buffer yields no batches")
+
+    def micro_step(self, batch: PackedBatch) -> dict:
+        """One optimizer step; raises StopRequestedError (with nothing applied) if a stop arrives mid-way."""
+        dtype = self.head.fc.weight.dtype
+        batch = PackedBatch(batch.feats.to(dtype), batch.tokens, batch.positions, batch.seq_ids, batch.target_mask,
+                            batch.num_tokens, batch.num_sequences)
+        for g in self.optimizer.param_groups:
+            g["lr"] = self.lr_at(self.step)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, stats = draft_loss(self.head, self.policy, batch, self.cfg, self._check_stop)
+        self._check_stop()
+        loss.backward()
+        self._check_stop()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.max_grad_norm)
+        self.optimizer.step()
+        self.step += 1
+        self.num_tokens += batch.num_tokens
+        stats.update(loss=float(loss.detach()), grad_norm=float(grad_norm), lr=self.lr_at(self.step - 1))
+        return stats
+
+    def train(self, buffer: RolloutBuffer, max_steps: int | None = None, max_seconds: float | None = None,
+              on_step: Callable[[int, dict], None] | None = None,
+              checkpoint: Callable[[DraftTrainer], None] | None = None, checkpoint_every: int = 0) -> TrainReport:
+        """Train until max_steps, max_seconds or a stop request. Checkpoints via `checkpoint` every
+        `checkpoint_every` steps and once at the end (also after a stop)."""
+        if max_steps is None and max_seconds is None:
+            raise ValueError("give max_steps or max_seconds, or training never ends")
+        report = TrainReport()
+        start = time.perf_counter()
+        self.head.train()
+        try:
+            while not self.stop_event.is_set():
+                if max_steps is not None and report.num_steps >= max_steps:
+                    break
+                if max_seconds is not None and time.perf_counter() - start >= max_seconds:
+                    break
+                batch = self.next_batch(buffer)
+                try:
+                    stats = self.micro_step(batch)
+                except StopRequestedError:
+                    self.optimizer.zero_grad(set_to_none=True)
+                    break
+                report.num_steps += 1
+                report.num_tokens += batch.num_tokens
+                report.losses.append(stats["loss"])
+                report.last_stats = stats
+                if on_step is not None:
+                    on_step(self.step, stats)
+                if checkpoint is not None and checkpoint_every and self.step % checkpoint_every == 0:
+                    checkpoint(self)
+        finally:
+            self.head.eval()
+        report.stopped = self.stop_event.is_set()
+        if checkpoint is not None:
+            checkpoint(self)
+        report.seconds = time.perf_counter() - start
+        return report
+
+    def config_dict(self) -> dict:
+        return asdict(self.cfg)

@@ -1,0 +1,172 @@
+"""Offline warm start: generate with the policy, harvest, train a draft head, measure acceptance."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from drafter.buffer import RolloutBuffer
+from drafter.checkpoint import DraftMeta, draft_path, save_draft
+from drafter.eagle import EagleConfig, EagleDrafter, EagleHead
+from drafter.engine import Engine, Request
+from drafter.model import CausalLM
+from drafter.sampling import SamplingParams
+from drafter.train import DraftTrainer, TrainConfig
+
+Progress = Callable[[str], None]
+
+
+def stderr_progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass
+class HarvestConfig:
+    batch_size: int = 16  # rollouts generated together; CPU throughput flattens beyond this
+    max_new_tokens: int = 128
+    temperature: float = 0.7  # sampled like RL rollouts, a little cooler so a small model stays on topic
+    top_p: float = 0.95
+    seed: int = 0
+
+
+def harvest(engine: Engine, prompts: list[list[int]], buffer: RolloutBuffer, policy_version: int = 0,
+            cfg: HarvestConfig | None = None, progress: Progress | None = None) -> int:
+    """Generate rollouts for `prompts` and add them, with the policy's hidden states, to `buffer`.
+    Returns the number of generated tokens."""
+    cfg = cfg or HarvestConfig()
+    total, start = 0, time.perf_counter()
+    for i in range(0, len(prompts), cfg.batch_size):
+        chunk = prompts[i : i + cfg.batch_size]
+        reqs = [Request(p, SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
+                                          max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + i + j))
+                for j, p in enumerate(chunk)]
+        outs = engine.generate(reqs, record_hidden=True)
+        buffer.add_outputs(outs, policy_version)
+        total += sum(len(o.token_ids) for o in outs)
+        if progress:
+            done = min(i + cfg.batch_size, len(prompts))
+            rate = total / (time.perf_counter() - start)
+            progress(f"harvest {bar(done, len(prompts))} {done}/{len(prompts)} prompts, {total} tokens, "
+                     f"{rate:.0f} tok/s")
+    return total
+
+
+def bar(done: int, total: int, width: int = 24) -> str:
+    filled = int(width * done / max(total, 1))
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
+def token_counts(buffer: RolloutBuffer, vocab_size: int) -> torch.Tensor:
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for r in buffer.rollouts:
+        counts += torch.bincount(r.tokens.long(), minlength=vocab_size)
+    return counts
+
+
+def new_head(policy: CausalLM, buffer: RolloutBuffer | None, draft_vocab_size: int | None, seed: int = 0) -> EagleHead:
+    """A fresh head; with a buffer, its draft vocabulary is the buffer's most frequent tokens."""
+    if draft_vocab_size is not None and draft_vocab_size >= policy.cfg.vocab_size:
+        draft_vocab_size = None
+    head = EagleHead(policy.cfg, EagleConfig(draft_vocab_size=draft_vocab_size, init_seed=seed))
+    if buffer is not None and draft_vocab_size is not None:
+        head.set_vocab(token_counts(buffer, policy.cfg.vocab_size), always=policy.cfg.eos_token_ids)
+    return head.to(policy.dtype)
+
+
+def head_config(head: EagleHead) -> dict:
+    return {"policy": head.policy_cfg.to_dict(), "eagle": head.cfg.to_dict()}
+
+
+def head_from_config(config: dict) -> EagleHead:
+    from drafter.model import ModelConfig
+
+    return EagleHead(ModelConfig.from_dict(config["policy"]), EagleConfig(**config["eagle"]))
+
+
+@dataclass
+class Acceptance:
+    k: int
+    mean_accepted_length: float
+    tokens_per_s: float
+    acceptance_rate: float
+    seconds: float
+
+
+def measure(engine: Engine, prompts: list[list[int]], k: int, drafter, temperature: float = 0.0,
+            max_new_tokens: int = 96, seed: int = 0) -> Acceptance:
+    """Batch-1 generation over `prompts` (one at a time, like a tail request); fixed length."""
+    tokens = steps = drafted = accepted = 0
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        req = Request(p, SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, ignore_eos=True,
+                                        seed=seed + i))
+        out = engine.generate([req], k=k, drafter=drafter if k else None)[0]
+        tokens, steps = tokens + len(out.token_ids), steps + out.num_steps
+        drafted, accepted = drafted + out.num_draft_tokens, accepted + out.num_accepted
+    dt = time.perf_counter() - start
+    return Acceptance(k, tokens / max(steps, 1), tokens / dt, accepted / max(drafted, 1), dt)
+
+
+@dataclass
+class WarmStartReport:
+    num_prompts: int = 0
+    num_harvested_tokens: int = 0
+    harvest_seconds: float = 0.0
+    train_steps: int = 0
+    train_seconds: float = 0.0
+    train_tokens_per_s: float = 0.0
+    final_loss: float = 0.0
+    path: str = ""
+    acceptance: dict = field(default_factory=dict)  # k -> mean accepted length on held-out prompts
+
+
+def warm_start(policy: CausalLM, tokenizer, prompts: list[list[int]], out_dir: str | Path,
+               train_cfg: TrainConfig | None = None, harvest_cfg: HarvestConfig | None = None,
+               max_steps: int | None = None, max_seconds: float | None = None, draft_vocab_size: int | None = 8192,
+               eval_prompts: list[list[int]] | None = None, eval_ks: tuple[int, ...] = (2, 3, 4),
+               progress: Progress | None = stderr_progress) -> tuple[EagleHead, WarmStartReport]:
+    """Train draft version 1 from scratch on the policy's own rollouts and save it in out_dir."""
+    if not prompts:
+        raise ValueError("prompts must not be empty")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    engine = Engine(policy, tokenizer)
+    report = WarmStartReport(num_prompts=len(prompts))
+    buffer = RolloutBuffer(max_bytes=4 << 30)
+    t0 = time.perf_counter()
+    report.num_harvested_tokens = harvest(engine, prompts, buffer, 0, harvest_cfg, progress)
+    report.harvest_seconds = time.perf_counter() - t0
+    head = new_head(policy, buffer, draft_vocab_size)
+    trainer = DraftTrainer(policy, head, train_cfg or TrainConfig(total_steps=max_steps or 1000))
+    steps_goal = max_steps or 0
+
+    def on_step(step: int, stats: dict) -> None:
+        if progress and (step % 10 == 0 or step == steps_goal):
+            goal = f"/{steps_goal}" if steps_goal else ""
+            progress(f"train {bar(step, steps_goal) if steps_goal else ''} step {step}{goal} loss {stats['loss']:.3f}"
+                     f" draft acc@0 {stats.get('acc_0', 0):.2f}")
+
+    rep = trainer.train(buffer, max_steps=max_steps, max_seconds=max_seconds, on_step=on_step)
+    report.train_steps, report.train_seconds = rep.num_steps, rep.seconds
+    report.train_tokens_per_s, report.final_loss = rep.tokens_per_s, rep.losses[-1] if rep.losses else 0.0
+    head.eval().requires_grad_(False)
+    meta = DraftMeta(version=1, parent_version=0, policy_version=0, num_steps=rep.num_steps,
+                     total_steps=rep.num_steps, num_tokens=rep.num_tokens, head_config=head_config(head),
+                     created_at=time.time(), extra={"warm_start": True, "num_prompts": len(prompts)})
+    path = draft_path(out_dir, 1)
+    save_draft(path, head.state_dict(), meta)
+    report.path = str(path)
+    if eval_prompts:
+        drafter = EagleDrafter(policy, head)
+        for k in eval_ks:
+            acc = measure(engine, eval_prompts, k, drafter)
+            report.acceptance[str(k)] = round(acc.mean_accepted_length, 3)
+            if progress:
+                progress(f"acceptance k={k}: mean accepted length {acc.mean_accepted_length:.2f}, "
+                         f"draft acceptance {acc.acceptance_rate:.0%}")
+    return head, report

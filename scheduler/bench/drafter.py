@@ -1,0 +1,175 @@
+"""`tlt bench drafter`: acceptance and speed-up of trained drafters, drift, training throughput, stops.
+
+(a) untrained head, warm-started head and n-gram drafter at k in {2,3,4,6}, batch 1, greedy and
+    temperature 1.0, against plain decoding in the same run;
+(b) drift: the policy is fine-tuned a few steps on another prompt distribution, then the frozen
+    drafter is compared with a copy adapted for a fixed budget of training seconds;
+(c) training throughput and stop-request-to-stopped latency.
+The warm-started drafter is cached under $TLT_CACHE_DIR/drafters/ (keyed by model and settings).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+
+from drafter.buffer import RolloutBuffer
+from drafter.checkpoint import load_draft
+from drafter.drafters import NgramDrafter
+from drafter.eagle import EagleDrafter
+from drafter.engine import Engine, Request
+from drafter.loading import default_cache_dir, encode_prompt, load_model
+from drafter.sampling import SamplingParams
+from drafter.train import DraftTrainer, TrainConfig
+from drafter.warmstart import HarvestConfig, harvest, head_from_config, measure, new_head, warm_start
+from scheduler.bench.prompts import PROMPTS, synthetic_prompts
+
+
+def log(msg: str) -> None:
+    print(f"[bench drafter] {msg}", file=sys.stderr, flush=True)
+
+
+def warm_drafter(loaded, num_prompts: int, max_steps: int, draft_vocab: int):
+    key = hashlib.sha256(json.dumps([loaded.name, num_prompts, max_steps, draft_vocab, 2]).encode()).hexdigest()[:12]
+    out = default_cache_dir().parent / "drafters" / key
+    path = out / "draft-v000001.safetensors"
+    if path.is_file():
+        state, meta = load_draft(path)
+        head = head_from_config(meta.head_config)
+        head.load_state_dict(state)
+        log(f"reusing the warm-started drafter {path}")
+        return head.eval().requires_grad_(False), {"cached": True, "path": str(path), "train_steps": meta.num_steps}
+    log(f"warm start: {num_prompts} prompts, {max_steps} training steps (cached afterwards in {out})")
+    prompts = [encode_prompt(loaded.tokenizer, t) for t in synthetic_prompts(num_prompts, seed=1)]
+    head, rep = warm_start(loaded.model, loaded.tokenizer, prompts, out, max_steps=max_steps,
+                           draft_vocab_size=draft_vocab, progress=log)
+    return head, {"cached": False, "path": rep.path, "train_steps": rep.train_steps,
+                  "harvested_tokens": rep.num_harvested_tokens, "harvest_s": round(rep.harvest_seconds, 1),
+                  "train_s": round(rep.train_seconds, 1), "train_tokens_per_s": round(rep.train_tokens_per_s, 1)}
+
+
+def sweep(engine, prompts, ks, drafters: dict, new_tokens: int) -> dict:
+    """Per temperature: plain tokens/s, then each drafter at each k (interleaved by k)."""
+    out = {}
+    for temp in (0.0, 1.0):
+        plain = measure(engine, prompts, 0, None, temp, new_tokens)
+        res = {"plain_tokens_per_s": round(plain.tokens_per_s, 2)}
+        for k in ks:
+            for name, d in drafters.items():
+                a = measure(engine, prompts, k, d, temp, new_tokens)
+                res[f"{name}_k{k}"] = {"mean_accepted_length": round(a.mean_accepted_length, 3),
+                                       "tokens_per_s": round(a.tokens_per_s, 2),
+                                       "speedup": round(a.tokens_per_s / plain.tokens_per_s, 3)}
+                log(f"T={temp} {name} k={k}: accepted length {a.mean_accepted_length:.2f}, "
+                    f"{a.tokens_per_s / plain.tokens_per_s:.2f}x plain")
+        out["greedy" if temp == 0 else "temp1"] = res
+    return out
+
+
+def drift_policy(policy, tokenizer, steps: int, lr: float, seed: int = 0):
+    """A stand-in for RL updates: fine-tune a copy of the policy on hotter samples of other prompts."""
+    new = copy.deepcopy(policy).train().requires_grad_(True)
+    engine = Engine(policy, tokenizer)
+    prompts = [encode_prompt(tokenizer, t) for t in synthetic_prompts(32, seed=seed + 5, kind="drift")]
+    reqs = [Request(p, SamplingParams(temperature=1.2, top_p=0.98, max_new_tokens=96, seed=seed + i))
+            for i, p in enumerate(prompts)]
+    seqs = [o.prompt_ids + o.token_ids for o in engine.generate(reqs)]
+    opt = torch.optim.AdamW([p for p in new.parameters() if p.requires_grad], lr=lr)
+    rng = random.Random(seed)
+    for _ in range(steps):
+        batch = rng.sample(seqs, 8)
+        L = max(len(s) for s in batch)
+        ids = torch.tensor([s + [0] * (L - len(s)) for s in batch])
+        mask = torch.tensor([[1] * len(s) + [0] * (L - len(s)) for s in batch], dtype=torch.bool)
+        logits, _ = new(ids, torch.arange(L).expand(len(batch), L), None)
+        loss = F.cross_entropy(logits[:, :-1][mask[:, 1:]], ids[:, 1:][mask[:, 1:]])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return new.eval().requires_grad_(False)
+
+
+def stop_latencies(policy, head, buffer, trials: int) -> tuple[list[float], float]:
+    """Seconds from request_stop() to train() returning, with the stop at a random moment."""
+    head = copy.deepcopy(head)
+    trainer = DraftTrainer(policy, head, TrainConfig())
+    rng = random.Random(0)
+    latencies, tokens, seconds = [], 0, 0.0
+    for _ in range(trials):
+        trainer.stop_event.clear()
+        result: dict = {}
+
+        def run(result: dict = result) -> None:
+            result["r"] = trainer.train(buffer, max_seconds=60)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        time.sleep(rng.uniform(0.3, 1.5))
+        t0 = time.perf_counter()
+        trainer.request_stop()
+        thread.join()
+        latencies.append(time.perf_counter() - t0)
+        tokens, seconds = tokens + result["r"].num_tokens, seconds + result["r"].seconds
+    return latencies, tokens / max(seconds, 1e-9)
+
+
+def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_prompts: int = 6,
+                  new_tokens: int = 96, ks: tuple[int, ...] = (2, 3, 4, 6), warm_prompts: int = 256,
+                  warm_steps: int = 600, draft_vocab: int = 8192, drift_steps: int = 8, drift_lr: float = 5e-5,
+                  adapt_seconds: float = 60.0, stop_trials: int = 20) -> dict:
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    loaded = load_model(model_spec)
+    policy, tok = loaded.model, loaded.tokenizer
+    engine = Engine(policy, tok)
+    eval_prompts = [encode_prompt(tok, t) for t in PROMPTS[:num_eval_prompts]]  # held out: not templated
+    head, warm_info = warm_drafter(loaded, warm_prompts, warm_steps, draft_vocab)
+    result: dict = {"model": loaded.name, "threads": threads, "new_tokens": new_tokens, "ks": list(ks),
+                    "num_eval_prompts": len(eval_prompts), "warm_start": warm_info}
+    log("(a) acceptance and speed-up, batch 1")
+    drafters = {"warm": EagleDrafter(policy, head), "untrained": EagleDrafter(policy, new_head(policy, None, None)),
+                "ngram": NgramDrafter()}
+    result["sweep"] = sweep(engine, eval_prompts, ks, drafters, new_tokens)
+    greedy, temp1 = result["sweep"]["greedy"], result["sweep"]["temp1"]
+    best_k = max(ks, key=lambda k: greedy[f"warm_k{k}"]["tokens_per_s"])
+    result.update(best_k=best_k, best_mean_accepted_length=max(greedy[f"warm_k{k}"]["mean_accepted_length"]
+                                                               for k in ks),
+                  speedup_greedy=greedy[f"warm_k{best_k}"]["speedup"],
+                  speedup_sampled=temp1[f"warm_k{best_k}"]["speedup"])
+    log("(b) drift")
+    before = measure(engine, eval_prompts, best_k, drafters["warm"], 0.0, new_tokens).mean_accepted_length
+    new_policy = drift_policy(policy, tok, drift_steps, drift_lr)
+    new_engine = Engine(new_policy, tok)
+    frozen = measure(new_engine, eval_prompts, best_k, EagleDrafter(new_policy, head), 0.0, new_tokens)
+    buffer = RolloutBuffer(max_bytes=1 << 30)
+    adapt_prompts = [encode_prompt(tok, t) for t in synthetic_prompts(64, seed=9)]
+    harvest(new_engine, adapt_prompts, buffer, 1, HarvestConfig(max_new_tokens=96))
+    adapted_head = copy.deepcopy(head)
+    rep = DraftTrainer(new_policy, adapted_head, TrainConfig(lr=3e-4, warmup_steps=5)).train(
+        buffer, max_seconds=adapt_seconds)
+    adapted = measure(new_engine, eval_prompts, best_k, EagleDrafter(new_policy, adapted_head), 0.0, new_tokens)
+    loss = before - frozen.mean_accepted_length
+    result.update(drift_before_accepted_length=round(before, 3),
+                  drift_frozen_accepted_length=round(frozen.mean_accepted_length, 3),
+                  drift_adapted_accepted_length=round(adapted.mean_accepted_length, 3),
+                  drift_adapt_train_seconds=round(rep.seconds, 1), drift_adapt_steps=rep.num_steps,
+                  drift_recovered_fraction=round((adapted.mean_accepted_length - frozen.mean_accepted_length)
+                                                 / loss, 3) if loss > 0 else None)
+    log(f"drift: before {before:.2f}, frozen {frozen.mean_accepted_length:.2f}, "
+        f"adapted {adapted.mean_accepted_length:.2f}")
+    log("(c) training throughput and stop latency")
+    latencies, tps = stop_latencies(new_policy, adapted_head, buffer, stop_trials)
+    latencies.sort()
+    result.update(train_tokens_per_s=round(tps, 1), stop_p50_s=round(statistics.median(latencies), 3),
+                  stop_p99_s=round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 3),
+                  stop_trials=len(latencies))
+    return result

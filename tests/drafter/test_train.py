@@ -1,0 +1,122 @@
+"""Drafter training: unrolling matches inference, loss decreases, trained beats untrained, stops."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from drafter.buffer import PackedBatch, RolloutBuffer
+from drafter.eagle import EagleConfig, EagleDrafter, EagleHead
+from drafter.engine import Engine, Request
+from drafter.sampling import SamplingParams
+from drafter.train import DraftTrainer, TrainConfig, unrolled_predictions
+from drafter.warmstart import HarvestConfig, harvest, measure
+from tests.conftest import pattern_corpus, random_prompts, structured_model, tiny_model
+
+
+def single_sequence_batch(model, seq: list[int]) -> PackedBatch:
+    L = len(seq)
+    ids = torch.tensor([seq])
+    _, hidden = model(ids, torch.arange(L).unsqueeze(0), model.new_cache(1, L), logits_for="none")  # (1, L, D)
+    T = L - 1  # pairs (h_j, x_{j+1}), j = 0..L-2
+    target = torch.ones(1, T, dtype=torch.bool)
+    target[0, -1] = False
+    return PackedBatch(feats=hidden[:, :T], tokens=ids[:, 1:], positions=torch.arange(T).unsqueeze(0),
+                       seq_ids=torch.zeros(1, T, dtype=torch.long), target_mask=target, num_tokens=T,
+                       num_sequences=1)
+
+
+@torch.no_grad()
+def test_unrolled_training_sees_what_inference_sees():
+    """Unroll step s at slot j must equal running the head with a KV cache: true pairs up to the
+    chain start c = j - s, then s steps fed with its own predicted features."""
+    model = tiny_model(seed=3).double()  # float64: a wrong mask or shift differs by O(1), rounding by 1e-12
+    head = EagleHead(model.cfg, EagleConfig(init_seed=1)).double().eval()
+    for p in head.parameters():  # larger weights, so a wrong mask or shift shows clearly
+        p.mul_(10)
+    seq = random_prompts([14], model.cfg.vocab_size, seed=5)[0]
+    batch = single_sequence_batch(model, seq)
+    preds = unrolled_predictions(head, model.embed_tokens, batch, num_unroll=3)
+    emb = model.embed_tokens
+    for c in (0, 3, 7):
+        cache = head.new_cache(1, 32, torch.float64, "cpu")
+        out = head(batch.feats[:, : c + 1], emb(batch.tokens[:, : c + 1]), torch.arange(c + 1).unsqueeze(0), cache)
+        pred = out[:, -1:]  # (1, 1, D): prediction of h_{c+1}
+        torch.testing.assert_close(pred[0, 0], preds[0][0, c], atol=1e-9, rtol=1e-9)
+        for s in (1, 2):
+            j = c + s
+            pred = head(pred, emb(batch.tokens[:, j : j + 1]), torch.tensor([[j]]), cache)
+            torch.testing.assert_close(pred[0, 0], preds[s][0, j], atol=1e-9, rtol=1e-9)
+
+
+@pytest.fixture(scope="module")
+def structured():
+    """A tiny policy with structure, its rollout buffer, and held-out prompts."""
+    model = structured_model()
+    engine = Engine(model)
+    buffer = RolloutBuffer(max_bytes=64 << 20)
+    prompts = [p[:6].tolist() for p in pattern_corpus(72, seed=10_000)]
+    harvest(engine, prompts[:64], buffer, cfg=HarvestConfig(batch_size=32, max_new_tokens=40, temperature=1.0))
+    return model, engine, buffer, prompts[64:]
+
+
+def test_loss_decreases_on_a_fixed_batch(structured):
+    model, _, buffer, _ = structured
+    head = EagleHead(model.cfg)
+    trainer = DraftTrainer(model, head, TrainConfig(warmup_steps=1))
+    batch = trainer.next_batch(buffer)
+    first = trainer.micro_step(batch)["loss"]
+    for _ in range(30):
+        last = trainer.micro_step(batch)["loss"]
+    assert last < 0.5 * first
+
+
+def test_trained_drafter_beats_untrained_on_held_out_rollouts(structured):
+    model, engine, buffer, held_out = structured
+    head = EagleHead(model.cfg)
+    DraftTrainer(model, head, TrainConfig(total_steps=150)).train(buffer, max_steps=150)
+    untrained = measure(engine, held_out, 3, EagleDrafter(model, EagleHead(model.cfg)), max_new_tokens=32)
+    trained = measure(engine, held_out, 3, EagleDrafter(model, head), max_new_tokens=32)
+    assert trained.mean_accepted_length > untrained.mean_accepted_length + 0.5
+    # and it stays lossless
+    reqs = [Request(p, SamplingParams(max_new_tokens=32)) for p in held_out]
+    plain = engine.generate(reqs)
+    spec = engine.generate(reqs, k=3, drafter=EagleDrafter(model, head))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+def test_stop_request_is_honoured_mid_epoch(structured):
+    model, _, buffer, _ = structured
+    trainer = DraftTrainer(model, EagleHead(model.cfg), TrainConfig())
+    saved = []
+    result = {}
+
+    def run():
+        result["report"] = trainer.train(buffer, max_seconds=60, checkpoint=lambda t: saved.append(t.step))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(0.5)
+    t0 = time.perf_counter()
+    trainer.request_stop()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    latency = time.perf_counter() - t0
+    report = result["report"]
+    assert report.stopped and report.num_steps >= 1
+    assert saved and saved[-1] == trainer.step  # checkpointed at the stop, with every applied step
+    assert latency < 5.0  # one micro-step on a tiny model; the benchmark measures the real p99
+
+
+def test_train_needs_a_budget_and_data(structured):
+    model, _, buffer, _ = structured
+    trainer = DraftTrainer(model, EagleHead(model.cfg))
+    with pytest.raises(ValueError, match="max_steps or max_seconds"):
+        trainer.train(buffer)
+    with pytest.raises(ValueError, match="empty"):
+        trainer.train(RolloutBuffer(max_bytes=1 << 20), max_steps=1)
+    with pytest.raises(ValueError, match="num_unroll"):
+        TrainConfig(num_unroll=0)
