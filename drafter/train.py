@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from drafter.buffer import PackedBatch, RolloutBuffer, iter_batches
+from drafter.checkpoint import DraftMeta, load_trainer_state, save_trainer_state
 from drafter.eagle import EagleHead
 from drafter.model import CausalLM, apply_rotary
 
@@ -249,3 +250,16 @@ class DraftTrainer:
 
     def config_dict(self) -> dict:
         return asdict(self.cfg)
+
+    def save(self, path, meta: DraftMeta) -> str:
+        """Atomic, resumable checkpoint of head, optimizer and counters (see drafter.checkpoint)."""
+        trainer = {"step": self.step, "num_tokens": self.num_tokens, "epoch": self._epoch, "config": self.config_dict()}
+        return save_trainer_state(path, self.head.state_dict(), self.optimizer, meta, trainer)
+
+    def resume(self, path) -> DraftMeta:
+        """Continue from a checkpoint written by `save`: weights, optimizer moments and step counter.
+        The epoch restarts from a fresh shuffle; only micro-steps after the checkpoint are lost."""
+        meta, trainer = load_trainer_state(path, self.head, self.optimizer)
+        self.step, self.num_tokens = int(trainer["step"]), int(trainer["num_tokens"])
+        self._epoch, self._batches = int(trainer.get("epoch", 0)), None
+        return meta

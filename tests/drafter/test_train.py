@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from drafter.buffer import PackedBatch, RolloutBuffer
+from drafter.checkpoint import DraftMeta
 from drafter.eagle import EagleConfig, EagleDrafter, EagleHead
 from drafter.engine import Engine, Request
 from drafter.sampling import SamplingParams
@@ -120,3 +121,20 @@ def test_train_needs_a_budget_and_data(structured):
         trainer.train(RolloutBuffer(max_bytes=1 << 20), max_steps=1)
     with pytest.raises(ValueError, match="num_unroll"):
         TrainConfig(num_unroll=0)
+
+
+def test_killed_trainer_resumes_from_its_last_checkpoint(structured, tmp_path):
+    model, _, buffer, _ = structured
+    path = tmp_path / "trainer.safetensors"
+    meta = DraftMeta(version=2, parent_version=1, policy_version=0)
+    trainer = DraftTrainer(model, EagleHead(model.cfg), TrainConfig(warmup_steps=1))
+    trainer.train(buffer, max_steps=5, checkpoint=lambda t: t.save(path, meta), checkpoint_every=2)
+    saved = {k: v.clone() for k, v in trainer.head.state_dict().items()}
+    # "killed" after the checkpoint: a fresh process rebuilds the trainer and resumes
+    fresh = DraftTrainer(model, EagleHead(model.cfg, EagleConfig(init_seed=9)), TrainConfig(warmup_steps=1))
+    assert fresh.resume(path).version == 2
+    assert fresh.step == 5 and fresh.num_tokens == trainer.num_tokens
+    for k, v in fresh.head.state_dict().items():
+        assert torch.equal(v, saved[k]), k
+    batch = trainer.next_batch(buffer)
+    assert trainer.micro_step(batch)["loss"] == fresh.micro_step(batch)["loss"]  # same optimizer state
