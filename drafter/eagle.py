@@ -8,6 +8,7 @@ the policy (not copied), so the head's own weights are one layer plus a projecti
 
 from __future__ import annotations
 
+import threading
 from dataclasses import asdict, dataclass
 
 import torch
@@ -86,15 +87,44 @@ class EagleDrafter(Drafter):
     name = "eagle"
 
     def __init__(self, policy: CausalLM, head: EagleHead) -> None:
-        if head.policy_cfg.hidden_size != policy.cfg.hidden_size:
-            raise ValueError("draft head hidden_size does not match the policy's")
-        self.policy, self.head = policy, head.to(device=policy.device, dtype=policy.dtype)
-        self.vocab_ids = head.vocab_ids
-        self.lm_weight = policy.lm_head.weight[head.vocab_ids].contiguous()  # (V', D), sliced once
-        self.is_full_vocab = head.vocab_ids.numel() == policy.cfg.vocab_size
+        self.policy = policy
+        self._install(head)
+        self.version: int | None = None  # draft version serving, for progress reports
+        self._next: tuple[EagleHead, int | None] | None = None
+        self._lock = threading.Lock()
+        self.num_swaps = 0
         self.cache: KVCache | None = None
         self.pending_hidden: list[torch.Tensor] = []  # per row: (n, D) policy states not yet fed
         self.pending_tokens: list[list[int]] = []  # per row: the n tokens that followed them
+        self.history_hidden: list[list[torch.Tensor]] = []  # per row: every true pair so far, to re-feed a new head
+        self.history_tokens: list[list[int]] = []
+
+    def _install(self, head: EagleHead) -> None:
+        if head.policy_cfg.hidden_size != self.policy.cfg.hidden_size:
+            raise ValueError("draft head hidden_size does not match the policy's")
+        self.head = head.to(device=self.policy.device, dtype=self.policy.dtype).eval()
+        self.vocab_ids = self.head.vocab_ids
+        self.lm_weight = self.policy.lm_head.weight[self.vocab_ids].contiguous()  # (V', D), sliced once
+
+    def request_swap(self, head: EagleHead, version: int | None = None) -> None:
+        """Serve `head` from the next draft step on (thread-safe; never mid-forward). Its KV cache is
+        rebuilt from the true pairs seen so far, so the swap costs one head pass over the history."""
+        if head.policy_cfg.hidden_size != self.policy.cfg.hidden_size:
+            raise ValueError("draft head hidden_size does not match the policy's")
+        with self._lock:
+            self._next = (head, version)
+
+    def _apply_swap(self) -> None:
+        with self._lock:
+            nxt, self._next = self._next, None
+        if nxt is None:
+            return
+        self._install(nxt[0])
+        self.version = nxt[1]
+        self.num_swaps += 1
+        self.cache = None  # the old head's keys mean nothing to the new one
+        self.pending_hidden = [torch.cat(h) if h else self._empty() for h in self.history_hidden]
+        self.pending_tokens = [list(t) for t in self.history_tokens]
 
 
     def begin(self, prompts, prefill_hidden) -> None:
@@ -105,6 +135,8 @@ class EagleDrafter(Drafter):
             hid = prefill_hidden[b, :n] if prefill_hidden is not None and n > 0 else self._empty()
             self.pending_hidden.append(hid)
             self.pending_tokens.append(list(p[1:]))
+        self.history_hidden = [[h] for h in self.pending_hidden]
+        self.history_tokens = [list(t) for t in self.pending_tokens]
 
     def _empty(self) -> torch.Tensor:
         return torch.zeros(0, self.policy.cfg.hidden_size, dtype=self.policy.dtype, device=self.policy.device)
@@ -123,6 +155,7 @@ class EagleDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, contexts, caps, sampling: BatchSampling, uniforms) -> Proposal:
+        self._apply_swap()
         B, device = len(contexts), self.policy.device
         num_pending = torch.tensor([len(t) for t in self.pending_tokens], dtype=torch.long, device=device)
         P, K = int(num_pending.max()), max(caps)
@@ -164,12 +197,17 @@ class EagleDrafter(Drafter):
 
     def observe(self, new_tokens, hidden) -> None:
         for b, toks in enumerate(new_tokens):
-            self.pending_hidden[b] = hidden[b, : len(toks)]
-            self.pending_tokens[b] = list(toks)
+            h = hidden[b, : len(toks)]
+            self.pending_hidden[b] = torch.cat([self.pending_hidden[b], h])  # pairs not fed yet stay queued
+            self.pending_tokens[b] = self.pending_tokens[b] + list(toks)
+            self.history_hidden[b].append(h)
+            self.history_tokens[b] += list(toks)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         idx = rows.tolist()
         self.pending_hidden = [self.pending_hidden[i] for i in idx]
         self.pending_tokens = [self.pending_tokens[i] for i in idx]
+        self.history_hidden = [self.history_hidden[i] for i in idx]
+        self.history_tokens = [self.history_tokens[i] for i in idx]
         if self.cache is not None:
             self.cache.keep_rows(rows.to(self.cache.lens.device))

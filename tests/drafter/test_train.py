@@ -138,3 +138,27 @@ def test_killed_trainer_resumes_from_its_last_checkpoint(structured, tmp_path):
         assert torch.equal(v, saved[k]), k
     batch = trainer.next_batch(buffer)
     assert trainer.micro_step(batch)["loss"] == fresh.micro_step(batch)["loss"]  # same optimizer state
+
+
+def test_head_swap_mid_generation_is_lossless_and_takes_effect(structured):
+    model, engine, buffer, held_out = structured
+    trained = EagleHead(model.cfg)
+    DraftTrainer(model, trained, TrainConfig(total_steps=100)).train(buffer, max_steps=100)
+    reqs = [Request(p, SamplingParams(max_new_tokens=32)) for p in held_out]
+    plain = engine.generate(reqs)
+    drafter = EagleDrafter(model, EagleHead(model.cfg))
+    calls = {"n": 0}
+    original = drafter.propose
+
+    def propose(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:  # as a published version would arrive: between two decode steps
+            drafter.request_swap(trained, version=7)
+        return original(*args, **kwargs)
+
+    drafter.propose = propose
+    swapped = engine.generate(reqs, k=3, drafter=drafter)
+    assert [o.token_ids for o in swapped] == [o.token_ids for o in plain]
+    assert drafter.num_swaps == 1 and drafter.version == 7
+    untrained = engine.generate(reqs, k=3, drafter=EagleDrafter(model, EagleHead(model.cfg)))
+    assert sum(o.num_accepted for o in swapped) > sum(o.num_accepted for o in untrained) + 20
