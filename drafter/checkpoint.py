@@ -153,8 +153,12 @@ def save_draft(path: str | Path, state: dict[str, torch.Tensor], meta: DraftMeta
     return _write(path, state, {"kind": DRAFT, "tlt_meta": meta.to_json()})
 
 
-def load_draft(path: str | Path, device: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], DraftMeta]:
-    tensors, _, meta = _read(path, DRAFT)
+def load_draft(path: str | Path, device: str | torch.device = "cpu",
+               expected_sha256: str | None = None) -> tuple[dict[str, torch.Tensor], DraftMeta]:
+    """Read a draft; with expected_sha256 (e.g. recorded when it was published) it must match too."""
+    tensors, metadata, meta = _read(path, DRAFT)
+    if expected_sha256 is not None and metadata["sha256"] != expected_sha256:
+        raise CheckpointError(f"{path}: sha256 differs from the expected {expected_sha256[:12]}...")
     return {k: t.to(device) for k, t in tensors.items()}, meta
 
 

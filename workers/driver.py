@@ -1,0 +1,167 @@
+"""Job driver: runs GRPO steps over a set of rollout workers and records what each phase took.
+
+Per step: push the policy weights (once per version, through the Ray object store), split the
+prompt groups among the workers, gather responses (a failed worker's share is lost, the others'
+are kept), score them, recompute log-probabilities with the POLICY, update it, record timings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+import ray
+import torch
+
+from drafter.loading import encode_prompt, load_model
+from workers.grpo import GRPOConfig, group_advantages, grpo_update, sequence_logprobs
+from workers.protocol import job_steps_key
+from workers.rollout import RolloutWorker, WorkerConfig
+from workers.tasks import ArithmeticTask, get_reward, load_jsonl_dataset
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class JobConfig:
+    job_id: str
+    model: str = "tiny"
+    task: str = "arithmetic"  # or "dataset" with dataset_path and reward
+    dataset_path: str | None = None
+    reward: str = "arithmetic"  # a registered reward name; nothing in a job runs user code
+    num_steps: int = 2
+    num_prompts_per_step: int = 4
+    max_new_tokens: int = 32
+    temperature: float = 1.0  # on-policy sampling, as RL needs
+    num_workers: int = 2
+    seed: int = 0
+    store_dir: str = "/tmp/tlt-drafts"
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+
+
+@dataclass
+class StepRecord:
+    rl_step: int
+    policy_version: int
+    timings: dict  # phase -> seconds: weight_sync, rollout, reward, logprob, update
+    worker_rollout_s: dict  # worker id -> seconds it spent generating
+    idle_worker_s: float  # sum over workers of the time spent waiting at the barrier
+    mean_reward: float
+    num_rollouts: int
+    failures: list = field(default_factory=list)
+
+
+def encode_text(tokenizer, text: str, vocab_size: int, max_len: int = 48) -> list[int]:
+    """Chat-encode with the model's tokenizer; a tokenizer-less preset gets bytes folded into its
+    vocabulary (tests only: such a model cannot read the task anyway)."""
+    if tokenizer is not None:
+        return encode_prompt(tokenizer, text)
+    return [b % vocab_size for b in text.encode()[:max_len]]
+
+
+def assign(num_groups: int, num_workers: int) -> list[list[int]]:
+    """Round-robin prompt groups over workers: group g goes to worker g % num_workers."""
+    return [list(range(w, num_groups, num_workers)) for w in range(num_workers)]
+
+
+@ray.remote(num_cpus=0)
+class JobDriver:
+    def __init__(self, cfg: JobConfig, redis_url: str) -> None:
+        import redis
+
+        self.cfg, self.redis_url = cfg, redis_url
+        self.redis = redis.Redis.from_url(redis_url)
+        torch.manual_seed(cfg.seed)
+        loaded = load_model(cfg.model)
+        self.policy, self.tokenizer = loaded.model, loaded.tokenizer
+        self.policy_version = 0
+        self.reward_fn = get_reward(cfg.reward)
+        if cfg.task == "arithmetic":
+            self.problems = ArithmeticTask(cfg.seed).sample(cfg.num_steps * cfg.num_prompts_per_step)
+        elif cfg.task == "dataset":
+            self.problems = load_jsonl_dataset(cfg.dataset_path)
+        else:
+            raise ValueError(f"task must be 'arithmetic' or 'dataset', got {cfg.task!r}")
+        self.workers = [
+            RolloutWorker.options(num_gpus=1, name=None).remote(
+                cfg.job_id, f"w{i}", cfg.worker, redis_url, cfg.store_dir, cfg.job_id)
+            for i in range(cfg.num_workers)]
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.grpo.lr)
+        self.records: list[StepRecord] = []
+
+    def worker_handles(self) -> list:
+        return self.workers
+
+    def run(self) -> list[dict]:
+        for step in range(self.cfg.num_steps):
+            self.records.append(self.step(step))
+        return [asdict(r) for r in self.records]
+
+    def step(self, rl_step: int) -> StepRecord:
+        cfg, t = self.cfg, {}
+        n = cfg.num_prompts_per_step
+        problems = [self.problems[(rl_step * n + i) % len(self.problems)] for i in range(n)]
+        prompts = [encode_text(self.tokenizer, p.prompt, self.policy.cfg.vocab_size) for p in problems]
+        t0 = time.perf_counter()
+        weights = ray.put({k: v.detach().clone() for k, v in self.policy.state_dict().items()})
+        ray.get([w.load_policy.remote(weights, self.policy_version) for w in self.workers])
+        t["weight_sync"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        G = cfg.grpo.group_size
+        futures, shares = {}, assign(n, len(self.workers))
+        for w, groups in zip(self.workers, shares):
+            if not groups:
+                continue
+            ps = [prompts[g] for g in groups for _ in range(G)]
+            params = [{"temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
+                       "seed": cfg.seed * 1_000_003 + rl_step * 10_007 + g * G + j} for g in groups for j in range(G)]
+            futures[w.generate.remote(ps, params, rl_step)] = (w, groups, time.perf_counter())
+        results, worker_s, failures = {}, {}, []
+        pending = list(futures)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            ref = done[0]
+            w, groups, started = futures[ref]
+            wid = f"w{self.workers.index(w)}"
+            try:
+                outs = ray.get(ref)
+            except Exception as exc:  # a dead worker loses its share; the others' responses are kept
+                failures.append({"worker": wid, "error": f"{type(exc).__name__}: {exc}"[:500]})
+                log.error("job %s step %d: worker %s failed: %s", cfg.job_id, rl_step, wid, exc)
+                continue
+            worker_s[wid] = time.perf_counter() - started
+            for i, g in enumerate(groups):
+                results[g] = outs[i * G : (i + 1) * G]
+        t["rollout"] = time.perf_counter() - t0
+        longest = max(worker_s.values(), default=0.0)
+        idle = sum(longest - s for s in worker_s.values())
+
+        t0 = time.perf_counter()
+        groups = sorted(results)
+        rewards = torch.tensor([[self.reward_fn(o["text"] or "", problems[g].answer) for o in results[g]]
+                                for g in groups]) if groups else torch.zeros(0, G)
+        t["reward"] = time.perf_counter() - t0
+        stats = {}
+        if groups:
+            t0 = time.perf_counter()
+            adv = group_advantages(rewards, cfg.grpo.normalize_std).flatten()
+            seqs = [o["prompt_ids"] + o["token_ids"] for g in groups for o in results[g]]
+            plens = [len(o["prompt_ids"]) for g in groups for o in results[g]]
+            with torch.no_grad():
+                old_logp, mask = sequence_logprobs(self.policy, seqs, plens)
+            t["logprob"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            self.policy.train().requires_grad_(True)
+            stats = grpo_update(self.policy, self.optimizer, seqs, plens, adv, old_logp, mask, cfg.grpo)
+            self.policy.eval().requires_grad_(False)
+            self.policy_version += 1
+            t["update"] = time.perf_counter() - t0
+        record = StepRecord(rl_step, self.policy_version, t, worker_s, idle,
+                            float(rewards.mean()) if rewards.numel() else 0.0,
+                            sum(len(v) for v in results.values()), failures)
+        self.redis.rpush(job_steps_key(cfg.job_id), json.dumps({**asdict(record), "grpo": stats}))
+        return record

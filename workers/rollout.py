@@ -1,0 +1,223 @@
+"""Rollout worker: the engine, its harvested buffer and its copy of the drafter, on one GPU.
+
+`RolloutRunner` is the plain-Python worker (testable without Ray); `RolloutWorker` is the Ray actor
+that wraps it. The actor is async: `generate` and `train_drafter` run in worker threads, so
+`status`, `stop_training` and `swap_draft` answer while it generates or trains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import ray
+import torch
+
+from drafter.buffer import RolloutBuffer
+from drafter.checkpoint import DraftMeta
+from drafter.eagle import EagleDrafter
+from drafter.engine import Engine, Request
+from drafter.loading import load_model
+from drafter.sampling import SamplingParams
+from drafter.train import DraftTrainer, TrainConfig
+from drafter.warmstart import head_config, head_from_config, new_head
+from workers.progress import ProgressReporter
+from workers.protocol import ProgressRecord, WorkerState
+from workers.store import DraftStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerConfig:
+    model: str = "tiny"
+    k: int = 3  # draft length when speculating
+    draft_vocab_size: int | None = 8192
+    buffer_bytes: int = 256 << 20  # harvested (token, hidden) pairs kept for drafter training
+    num_threads: int = 1  # torch threads per worker: several workers share a CPU box
+    tlt: bool = True  # speculative decoding with the trained drafter, and harvesting for it
+    train: TrainConfig | None = None
+
+
+class RolloutRunner:
+    """One worker's state and work; every public method is safe to call from another thread."""
+
+    def __init__(self, job_id: str, worker_id: str, cfg: WorkerConfig, redis, store_dir: str,
+                 namespace: str) -> None:
+        self.job_id, self.worker_id, self.cfg = job_id, worker_id, cfg
+        torch.set_num_threads(cfg.num_threads)
+        loaded = load_model(cfg.model)
+        self.policy, self.tokenizer = loaded.model, loaded.tokenizer
+        self.engine = Engine(self.policy, self.tokenizer)
+        self.redis = redis
+        self.served = DraftStore(redis, f"{store_dir}/served", namespace)
+        self.copies = DraftStore(redis, f"{store_dir}/copies", f"{namespace}:copies")
+        self.reporter = ProgressReporter(redis, job_id, worker_id)
+        self.buffer = RolloutBuffer(max_bytes=cfg.buffer_bytes)
+        self.drafter = EagleDrafter(self.policy, new_head(self.policy, None, cfg.draft_vocab_size))
+        self.drafter.version = 0
+        self.policy_version = 0
+        self.rl_step = 0
+        self.state = WorkerState.IDLE
+        self.progress = {"num_running": 0, "num_finished": 0, "num_total": 0, "num_tokens": 0,
+                         "tokens_per_s": 0.0, "mean_accepted_length": 1.0}
+        self.trainer: DraftTrainer | None = None
+        self.swap_log: list[dict] = []  # (version, published_at?, applied_at) for latency figures
+        self._lock = threading.Lock()
+
+    # ----- policy -------------------------------------------------------------------------
+    def load_policy(self, state: dict[str, torch.Tensor], policy_version: int) -> None:
+        self.policy.load_state_dict(state)
+        self.policy.requires_grad_(False)
+        self.policy_version = policy_version
+        # the drafter slices the policy's LM head: refresh it for the new weights
+        self.drafter.request_swap(self.drafter.head, self.drafter.version)
+
+    # ----- progress -----------------------------------------------------------------------
+    def record(self) -> ProgressRecord:
+        return ProgressRecord(job_id=self.job_id, worker_id=self.worker_id, state=self.state,
+                              draft_version=int(self.drafter.version or 0), policy_version=self.policy_version,
+                              rl_step=self.rl_step, timestamp=time.time(), **self.progress)
+
+    def report(self, force: bool = False) -> None:
+        try:
+            self.reporter.report(self.record(), force=force)
+        except Exception:  # progress is best effort; never fail a rollout because Redis blinked
+            log.exception("worker %s: progress report failed", self.worker_id)
+
+    def set_state(self, state: WorkerState) -> None:
+        self.state = state
+        self.report(force=True)
+
+    # ----- rollouts -----------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: list[dict], rl_step: int) -> list[dict]:
+        """Generate one rollout per prompt; returns plain dicts (tokens, text, finish, counters)."""
+        self.rl_step = rl_step
+        reqs = [Request(p, SamplingParams(**kw)) for p, kw in zip(prompts, params)]
+        self.progress.update(num_running=len(reqs), num_finished=0, num_total=len(reqs), num_tokens=0)
+        self.set_state(WorkerState.ROLLING_OUT)
+        start = time.perf_counter()
+        k = self.cfg.k if self.cfg.tlt else 0
+        outs = []
+        # one request batch at a time keeps progress fine-grained; the engine batches within it
+        for chunk_start in range(0, len(reqs), 8):
+            chunk = reqs[chunk_start : chunk_start + 8]
+            res = self.engine.generate(chunk, k=k, drafter=self.drafter if k else None, record_hidden=self.cfg.tlt)
+            outs += res
+            n_tok = sum(len(o.token_ids) for o in outs)
+            steps = sum(o.num_steps for o in outs)
+            self.progress.update(num_running=len(reqs) - len(outs), num_finished=len(outs), num_tokens=n_tok,
+                                 tokens_per_s=n_tok / max(time.perf_counter() - start, 1e-9),
+                                 mean_accepted_length=n_tok / max(steps, 1))
+            self.report()
+        if self.cfg.tlt:
+            self.buffer.add_outputs(outs, self.policy_version)
+        self.set_state(WorkerState.IDLE)
+        return [{"prompt_ids": o.prompt_ids, "token_ids": o.token_ids, "text": o.text,
+                 "finish_reason": o.finish_reason, "num_steps": o.num_steps, "num_accepted": o.num_accepted}
+                for o in outs]
+
+    # ----- drafter training leases ---------------------------------------------------------
+    def train_drafter(self, lease: dict) -> dict:
+        """Train a copy from the lease's parent version on the local buffer until its deadline or a
+        stop; publish the copy (atomically) if it took at least one step."""
+        parent = int(lease["parent_version"])
+        deadline_s = float(lease["deadline_s"])
+        if deadline_s <= 0:
+            raise ValueError(f"lease deadline_s must be > 0, got {deadline_s}")
+        head = self._head_for(parent)
+        with self._lock:
+            self.trainer = DraftTrainer(self.policy, head, self.cfg.train or TrainConfig())
+        self.set_state(WorkerState.TRAINING)
+        try:
+            rep = self.trainer.train(self.buffer, max_seconds=deadline_s)
+        finally:
+            with self._lock:
+                self.trainer = None
+            self.set_state(WorkerState.IDLE)
+        result = {"lease_id": lease.get("lease_id"), "steps": rep.num_steps, "tokens": rep.num_tokens,
+                  "seconds": rep.seconds, "stopped": rep.stopped, "version": None}
+        if rep.num_steps > 0:
+            meta = DraftMeta(version=0, parent_version=parent, policy_version=self.policy_version,
+                             num_steps=rep.num_steps, total_steps=rep.num_steps, num_tokens=rep.num_tokens,
+                             head_config=head_config(head), extra={"worker": self.worker_id,
+                                                                  "lease_id": lease.get("lease_id")})
+            result["version"] = self.copies.publish(head.state_dict(), meta)
+        return result
+
+    def _head_for(self, version: int):
+        if version == 0 and self.served.latest_version() is None:
+            return new_head(self.policy, self.buffer if len(self.buffer) else None, self.cfg.draft_vocab_size)
+        state, meta = self.served.load(version)
+        head = head_from_config(meta.head_config)
+        head.load_state_dict(state)
+        return head.to(self.policy.dtype)
+
+    def stop_training(self) -> bool:
+        with self._lock:
+            if self.trainer is None:
+                return False
+            self.trainer.request_stop()
+            return True
+
+    # ----- hot swap ---------------------------------------------------------------------------
+    def swap_draft(self, version: int, published_at: float | None = None) -> None:
+        """Load `version` (this thread) and hand it to the drafter, which switches between steps."""
+        head = self._head_for(version)
+        self.drafter.request_swap(head, version)
+        self.swap_log.append({"version": version, "published_at": published_at, "loaded_at": time.time()})
+
+    def status(self) -> dict:
+        rec = self.record()
+        return {**rec.__dict__, "state": rec.state.value, "buffer_tokens": self.buffer.num_tokens,
+                "num_swaps": self.drafter.num_swaps}
+
+
+@ray.remote(num_cpus=0)
+class RolloutWorker:
+    """Ray actor around RolloutRunner. Blocking work runs in threads so control calls answer."""
+
+    def __init__(self, job_id: str, worker_id: str, cfg: WorkerConfig, redis_url: str, store_dir: str,
+                 namespace: str) -> None:
+        import redis
+
+        self.runner = RolloutRunner(job_id, worker_id, cfg, redis.Redis.from_url(redis_url), store_dir, namespace)
+        self._listener = threading.Thread(target=self._listen, daemon=True)
+        self._listener.start()
+
+    def _listen(self) -> None:
+        """Hot swap: every version published to the served store is loaded and swapped in."""
+        sub = self.runner.served.subscribe()
+        while True:
+            msg = sub.get(timeout=1.0)
+            if msg is None:
+                continue
+            try:
+                self.runner.swap_draft(int(msg["version"]), msg.get("published_at"))
+            except Exception:
+                log.exception("worker %s: swap to %s failed", self.runner.worker_id, msg)
+
+    async def load_policy(self, state_ref, policy_version: int) -> None:
+        state = state_ref[0] if isinstance(state_ref, list) else state_ref
+        await asyncio.to_thread(self.runner.load_policy, state, policy_version)
+
+    async def generate(self, prompts, params, rl_step: int) -> list[dict]:
+        return await asyncio.to_thread(self.runner.generate, prompts, params, rl_step)
+
+    async def train_drafter(self, lease: dict) -> dict:
+        return await asyncio.to_thread(self.runner.train_drafter, lease)
+
+    async def stop_training(self) -> bool:
+        return self.runner.stop_training()
+
+    async def swap_draft(self, version: int) -> None:
+        await asyncio.to_thread(self.runner.swap_draft, version)
+
+    async def status(self) -> dict:
+        return self.runner.status()
+
+    async def swap_log(self) -> list[dict]:
+        return list(self.runner.swap_log)
