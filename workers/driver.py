@@ -89,8 +89,15 @@ class JobDriver:
             RolloutWorker.options(num_gpus=1, name=None).remote(
                 cfg.job_id, f"w{i}", cfg.worker, redis_url, cfg.store_dir, cfg.job_id)
             for i in range(cfg.num_workers)]
+        self.worker_ids = [f"w{i}" for i in range(cfg.num_workers)]
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.grpo.lr)
         self.records: list[StepRecord] = []
+
+    def _drop(self, w, wid: str, exc: Exception, rl_step: int, failures: list) -> None:
+        failures.append({"worker": wid, "error": f"{type(exc).__name__}: {exc}"[:500]})
+        log.error("job %s step %d: worker %s failed: %s", self.cfg.job_id, rl_step, wid, exc)
+        i = self.worker_ids.index(wid)
+        del self.workers[i], self.worker_ids[i]
 
     def worker_handles(self) -> list:
         return self.workers
@@ -107,31 +114,38 @@ class JobDriver:
         prompts = [encode_text(self.tokenizer, p.prompt, self.policy.cfg.vocab_size) for p in problems]
         t0 = time.perf_counter()
         weights = ray.put({k: v.detach().clone() for k, v in self.policy.state_dict().items()})
-        ray.get([w.load_policy.remote(weights, self.policy_version) for w in self.workers])
+        failures = []
+        syncs = [(w, wid, w.load_policy.remote(weights, self.policy_version))
+                 for w, wid in zip(self.workers, self.worker_ids)]
+        for w, wid, ref in syncs:
+            try:
+                ray.get(ref)
+            except Exception as exc:  # a dead worker leaves the job; its GPU share goes to the others
+                self._drop(w, wid, exc, rl_step, failures)
+        if not self.workers:
+            raise RuntimeError(f"job {cfg.job_id}: every rollout worker failed")
         t["weight_sync"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         G = cfg.grpo.group_size
         futures, shares = {}, assign(n, len(self.workers))
-        for w, groups in zip(self.workers, shares):
+        for w, wid, groups in zip(self.workers, self.worker_ids, shares):
             if not groups:
                 continue
             ps = [prompts[g] for g in groups for _ in range(G)]
             params = [{"temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
                        "seed": cfg.seed * 1_000_003 + rl_step * 10_007 + g * G + j} for g in groups for j in range(G)]
-            futures[w.generate.remote(ps, params, rl_step)] = (w, groups, time.perf_counter())
-        results, worker_s, failures = {}, {}, []
+            futures[w.generate.remote(ps, params, rl_step)] = (w, wid, groups, time.perf_counter())
+        results, worker_s = {}, {}
         pending = list(futures)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
             ref = done[0]
-            w, groups, started = futures[ref]
-            wid = f"w{self.workers.index(w)}"
+            w, wid, groups, started = futures[ref]
             try:
                 outs = ray.get(ref)
             except Exception as exc:  # a dead worker loses its share; the others' responses are kept
-                failures.append({"worker": wid, "error": f"{type(exc).__name__}: {exc}"[:500]})
-                log.error("job %s step %d: worker %s failed: %s", cfg.job_id, rl_step, wid, exc)
+                self._drop(w, wid, exc, rl_step, failures)
                 continue
             worker_s[wid] = time.perf_counter() - started
             for i, g in enumerate(groups):
