@@ -9,6 +9,7 @@ the policy (not copied), so the head's own weights are one layer plus a projecti
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -93,6 +94,8 @@ class EagleDrafter(Drafter):
         self._next: tuple[EagleHead, int | None] | None = None
         self._lock = threading.Lock()
         self.num_swaps = 0
+        self.swap_times: list[tuple[int | None, float]] = []  # (version, wall time it began serving)
+        self.swap_seconds = 0.0  # decode-loop time spent switching heads (re-feeding the history)
         self.cache: KVCache | None = None
         self.pending_hidden: list[torch.Tensor] = []  # per row: (n, D) policy states not yet fed
         self.pending_tokens: list[list[int]] = []  # per row: the n tokens that followed them
@@ -119,12 +122,15 @@ class EagleDrafter(Drafter):
             nxt, self._next = self._next, None
         if nxt is None:
             return
+        start = time.perf_counter()
         self._install(nxt[0])
         self.version = nxt[1]
         self.num_swaps += 1
         self.cache = None  # the old head's keys mean nothing to the new one
         self.pending_hidden = [torch.cat(h) if h else self._empty() for h in self.history_hidden]
         self.pending_tokens = [list(t) for t in self.history_tokens]
+        self.swap_times.append((self.version, time.time()))
+        self.swap_seconds += time.perf_counter() - start
 
 
     def begin(self, prompts, prefill_hidden) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -133,8 +134,10 @@ class Engine:
 
     @torch.inference_mode()
     def generate(self, requests: list[Request], k: int = 0, drafter: Drafter | None = None,
-                 record_hidden: bool = False) -> list[GenerationOutput]:
-        """Generate for all requests as one batch. k: max draft tokens per step (0 = plain)."""
+                 record_hidden: bool = False,
+                 on_step: Callable[[int, int], None] | None = None) -> list[GenerationOutput]:
+        """Generate for all requests as one batch. k: max draft tokens per step (0 = plain).
+        on_step(num_finished, num_generated) is called after every step (progress reporting)."""
         self.validate(requests, k, drafter)
         model, device = self.model, self.model.device
         drafter = drafter if k > 0 else None
@@ -177,6 +180,8 @@ class Engine:
             verdict = verify(logits, draft_tokens, draft_lens, draft_probs, sampling, verify_u)
             self._advance(live, cache, verdict, draft_tokens, draft_lens, hidden, drafter)
             done = [j for j, r in enumerate(live) if r.finish_reason]
+            if on_step is not None:
+                on_step(len(rows) - len(order) + len(done), sum(len(r.tokens) - r.num_prompt for r in rows))
             if done:
                 keep = torch.tensor([j for j in range(len(live)) if not live[j].finish_reason], dtype=torch.long)
                 order = [order[j] for j in keep.tolist()]

@@ -34,6 +34,16 @@ def _bench_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_dataplane(args: argparse.Namespace) -> int:
+    from scheduler.bench.dataplane import bench_dataplane
+
+    result = bench_dataplane(model=args.model, num_workers=args.workers, num_steps=args.steps,
+                             prompts_per_step=args.prompts, group_size=args.group_size,
+                             max_new_tokens=args.new_tokens, swap_trials=args.swap_trials)
+    print(json.dumps(result))
+    return 0
+
+
 def _read_prompts(path: str) -> list[str]:
     from pathlib import Path
 
@@ -134,6 +144,17 @@ def build_parser() -> argparse.ArgumentParser:
     drf.add_argument("--stop-trials", type=int, default=20)
     drf.add_argument("--json", action="store_true", help="accepted for symmetry; the JSON object is always last")
     drf.set_defaults(func=_bench_drafter)
+
+    dp = bench_sub.add_parser("dataplane", help="GRPO job on local Ray: step breakdown, hot swap, progress cost")
+    dp.add_argument("--model", default="smollm2-135m")
+    dp.add_argument("--workers", type=int, default=4, help="rollout workers (logical GPUs)")
+    dp.add_argument("--steps", type=int, default=1)
+    dp.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    dp.add_argument("--group-size", type=int, default=4)
+    dp.add_argument("--new-tokens", type=int, default=96)
+    dp.add_argument("--swap-trials", type=int, default=3)
+    dp.add_argument("--json", action="store_true", help="accepted for symmetry; the JSON object is always last")
+    dp.set_defaults(func=_bench_dataplane)
 
     dr = sub.add_parser("drafter", help="drafter tools")
     dr_sub = dr.add_subparsers(dest="drafter", required=True)

@@ -65,7 +65,8 @@ class RolloutRunner:
         self.progress = {"num_running": 0, "num_finished": 0, "num_total": 0, "num_tokens": 0,
                          "tokens_per_s": 0.0, "mean_accepted_length": 1.0}
         self.trainer: DraftTrainer | None = None
-        self.swap_log: list[dict] = []  # (version, published_at?, applied_at) for latency figures
+        self.swap_log: list[dict] = []  # versions loaded: (version, published_at, loaded_at)
+        self.report_progress = True  # benchmarks switch it off to measure its cost
         self._lock = threading.Lock()
 
     # ----- policy -------------------------------------------------------------------------
@@ -101,18 +102,19 @@ class RolloutRunner:
         self.set_state(WorkerState.ROLLING_OUT)
         start = time.perf_counter()
         k = self.cfg.k if self.cfg.tlt else 0
-        outs = []
-        # one request batch at a time keeps progress fine-grained; the engine batches within it
-        for chunk_start in range(0, len(reqs), 8):
-            chunk = reqs[chunk_start : chunk_start + 8]
-            res = self.engine.generate(chunk, k=k, drafter=self.drafter if k else None, record_hidden=self.cfg.tlt)
-            outs += res
-            n_tok = sum(len(o.token_ids) for o in outs)
-            steps = sum(o.num_steps for o in outs)
-            self.progress.update(num_running=len(reqs) - len(outs), num_finished=len(outs), num_tokens=n_tok,
-                                 tokens_per_s=n_tok / max(time.perf_counter() - start, 1e-9),
-                                 mean_accepted_length=n_tok / max(steps, 1))
-            self.report()
+        stats = self.engine.stats
+
+        def on_step(num_finished: int, num_tokens: int) -> None:  # rate-limited inside the reporter
+            self.progress.update(num_running=len(reqs) - num_finished, num_finished=num_finished,
+                                 num_tokens=num_tokens,
+                                 tokens_per_s=num_tokens / max(time.perf_counter() - start, 1e-9),
+                                 mean_accepted_length=stats.mean_accepted_length)
+            if self.report_progress:
+                self.report()
+
+        outs = self.engine.generate(reqs, k=k, drafter=self.drafter if k else None, record_hidden=self.cfg.tlt,
+                                    on_step=on_step)
+        self.reporter.flush()
         if self.cfg.tlt:
             self.buffer.add_outputs(outs, self.policy_version)
         self.set_state(WorkerState.IDLE)
@@ -173,7 +175,8 @@ class RolloutRunner:
     def status(self) -> dict:
         rec = self.record()
         return {**rec.__dict__, "state": rec.state.value, "buffer_tokens": self.buffer.num_tokens,
-                "num_swaps": self.drafter.num_swaps}
+                "num_swaps": self.drafter.num_swaps, "swap_times": list(self.drafter.swap_times),
+                "swap_seconds": self.drafter.swap_seconds}
 
 
 @ray.remote(num_cpus=0)
@@ -218,6 +221,9 @@ class RolloutWorker:
 
     async def status(self) -> dict:
         return self.runner.status()
+
+    async def set_reporting(self, enabled: bool) -> None:
+        self.runner.report_progress = enabled
 
     async def swap_log(self) -> list[dict]:
         return list(self.runner.swap_log)

@@ -1,0 +1,109 @@
+"""`tlt bench dataplane`: a GRPO job on local Ray with logical GPUs, then hot-swap and progress costs.
+
+(1) one or more GRPO steps on `num_workers` rollout workers: per-phase timings, the rollout share
+    of the step, and the worker-seconds spent idle at the step barrier (what the scheduler reclaims);
+(2) hot swap: while every worker generates, a new draft version is published; the time from publish
+    to each worker serving it, and the decode-loop time spent switching;
+(3) progress reporting: one worker generates the same requests with reporting on and off, alternately.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+
+import ray
+
+from drafter.checkpoint import DraftMeta
+from drafter.loading import load_model
+from drafter.warmstart import head_config, new_head
+from scheduler.bench.prompts import PROMPTS
+from workers.driver import JobConfig, JobDriver, encode_text
+from workers.grpo import GRPOConfig
+from workers.redis_server import PrivateRedis
+from workers.rollout import WorkerConfig
+from workers.store import DraftStore
+
+
+def log(msg: str) -> None:
+    print(f"[bench dataplane] {msg}", file=sys.stderr, flush=True)
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def bench_dataplane(model: str = "smollm2-135m", num_workers: int = 4, num_steps: int = 1,
+                    prompts_per_step: int = 4, group_size: int = 4, max_new_tokens: int = 96,
+                    swap_trials: int = 3, overhead_reps: int = 3) -> dict:
+    result: dict = {"model": model, "num_workers": num_workers, "num_steps": num_steps,
+                    "prompts_per_step": prompts_per_step, "group_size": group_size, "max_new_tokens": max_new_tokens}
+    ray.init(num_cpus=2, num_gpus=num_workers, include_dashboard=False, log_to_driver=False,
+             ignore_reinit_error=True)
+    store_dir = tempfile.mkdtemp(prefix="tlt-bench-dataplane-")
+    try:
+        with PrivateRedis() as redis_server:
+            client = redis_server.client()
+            cfg = JobConfig(job_id="bench", model=model, num_steps=num_steps, num_prompts_per_step=prompts_per_step,
+                            max_new_tokens=max_new_tokens, num_workers=num_workers, store_dir=store_dir,
+                            worker=WorkerConfig(model=model, k=2), grpo=GRPOConfig(group_size=group_size))
+            log(f"(1) GRPO job: {num_steps} step(s), {num_workers} workers, {prompts_per_step}x{group_size} rollouts")
+            driver = JobDriver.remote(cfg, redis_server.url)
+            steps = ray.get(driver.run.remote())
+            fractions = [s["timings"]["rollout"] / sum(s["timings"].values()) for s in steps]
+            result["steps"] = steps
+            result["rollout_fraction"] = round(statistics.mean(fractions), 3)
+            result["idle_worker_seconds_per_step"] = round(statistics.mean(s["idle_worker_s"] for s in steps), 2)
+            result["step_seconds"] = round(statistics.mean(sum(s["timings"].values()) for s in steps), 2)
+            workers = ray.get(driver.worker_handles.remote())
+
+            loaded = load_model(model)
+            prompts = [encode_text(loaded.tokenizer, t, loaded.model.cfg.vocab_size) for t in PROMPTS[:4]]
+            params = [{"max_new_tokens": max_new_tokens, "ignore_eos": True}] * len(prompts)
+            served = DraftStore(client, f"{store_dir}/served", "bench")
+            log(f"(2) hot swap, {swap_trials} trials")
+            latencies, loss_fractions = [], []
+            for trial in range(swap_trials):
+                before = ray.get([w.status.remote() for w in workers])
+                t0 = time.perf_counter()
+                runs = [w.generate.remote(prompts, params, 100 + trial) for w in workers]
+                time.sleep(2.0)
+                head = new_head(loaded.model, None, 8192, seed=trial)
+                published_at = time.time()
+                version = served.publish(head.state_dict(), DraftMeta(version=0, parent_version=None, policy_version=0,
+                                                                      head_config=head_config(head)))
+                ray.get(runs)
+                gen_s = time.perf_counter() - t0
+                after = ray.get([w.status.remote() for w in workers])
+                for b, a in zip(before, after):
+                    applied = [t for v, t in a["swap_times"] if v == version]
+                    if applied:
+                        latencies.append(applied[0] - published_at)
+                    loss_fractions.append((a["swap_seconds"] - b["swap_seconds"]) / gen_s)
+                log(f"  trial {trial}: {len(latencies)} swaps so far")
+            result["swap_p50_s"] = round(statistics.median(latencies), 3) if latencies else None
+            result["swap_p99_s"] = round(pct(latencies, 0.99), 3) if latencies else None
+            result["swap_count"] = len(latencies)
+            result["swap_expected"] = swap_trials * len(workers)
+            result["swap_decode_loss_fraction"] = round(statistics.mean(loss_fractions), 5)
+
+            log(f"(3) progress reporting overhead, {overhead_reps} alternations on one worker")
+            w = workers[0]
+            times = {True: [], False: []}
+            for rep in range(overhead_reps):
+                for enabled in (True, False) if rep % 2 == 0 else (False, True):
+                    ray.get(w.set_reporting.remote(enabled))
+                    t0 = time.perf_counter()
+                    ray.get(w.generate.remote(prompts, params, 200 + rep))
+                    times[enabled].append(time.perf_counter() - t0)
+            ray.get(w.set_reporting.remote(True))
+            on, off = statistics.median(times[True]), statistics.median(times[False])
+            result["progress_overhead_fraction"] = round(on / off - 1, 4)
+            result["progress_seconds"] = {"on": [round(x, 2) for x in times[True]],
+                                          "off": [round(x, 2) for x in times[False]]}
+    finally:
+        ray.shutdown()
+    return result
