@@ -7,6 +7,7 @@ are kept), score them, recompute log-probabilities with the POLICY, update it, r
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
@@ -91,6 +92,8 @@ class JobDriver:
             for i in range(cfg.num_workers)]
         self.worker_ids = [f"w{i}" for i in range(cfg.num_workers)]
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.grpo.lr)
+        # a frozen copy of the initial policy, only when the KL term is on
+        self.ref_model = copy.deepcopy(self.policy).requires_grad_(False) if cfg.grpo.kl_coef > 0 else None
         self.records: list[StepRecord] = []
 
     def _drop(self, w, wid: str, exc: Exception, rl_step: int, failures: list) -> None:
@@ -170,7 +173,8 @@ class JobDriver:
             t["logprob"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             self.policy.train().requires_grad_(True)
-            stats = grpo_update(self.policy, self.optimizer, seqs, plens, adv, old_logp, mask, cfg.grpo)
+            stats = grpo_update(self.policy, self.optimizer, seqs, plens, adv, old_logp, mask, cfg.grpo,
+                                self.ref_model)
             self.policy.eval().requires_grad_(False)
             self.policy_version += 1
             t["update"] = time.perf_counter() - t0

@@ -70,7 +70,7 @@ def bench_dataplane(model: str = "smollm2-135m", num_workers: int = 4, num_steps
                 before = ray.get([w.status.remote() for w in workers])
                 t0 = time.perf_counter()
                 runs = [w.generate.remote(prompts, params, 100 + trial) for w in workers]
-                time.sleep(2.0)
+                time.sleep(1.0)  # every worker is mid-generation (a 96-token rollout takes several seconds)
                 head = new_head(loaded.model, None, 8192, seed=trial)
                 published_at = time.time()
                 version = served.publish(head.state_dict(), DraftMeta(version=0, parent_version=None, policy_version=0,
