@@ -1,8 +1,12 @@
 """GRPO: group-normalised advantages, clipped-ratio loss, optional KL to a frozen reference.
 
-Log-probabilities always come from the POLICY (never the drafter): speculative decoding changes
-how fast tokens are produced, not which distribution they follow, so the policy's own log-probs
-are the right `old_logp` and the update stays on-policy.
+Log-probabilities always come from the POLICY, never from a drafter: speculative decoding changes
+how fast tokens are produced, not which distribution they follow (verification is lossless), so
+the policy's own log-probs are the right `old_logp` and the update stays on-policy. A drafter's
+log-probs describe a different distribution and would bias every ratio.
+
+Layout used throughout: `logp`, `old_logp`, `ref_logp` and `mask` are (B, T) with T the longest
+RESPONSE in the batch; column j is the j-th generated token of that row, right-padded.
 """
 
 from __future__ import annotations
@@ -11,93 +15,174 @@ from dataclasses import dataclass
 
 import torch
 
+from drafter.model import CausalLM
+
 
 @dataclass
 class GRPOConfig:
-    group_size: int = 4  # rollouts per prompt; advantages compare within a group
+    group_size: int = 4  # rollouts per prompt; advantages compare within a group, so it must be >= 2
     clip_eps: float = 0.2
-    kl_coef: float = 0.0  # verifiable rewards rarely need it (DAPO drops it); set > 0 to keep near the reference
+    kl_coef: float = 0.0  # verifiable rewards rarely need a KL leash (DAPO drops it) and it costs a reference copy
     lr: float = 1e-5
     max_grad_norm: float = 1.0
-    micro_batch_size: int = 4  # sequences per backward; bounds activation memory
-    normalize_std: bool = True
+    micro_batch_size: int = 4  # sequences per backward; bounds activation memory, not the result
+    normalize_std: bool = True  # Dr. GRPO sets it False: dividing by std up-weights near-unanimous groups
+    num_updates_per_step: int = 1  # 1 = strictly on-policy (ratio is 1, clipping idle); >1 reuses rollouts
 
     def __post_init__(self) -> None:
-        if self.group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 (a group of one has no advantage), got {self.group_size}")
         if not 0 < self.clip_eps < 1:
             raise ValueError(f"clip_eps must be in (0, 1), got {self.clip_eps}")
-        if self.kl_coef < 0 or self.lr <= 0 or self.micro_batch_size < 1:
-            raise ValueError("kl_coef must be >= 0, lr > 0 and micro_batch_size >= 1")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.num_updates_per_step < 1:
+            raise ValueError(f"num_updates_per_step must be >= 1, got {self.num_updates_per_step}")
 
 
 def group_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """(num_groups, group_size) rewards -> advantages: reward minus its group's mean, over the std."""
+    """(num_groups, group_size) rewards -> same-shape advantages: reward minus its group's mean,
+    divided by the group's population std (+ eps) when `normalize_std`. A unanimous group gets 0."""
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be (num_groups, group_size), got shape {tuple(rewards.shape)}")
-    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    rewards = rewards.float()
+    centered = rewards - rewards.mean(dim=1, keepdim=True)  # (G, S)
     if normalize_std:
         centered = centered / (rewards.std(dim=1, unbiased=False, keepdim=True) + eps)
     return centered
 
 
-def sequence_logprobs(model, sequences: list[list[int]], prompt_lens: list[int],
+def sequence_logprobs(model: CausalLM, sequences: list[list[int]], prompt_lens: list[int],
                       pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of each generated token under `model`: (B, T) with T the longest sequence - 1, and
-    a mask that is True only on generated (not prompt, not padding) positions."""
+    """Log-prob of each generated token under `model` (always the POLICY, never a drafter).
+
+    sequences[b] = prompt + response token ids; prompt_lens[b] = len(prompt) >= 1. One cache-free
+    causal forward over the right-padded batch; differentiable when grad is enabled.
+    Returns (logp, mask), both (B, T) with T the longest response: logp[b, j] = log p(response
+    token j | everything before it); mask is False on padding, where logp is 0.
+    """
+    if len(sequences) != len(prompt_lens):
+        raise ValueError(f"prompt_lens has {len(prompt_lens)} entries for {len(sequences)} sequences")
+    if not sequences:
+        raise ValueError("sequences must not be empty")
+    for b, (s, p) in enumerate(zip(sequences, prompt_lens)):
+        if not 1 <= p <= len(s):
+            raise ValueError(f"prompt_lens[{b}] must be in [1, {len(s)}] (the sequence's length), got {p}")
+    device = model.device
     B, L = len(sequences), max(len(s) for s in sequences)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
-    mask = torch.zeros(B, L - 1, dtype=torch.bool)
-    for b, (s, p) in enumerate(zip(sequences, prompt_lens)):
-        ids[b, : len(s)] = torch.tensor(s)
-        mask[b, p - 1 : len(s) - 1] = True  # position t scores token t+1
-    logits, _ = model(ids, torch.arange(L).expand(B, L), None)  # (B, L, V)
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return logp * mask, mask
+    for b, s in enumerate(sequences):
+        ids[b, : len(s)] = torch.tensor(s, dtype=torch.long)
+    ids = ids.to(device)
+    plens = torch.tensor(prompt_lens, device=device)  # (B,)
+    resp_lens = torch.tensor([len(s) for s in sequences], device=device) - plens  # (B,)
+    T = int(resp_lens.max())
+    j = torch.arange(T, device=device)  # (T,)
+    mask = j.unsqueeze(0) < resp_lens.unsqueeze(1)  # (B, T)
+    if T == 0:
+        return torch.zeros(B, 0, device=device), mask
+    logits, _ = model(ids, torch.arange(L, device=device).expand(B, L), None, logits_for="all")  # (B, L, V)
+    # response token j of row b sits at position plens[b] + j and is scored by the logits one before it
+    target_pos = (plens.unsqueeze(1) + j).clamp(max=L - 1)  # (B, T); padding rows clamp to a valid index
+    score_pos = target_pos - 1  # (B, T)
+    V = logits.shape[-1]
+    picked = logits.gather(1, score_pos.unsqueeze(-1).expand(B, T, V)).float()  # (B, T, V)
+    targets = ids.gather(1, target_pos)  # (B, T)
+    logp = torch.log_softmax(picked, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T)
+    return torch.where(mask, logp, torch.zeros_like(logp)), mask
 
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
               clip_eps: float, kl_coef: float = 0.0, ref_logp: torch.Tensor | None = None,
-              num_tokens: int | None = None) -> tuple[torch.Tensor, dict]:
-    """Token-level mean over all valid tokens (divided by `num_tokens` when micro-batching):
-    -min(r A, clip(r, 1-eps, 1+eps) A) with r = exp(logp - old_logp), plus kl_coef * k3 KL."""
-    denom = num_tokens if num_tokens is not None else int(mask.sum())
-    ratio = torch.exp(logp - old_logp)  # (B, T)
-    adv = advantages.view(-1, 1)
-    surrogate = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
-    per_token = surrogate
-    kl = torch.zeros(())
-    if kl_coef > 0 and ref_logp is not None:
-        d = ref_logp - logp
-        k3 = torch.exp(d) - d - 1
-        per_token = per_token + kl_coef * k3
-        kl = (k3 * mask).sum() / max(denom, 1)
-    loss = (per_token * mask).sum() / max(denom, 1)
-    ratio_d = ratio.detach()
-    clipped = ((ratio_d - 1).abs() > clip_eps) & mask
-    stats = {"clip_fraction": float(clipped.sum()) / max(int(mask.sum()), 1),
-             "mean_ratio": float((ratio_d * mask).sum()) / max(int(mask.sum()), 1), "kl": float(kl.detach())}
+              num_tokens: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped surrogate plus optional k3 KL, as a TOKEN-level mean over all valid tokens of the batch.
+
+    per token: -min(r A, clip(r, 1-eps, 1+eps) A), r = exp(logp - old_logp), plus
+    kl_coef * (exp(ref - logp) - (ref - logp) - 1) (k3: unbiased, always >= 0).
+    Token-level mean (DAPO): every token weighs the same, so long responses are not down-weighted
+    the way a per-sequence mean would. `num_tokens` overrides the divisor (the full batch's valid
+    token count when micro-batching, so micro-batch losses sum to the full-batch loss).
+    stats are means over this call's valid tokens: clip_fraction (tokens where the clip is active,
+    i.e. the gradient is cut), mean_ratio, kl (0 when no ref_logp).
+    """
+    if logp.shape != old_logp.shape or logp.shape != mask.shape:
+        raise ValueError(f"logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and mask "
+                         f"{tuple(mask.shape)} must have the same shape")
+    if advantages.shape != (logp.shape[0],):
+        raise ValueError(f"advantages must be ({logp.shape[0]},), got {tuple(advantages.shape)}")
+    if kl_coef > 0 and ref_logp is None:
+        raise ValueError("ref_logp is required when kl_coef > 0")
+    mask = mask.to(torch.bool)
+    num_valid = int(mask.sum())
+    denom = max(num_tokens if num_tokens is not None else num_valid, 1)
+    adv = advantages.to(logp).unsqueeze(1)  # (B, 1)
+    ratio = torch.exp(logp - old_logp.to(logp))  # (B, T)
+    clipped_ratio = ratio.clamp(1 - clip_eps, 1 + clip_eps)
+    per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)  # (B, T)
+    kl = torch.zeros((), device=logp.device)
+    if ref_logp is not None:
+        d = ref_logp.to(logp) - logp
+        k3 = torch.exp(d) - d - 1  # (B, T)
+        if kl_coef > 0:
+            per_token = per_token + kl_coef * k3
+        kl = torch.where(mask, k3, 0.0).sum().detach() / max(num_valid, 1)
+    loss = torch.where(mask, per_token, 0.0).sum() / denom
+    r = ratio.detach()
+    is_clipped = ((r > 1 + clip_eps) & (adv > 0)) | ((r < 1 - clip_eps) & (adv < 0))  # (B, T)
+    n = max(num_valid, 1)
+    stats = {"clip_fraction": float((is_clipped & mask).sum()) / n,
+             "mean_ratio": float(torch.where(mask, r, 0.0).sum()) / n, "kl": float(kl)}
     return loss, stats
 
 
-def grpo_update(model, optimizer, sequences, prompt_lens, advantages: torch.Tensor, old_logp: torch.Tensor,
-                mask: torch.Tensor, cfg: GRPOConfig, ref_model=None) -> dict:
-    """One optimizer step over all sequences, accumulated over micro-batches so the gradient equals
-    the full batch's token mean."""
+def grpo_update(model: CausalLM, optimizer: torch.optim.Optimizer, sequences: list[list[int]],
+                prompt_lens: list[int], advantages: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
+                cfg: GRPOConfig, ref_model: CausalLM | None = None, pad_id: int = 0) -> dict[str, float]:
+    """One optimizer step over all sequences.
+
+    Gradients are accumulated over micro-batches of `cfg.micro_batch_size` sequences, each loss
+    divided by the FULL batch's valid-token count, so the summed gradient equals the full batch's
+    token-mean gradient. Then clip to `cfg.max_grad_norm` and step once. `old_logp` and `mask` are
+    what `sequence_logprobs` returned for these sequences (policy, no grad). `ref_model` is needed
+    when cfg.kl_coef > 0. The caller loops `cfg.num_updates_per_step` times with the same old_logp.
+    Returns JSON-ready stats: loss, grad_norm, clip_fraction, mean_ratio, kl, num_tokens.
+    """
+    B = len(sequences)
+    if old_logp.shape != mask.shape or old_logp.shape[0] != B:
+        raise ValueError(f"old_logp {tuple(old_logp.shape)} and mask {tuple(mask.shape)} must be ({B}, T)")
+    if advantages.shape != (B,):
+        raise ValueError(f"advantages must be ({B},), got {tuple(advantages.shape)}")
+    if cfg.kl_coef > 0 and ref_model is None:
+        raise ValueError("ref_model is required when kl_coef > 0")
     num_tokens = int(mask.sum())
+    sums = {"loss": 0.0, "clip_fraction": 0.0, "mean_ratio": 0.0, "kl": 0.0}
     optimizer.zero_grad(set_to_none=True)
-    total, stats = 0.0, {}
-    for i in range(0, len(sequences), cfg.micro_batch_size):
-        sl = slice(i, i + cfg.micro_batch_size)
-        logp, m = sequence_logprobs(model, sequences[sl], prompt_lens[sl])
+    if num_tokens == 0:  # nothing was generated: no gradient, no step
+        return {**sums, "grad_norm": 0.0, "num_tokens": 0}
+    for start in range(0, B, cfg.micro_batch_size):
+        sl = slice(start, start + cfg.micro_batch_size)
+        mb_mask = mask[sl]
+        mb_tokens = int(mb_mask.sum())
+        if mb_tokens == 0:
+            continue  # zero contribution to the token mean
+        logp, _ = sequence_logprobs(model, sequences[sl], prompt_lens[sl], pad_id)  # (b, t), t <= T
         t = logp.shape[1]
         ref = None
         if ref_model is not None and cfg.kl_coef > 0:
             with torch.no_grad():
-                ref, _ = sequence_logprobs(ref_model, sequences[sl], prompt_lens[sl])
-        loss, stats = grpo_loss(logp, old_logp[sl, :t], advantages[sl], m, cfg.clip_eps, cfg.kl_coef, ref, num_tokens)
+                ref, _ = sequence_logprobs(ref_model, sequences[sl], prompt_lens[sl], pad_id)
+        loss, st = grpo_loss(logp, old_logp[sl, :t], advantages[sl], mb_mask[:, :t].to(logp.device),
+                             cfg.clip_eps, cfg.kl_coef, ref, num_tokens)
         loss.backward()
-        total += float(loss.detach())
+        sums["loss"] += float(loss.detach())
+        for key in ("clip_fraction", "mean_ratio", "kl"):  # token-weighted, so they are full-batch means
+            sums[key] += st[key] * mb_tokens / num_tokens
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
     optimizer.step()
-    return {"loss": total, "grad_norm": float(grad_norm), **stats}
+    return {**sums, "grad_norm": float(grad_norm), "num_tokens": num_tokens}

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
 from collections.abc import Callable
+
+import redis as redis_lib
 
 from workers.protocol import (
     EVENTS_MAXLEN,
     MAX_PROGRESS_UPDATES_PER_S,
     PROGRESS_TTL_S,
     ProgressRecord,
+    WorkerState,
+    check_id,
+    event_fields,
     job_events_key,
     job_workers_key,
     progress_key,
@@ -17,50 +24,86 @@ from workers.protocol import (
 
 
 class ProgressReporter:
-    """Writes a worker's record at most `max_updates_per_s` times a second. Updates in between are
-    held back (the newest is kept for `flush`); a state change is always written at once and also
-    appended to the job's event stream. Each write is one MULTI/EXEC pipeline."""
+    """Writes one worker's record at most `max_updates_per_s` times a second.
 
-    def __init__(self, redis, job_id: str, worker_id: str, max_updates_per_s: float = MAX_PROGRESS_UPDATES_PER_S,
-                 ttl_s: float = PROGRESS_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
-        if max_updates_per_s <= 0:
-            raise ValueError(f"max_updates_per_s must be > 0, got {max_updates_per_s}")
-        self.redis, self.job_id, self.worker_id = redis, job_id, worker_id
-        self.min_interval = 1.0 / max_updates_per_s
-        self.ttl_ms = int(ttl_s * 1000)
+    Updates in between are skipped (the newest is held for `flush`); a state change, or `force`,
+    is written at once and a state change is also appended to the job's event stream. Each write is
+    one MULTI/EXEC: SET the record with a TTL (PX, so tests can pass a sub-second `ttl_s`), SADD the
+    worker to the job's set, and XADD the transition if there is one. Thread-safe.
+    """
+
+    def __init__(self, redis: redis_lib.Redis, job_id: str, worker_id: str,
+                 max_updates_per_s: float = MAX_PROGRESS_UPDATES_PER_S, clock: Callable[[], float] = time.monotonic,
+                 ttl_s: float = PROGRESS_TTL_S) -> None:
+        if isinstance(max_updates_per_s, bool) or not isinstance(max_updates_per_s, int | float) \
+                or not max_updates_per_s > 0:
+            raise ValueError(f"max_updates_per_s must be a number > 0, got {max_updates_per_s!r}")
+        if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float) or ttl_s < 0.001:
+            raise ValueError(f"ttl_s must be a number >= 0.001, got {ttl_s!r}")
+        self.redis = redis
+        self.job_id, self.worker_id = check_id("job_id", job_id), check_id("worker_id", worker_id)
+        self.min_interval_s = 1.0 / max_updates_per_s
+        self.ttl_ms = max(1, round(ttl_s * 1000))
         self.clock = clock
-        self.last_write: float | None = None
-        self.last_state = None
-        self.held: ProgressRecord | None = None
-        self.num_writes = self.num_skipped = 0
+        self.key = progress_key(job_id, worker_id)
+        self.last_write_at: float | None = None  # clock() of the last write
+        self.last_state: WorkerState | None = None  # state last written
+        self.last_record: ProgressRecord | None = None
+        self.held: ProgressRecord | None = None  # newest skipped record, written by flush()
+        self.num_writes = 0
+        self.num_skipped = 0
+        self.num_events = 0
+        self._lock = threading.Lock()
 
     def report(self, record: ProgressRecord, force: bool = False) -> bool:
-        now = self.clock()
-        changed = record.state != self.last_state
-        due = self.last_write is None or now - self.last_write >= self.min_interval
-        if not (force or changed or due):
-            self.held = record
-            self.num_skipped += 1
-            return False
-        self._write(record, changed, now)
-        return True
+        """Write `record` if due, forced, or a state change; otherwise hold it. True if written."""
+        self._check(record)
+        with self._lock:
+            now = self.clock()
+            is_changed = record.state != self.last_state
+            is_due = self.last_write_at is None or now - self.last_write_at >= self.min_interval_s
+            if not (force or is_changed or is_due):
+                self.held = record
+                self.num_skipped += 1
+                return False
+            self._write(record, now)
+            return True
 
     def flush(self) -> bool:
-        if self.held is None:
-            return False
-        self._write(self.held, self.held.state != self.last_state, self.clock())
-        return True
+        """Write the newest skipped record, if any (e.g. at the end of a rollout). True if written."""
+        with self._lock:
+            if self.held is None:
+                return False
+            self._write(self.held, self.clock())
+            return True
 
-    def _write(self, record: ProgressRecord, changed: bool, now: float) -> None:
+    def heartbeat(self, wall_clock: Callable[[], float] = time.time) -> bool:
+        """Rewrite the last record with a fresh timestamp, so a worker that is alive but has nothing
+        new to say (waiting at the barrier longer than the TTL) does not look gone. True if written."""
+        with self._lock:
+            if self.last_record is None:
+                return False
+            self._write(dataclasses.replace(self.held or self.last_record, timestamp=wall_clock()), self.clock())
+            return True
+
+    def _check(self, record: ProgressRecord) -> None:
+        if not isinstance(record, ProgressRecord):
+            raise ValueError(f"record must be a ProgressRecord, got {type(record).__name__}")
+        if record.job_id != self.job_id:
+            raise ValueError(f"record.job_id {record.job_id!r} is not this reporter's {self.job_id!r}")
+        if record.worker_id != self.worker_id:
+            raise ValueError(f"record.worker_id {record.worker_id!r} is not this reporter's {self.worker_id!r}")
+
+    def _write(self, record: ProgressRecord, now: float) -> None:
+        is_changed = record.state != self.last_state
         pipe = self.redis.pipeline(transaction=True)
-        pipe.set(progress_key(self.job_id, self.worker_id), record.to_json(), px=self.ttl_ms)
+        pipe.set(self.key, record.to_json(), px=self.ttl_ms)
         pipe.sadd(job_workers_key(self.job_id), self.worker_id)
-        if changed:
-            prev = self.last_state.value if self.last_state is not None else ""
+        if is_changed:
             pipe.xadd(job_events_key(self.job_id),
-                      {"worker": self.worker_id, "from": prev, "to": record.state.value,
-                       "ts": repr(record.timestamp), "rl_step": str(record.rl_step)},
+                      event_fields(self.worker_id, self.last_state, record.state, record.timestamp, record.rl_step),
                       maxlen=EVENTS_MAXLEN, approximate=True)
-        pipe.execute()
-        self.last_write, self.last_state, self.held = now, record.state, None
+        pipe.execute()  # only after it succeeded does the reporter's view move on
+        self.last_write_at, self.last_state, self.last_record, self.held = now, record.state, record, None
         self.num_writes += 1
+        self.num_events += is_changed

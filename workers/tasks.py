@@ -1,9 +1,14 @@
-"""Tasks and rewards. Rewards are chosen by registered NAME only: a job spec can never import or
-run code of its own."""
+"""Tasks (prompts with reference answers) and rewards.
+
+Rewards are chosen by registered NAME only (`REWARDS`, `get_reward`): a job spec carries a string
+that is looked up in this module's table, so nothing in a job spec can import or run code. Adding
+a reward means adding a function here, reviewed like any other code.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 from collections.abc import Callable
@@ -14,101 +19,162 @@ from pathlib import Path
 @dataclass(frozen=True)
 class Problem:
     prompt: str
-    answer: str
+    answer: str  # the reference answer as text, e.g. "42"
 
 
-_NAMES = ["Tom", "Anna", "Ravi", "Mei", "Lucas", "Sofia", "Omar", "Lena"]
-_ITEMS = ["apples", "marbles", "coins", "stickers", "books", "cards"]
+ANSWER_INSTRUCTION = 'Think step by step, then give the final answer as "Answer: <number>".'
+_NAMES = ["Tom", "Anna", "Ravi", "Mei", "Lucas", "Sofia", "Omar", "Lena", "Kofi", "Ines"]
+_ITEMS = ["apples", "marbles", "coins", "stickers", "books", "cards", "pencils", "shells"]
+_MAX_VALUE_TO_MULTIPLY = 60  # keeps every intermediate value small (below ~200)
 
 
 class ArithmeticTask:
-    """Word problems with chains of 1..max_steps operations, so reasoning lengths vary."""
+    """Word problems whose chains hold min_steps..max_steps operations, so the reasoning (and the
+    response) lengths vary: the long tail the scheduler exists for.
+
+    Deterministic per seed: the same seed yields the same problems in the same order, across calls
+    (`sample(3); sample(2)` gives the same five problems as `sample(5)`).
+    """
 
     def __init__(self, seed: int = 0, min_steps: int = 1, max_steps: int = 4) -> None:
-        if not 1 <= min_steps <= max_steps:
-            raise ValueError(f"need 1 <= min_steps <= max_steps, got {min_steps}, {max_steps}")
-        self.rng = random.Random(seed)
+        if min_steps < 1:
+            raise ValueError(f"min_steps must be >= 1, got {min_steps}")
+        if max_steps < min_steps:
+            raise ValueError(f"max_steps must be >= min_steps ({min_steps}), got {max_steps}")
         self.min_steps, self.max_steps = min_steps, max_steps
+        self._rng = random.Random(seed)
+
+    def _step(self, value: int, name: str, item: str) -> tuple[int, str]:
+        """One operation on `value`; returns the new value and its sentence."""
+        rng = self._rng
+        ops = ["gets", "buys_packs"]
+        if value > 1:
+            ops.append("gives")
+        if value <= _MAX_VALUE_TO_MULTIPLY:
+            ops.append("multiplies")
+        divisors = [k for k in (2, 3, 4) if value % k == 0 and value > k]
+        if divisors:
+            ops.append("shares")
+        op = rng.choice(ops)
+        if op == "gets":
+            n = rng.randint(1, 9)
+            return value + n, f"Then {name} finds {n} more {item}."
+        if op == "buys_packs":
+            packs, per_pack = rng.randint(2, 4), rng.randint(2, 5)
+            return value + packs * per_pack, f"Then {name} buys {packs} packs with {per_pack} {item} in each pack."
+        if op == "gives":
+            n = rng.randint(1, value - 1)
+            return value - n, f"Then {name} gives away {n} {item}."
+        if op == "multiplies":
+            k = rng.choice([2, 3])
+            word = {2: "doubles", 3: "triples"}[k]
+            return value * k, f"Then the number of {item} {name} has {word}."
+        k = rng.choice(divisors)
+        return value // k, f"Then {name} splits the {item} into {k} equal piles and keeps one pile."
 
     def one(self) -> Problem:
-        rng = self.rng
+        rng = self._rng
         name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
         value = rng.randint(2, 20)
-        text = [f"{name} has {value} {item}."]
+        sentences = [f"{name} has {value} {item}."]
         for _ in range(rng.randint(self.min_steps, self.max_steps)):
-            op = rng.choice(["gets", "loses", "doubles"] if value > 1 else ["gets", "doubles"])
-            if op == "gets":
-                n = rng.randint(1, 9)
-                value += n
-                text.append(f"Then {name} gets {n} more.")
-            elif op == "loses":
-                n = rng.randint(1, value - 1)
-                value -= n
-                text.append(f"Then {name} gives away {n}.")
-            else:
-                value *= 2
-                text.append(f"Then the number of {item} doubles.")
-        text.append(f"How many {item} does {name} have now? Think step by step, then write 'Answer: <number>'.")
-        return Problem(" ".join(text), str(value))
+            value, sentence = self._step(value, name, item)
+            sentences.append(sentence)
+        sentences.append(f"How many {item} does {name} have now? {ANSWER_INSTRUCTION}")
+        return Problem(" ".join(sentences), str(value))
 
-    def sample(self, num: int) -> list[Problem]:
-        return [self.one() for _ in range(num)]
+    def sample(self, n: int) -> list[Problem]:
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        return [self.one() for _ in range(n)]
+
+
+def _answer_text(value: object) -> str:
+    """JSON answer -> text; integral floats read as integers (7.0 -> "7") so exact rewards match."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value).strip()
 
 
 def load_jsonl_dataset(path: str | Path | None) -> list[Problem]:
-    """Lines of {"prompt": str, "answer": str | number}."""
+    """Problems from a JSONL file, one {"prompt": str, "answer": str | number} per line (other
+    keys are ignored, blank lines skipped). Any bad line raises ValueError naming line and field."""
     if path is None or not Path(path).is_file():
         raise ValueError(f"dataset_path: no such file {path}")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"dataset_path: {path} is not UTF-8 text ({exc.reason})") from None
     problems = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             item = json.loads(line)
-        except json.JSONDecodeError:
-            raise ValueError(f"dataset line {n}: not JSON") from None
-        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"]:
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"dataset line {n}: not valid JSON ({exc.msg})") from None
+        if not isinstance(item, dict):
+            raise ValueError(f"dataset line {n}: must be a JSON object with fields \"prompt\" and \"answer\"")
+        prompt, answer = item.get("prompt"), item.get("answer")
+        if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError(f'dataset line {n}: field "prompt" must be a non-empty string')
-        if not isinstance(item.get("answer"), (str, int, float)) or isinstance(item.get("answer"), bool):
+        is_number = isinstance(answer, (int, float)) and not isinstance(answer, bool)
+        if not (isinstance(answer, str) or is_number):
             raise ValueError(f'dataset line {n}: field "answer" must be a string or a number')
-        problems.append(Problem(item["prompt"], str(item["answer"])))
+        if is_number and not math.isfinite(answer):
+            raise ValueError(f'dataset line {n}: field "answer" must be a finite number')
+        problems.append(Problem(prompt, _answer_text(answer)))
     if not problems:
-        raise ValueError(f"dataset {path} holds no problems")
+        raise ValueError(f"dataset_path: {path} holds no problems")
     return problems
 
 
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+# A number: optional sign (not when glued to a preceding digit, as in "10-3"), digits, optional decimals.
+_NUMBER = re.compile(r"(?<![\d.])-?\d+(?:\.\d+)?")
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")  # "1,000" -> "1000"
 
 
-def _last_number(text: str) -> str | None:
-    found = _NUMBER.findall(text.replace(",", ""))
-    return found[-1] if found else None
+def _numbers(text: str) -> list[str]:
+    return _NUMBER.findall(_THOUSANDS.sub("", text))
 
 
 def arithmetic_reward(text: str, answer: str) -> float:
-    """1.0 if the number after the last 'Answer:' (else the last number) equals the answer."""
-    tail = text.rsplit("Answer:", 1)[1] if "Answer:" in text else text
-    got = _last_number(tail)
-    return 1.0 if got is not None and got == answer.strip() else 0.0
+    """1.0 if the number right after the last "Answer:" (else the last number in the text) is
+    exactly the answer's text ("7" matches "7", not "7.0"), else 0.0."""
+    if "Answer:" in text:
+        after = _numbers(text.rsplit("Answer:", 1)[1])
+        if after:
+            return 1.0 if after[0] == answer.strip() else 0.0
+    found = _numbers(text)
+    return 1.0 if found and found[-1] == answer.strip() else 0.0
 
 
 def numeric_reward(text: str, answer: str) -> float:
-    got = _last_number(text)
+    """1.0 if the last number in the text equals the answer as floats, within 1e-6."""
+    found = _numbers(text)
+    if not found:
+        return 0.0
     try:
-        return 1.0 if got is not None and abs(float(got) - float(answer)) <= 1e-6 else 0.0
+        target = float(answer.replace(",", ""))
     except ValueError:
         return 0.0
+    return 1.0 if abs(float(found[-1]) - target) <= 1e-6 else 0.0
 
 
 def exact_reward(text: str, answer: str) -> float:
+    """1.0 if the stripped text equals the stripped answer (case-sensitive)."""
     return 1.0 if text.strip() == answer.strip() else 0.0
 
 
 REWARDS: dict[str, Callable[[str, str], float]] = {
-    "arithmetic": arithmetic_reward, "numeric": numeric_reward, "exact": exact_reward}
+    "arithmetic": arithmetic_reward,
+    "numeric": numeric_reward,
+    "exact": exact_reward,
+}
 
 
 def get_reward(name: str) -> Callable[[str, str], float]:
+    """The reward function registered under `name`; ValueError listing the valid names otherwise."""
     if name not in REWARDS:
         raise ValueError(f"reward must be one of {sorted(REWARDS)}, got {name!r}")
     return REWARDS[name]

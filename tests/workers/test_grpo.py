@@ -1,4 +1,4 @@
-"""GRPO math on hand-computed examples, and the tasks' rewards."""
+"""GRPO math on hand-computed examples, and the update on a tiny model."""
 
 from __future__ import annotations
 
@@ -9,55 +9,112 @@ import torch
 
 from tests.conftest import tiny_model
 from workers.grpo import GRPOConfig, group_advantages, grpo_loss, grpo_update, sequence_logprobs
-from workers.tasks import ArithmeticTask, get_reward
 
 
 def test_group_advantages_hand_computed():
+    # group 0: mean 0.5, population std 0.5 -> (r - 0.5) / 0.5 = +-1; group 1 is unanimous -> 0
     adv = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]]))
-    torch.testing.assert_close(adv, torch.tensor([[1.0, -1.0, -1.0, 1.0], [0.0, 0.0, 0.0, 0.0]]), atol=1e-5, rtol=0)
-    raw = group_advantages(torch.tensor([[3.0, 1.0]]), normalize_std=False)
-    assert raw.tolist() == [[1.0, -1.0]]
+    torch.testing.assert_close(adv, torch.tensor([[1.0, -1.0, -1.0, 1.0], [0.0, 0.0, 0.0, 0.0]]),
+                               atol=1e-5, rtol=0)
+    # [3, 0, 0]: mean 1, std sqrt((4 + 1 + 1) / 3) = sqrt(2) -> [2, -1, -1] / sqrt(2)
+    adv = group_advantages(torch.tensor([[3.0, 0.0, 0.0]]))
+    s = math.sqrt(2)
+    torch.testing.assert_close(adv, torch.tensor([[2 / s, -1 / s, -1 / s]]), atol=1e-5, rtol=0)
+    assert group_advantages(torch.tensor([[3.0, 1.0]]), normalize_std=False).tolist() == [[1.0, -1.0]]
+    with pytest.raises(ValueError, match="num_groups, group_size"):
+        group_advantages(torch.tensor([1.0, 0.0]))
+
+
+def _loss_example():
+    # seq 0, A = +1, logp - old = [0.5, 0, -0.5] -> r = [1.6487, 1, 0.6065]
+    #   token 0: min(1.6487, clip 1.2) = 1.2          -> term -1.2      (clip active)
+    #   token 1: r = 1                                -> term -1.0
+    #   token 2: min(0.6065, clip 0.8) = 0.6065       -> term -0.6065   (low clip inactive for A > 0)
+    # seq 1, A = -1, logp - old = [-0.5, 0.1, pad]   -> r = [0.6065, 1.1052]
+    #   token 0: min(-0.6065, -0.8) = -0.8            -> term +0.8      (clip active)
+    #   token 1: min(-1.1052, -1.1052)                -> term +1.1052
+    # loss = (-1.2 - 1 - 0.6065 + 0.8 + 1.1052) / 5 valid tokens; clip_fraction = 2 / 5
+    old = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]])
+    logp = old + torch.tensor([[0.5, 0.0, -0.5], [-0.5, 0.1, 3.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    return logp, old, torch.tensor([1.0, -1.0]), mask
 
 
 def test_grpo_loss_hand_computed():
-    # sequence 0: A=+1, ratios e^0.5=1.649 (clipped to 1.2) and 1 -> terms -1.2, -1.0
-    # sequence 1: A=-1, ratio e^-0.5=0.607 -> min(-0.607, -0.8) = -0.8 -> term +0.8; 2nd token masked
-    logp = torch.tensor([[0.0, 0.0], [-0.5, 0.0]])
-    old = torch.tensor([[-0.5, 0.0], [0.0, 0.0]])
-    mask = torch.tensor([[True, True], [True, False]])
-    loss, stats = grpo_loss(logp, old, torch.tensor([1.0, -1.0]), mask, clip_eps=0.2)
-    assert math.isclose(float(loss), (-1.2 - 1.0 + 0.8) / 3, rel_tol=1e-5)
-    assert math.isclose(stats["clip_fraction"], 2 / 3, rel_tol=1e-6)
-    # KL (k3) to a reference: d = ref - logp = 0.1 on every token -> e^0.1 - 0.1 - 1
-    loss_kl, stats_kl = grpo_loss(logp, old, torch.tensor([1.0, -1.0]), mask, 0.2, kl_coef=0.5, ref_logp=logp + 0.1)
-    k3 = math.exp(0.1) - 0.1 - 1
-    assert math.isclose(float(loss_kl) - float(loss), 0.5 * k3, rel_tol=1e-4)
-    assert math.isclose(stats_kl["kl"], k3, rel_tol=1e-4)
+    logp, old, adv, mask = _loss_example()
+    logp.requires_grad_(True)
+    loss, stats = grpo_loss(logp, old, adv, mask, clip_eps=0.2)
+    e = math.exp
+    expected = (-1.2 - 1.0 - e(-0.5) + 0.8 + e(0.1)) / 5
+    assert math.isclose(float(loss.detach()), expected, rel_tol=1e-5)
+    assert math.isclose(stats["clip_fraction"], 2 / 5, rel_tol=1e-6)
+    assert math.isclose(stats["mean_ratio"], (e(0.5) + 1 + e(-0.5) + e(-0.5) + e(0.1)) / 5, rel_tol=1e-5)
+    assert stats["kl"] == 0.0
+    # d loss / d logp = -A r / 5 where the clip is inactive, 0 where it is active or masked
+    loss.backward()
+    expected_grad = torch.tensor([[0.0, -1.0, -e(-0.5)], [0.0, e(0.1), 0.0]]) / 5
+    torch.testing.assert_close(logp.grad, expected_grad, atol=1e-6, rtol=1e-5)
+
+
+def test_grpo_loss_k3_kl_term():
+    logp, old, adv, mask = _loss_example()
+    base, _ = grpo_loss(logp, old, adv, mask, clip_eps=0.2)
+    # d = ref - logp per token; k3(d) = e^d - d - 1:
+    #   k3(0.2) = 0.02140, k3(0) = 0, k3(-0.2) = 0.01873, k3(0.1) = 0.00517, k3(0.3) = 0.04986; the
+    #   padded token's d = 5 (k3 = 142.4) must not count. mean over 5 tokens = 0.019033
+    d = torch.tensor([[0.2, 0.0, -0.2], [0.1, 0.3, 5.0]])
+    loss, stats = grpo_loss(logp, old, adv, mask, clip_eps=0.2, kl_coef=0.5, ref_logp=logp + d)
+    k3 = [math.exp(x) - x - 1 for x in (0.2, 0.0, -0.2, 0.1, 0.3)]
+    kl = sum(k3) / 5
+    assert math.isclose(kl, 0.019033, rel_tol=1e-4)
+    assert math.isclose(stats["kl"], kl, rel_tol=1e-4)
+    assert math.isclose(float(loss) - float(base), 0.5 * kl, rel_tol=1e-4)
+    with pytest.raises(ValueError, match="ref_logp"):
+        grpo_loss(logp, old, adv, mask, clip_eps=0.2, kl_coef=0.5)
 
 
 def test_sequence_logprobs_scores_generated_tokens_only():
-    model = tiny_model()
-    seqs, plens = [[1, 2, 3, 4, 5], [6, 7, 8]], [2, 2]
-    logp, mask = sequence_logprobs(model, seqs, plens)
-    assert mask.tolist() == [[False, True, True, True], [False, True, False, False]]
-    logits, _ = model(torch.tensor([seqs[0]]), torch.arange(5).unsqueeze(0), None)
-    ref = torch.log_softmax(logits[0, :-1], -1).gather(-1, torch.tensor(seqs[0][1:]).unsqueeze(-1)).squeeze(-1)
-    torch.testing.assert_close(logp[0, 1:], ref[1:], atol=1e-5, rtol=1e-5)
+    model = tiny_model().requires_grad_(True)
+    seqs, plens = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12]], [2, 2, 4]
+    logp, mask = sequence_logprobs(model, seqs, plens, pad_id=0)
+    # responses: [3, 4, 5], [8], [] -> (B, T) with T = 3, right-padded
+    assert logp.shape == mask.shape == (3, 3)
+    assert mask.tolist() == [[True, True, True], [True, False, False], [False, False, False]]
+    assert logp.requires_grad
+    for b, (s, p) in enumerate(zip(seqs, plens)):  # one unpadded forward per sequence
+        logits, _ = model(torch.tensor([s]), torch.arange(len(s)).unsqueeze(0), None)  # (1, L, V)
+        full = torch.log_softmax(logits[0, :-1], -1).gather(-1, torch.tensor(s[1:]).unsqueeze(-1)).squeeze(-1)
+        n = len(s) - p
+        torch.testing.assert_close(logp[b, :n], full[p - 1 :], atol=1e-5, rtol=1e-5)
+        assert (logp[b, n:] == 0).all()
+    with pytest.raises(ValueError, match=r"prompt_lens\[1\]"):
+        sequence_logprobs(model, seqs, [2, 0, 1])
 
 
-def test_micro_batches_give_the_full_batch_gradient():
-    seqs = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13], [3, 3, 3, 3, 3]]
-    plens = [2, 1, 3, 2]
-    adv = torch.tensor([1.0, -0.5, 0.3, -0.8])
-    grads = []
-    for mb in (4, 1):
+def _batch():
+    seqs = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13], [3, 3, 3, 3, 3], [5, 6, 7]]
+    plens = [2, 1, 3, 2, 3]  # the last one generated nothing
+    return seqs, plens, torch.tensor([1.0, -0.5, 0.3, -0.8, 0.2])
+
+
+def test_micro_batches_give_the_full_batch_gradient_and_stats():
+    seqs, plens, adv = _batch()
+    ref_model = tiny_model(seed=5)
+    grads, stats = [], []
+    for mb in (5, 2, 1):
         model = tiny_model().requires_grad_(True)
         with torch.no_grad():
-            old, mask = sequence_logprobs(model, seqs, plens)
-        opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        grpo_update(model, opt, seqs, plens, adv, old, mask, GRPOConfig(micro_batch_size=mb, max_grad_norm=1e9))
+            logp, mask = sequence_logprobs(model, seqs, plens)
+        old = logp - 0.3 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(0)) * mask  # r != 1
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the step leaves the weights alone
+        cfg = GRPOConfig(micro_batch_size=mb, max_grad_norm=1e9, kl_coef=0.1)
+        stats.append(grpo_update(model, opt, seqs, plens, adv, old, mask, cfg, ref_model=ref_model))
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+    for g, s in zip(grads[1:], stats[1:]):
+        torch.testing.assert_close(g, grads[0], atol=1e-6, rtol=1e-4)
+        for key in ("loss", "clip_fraction", "mean_ratio", "kl", "grad_norm"):
+            assert math.isclose(s[key], stats[0][key], rel_tol=1e-4, abs_tol=1e-7), key
+    assert stats[0]["num_tokens"] == 4 + 2 + 1 + 3 and stats[0]["clip_fraction"] > 0 and stats[0]["kl"] > 0
 
 
 def test_update_raises_the_logprob_of_a_rewarded_sequence():
@@ -66,37 +123,42 @@ def test_update_raises_the_logprob_of_a_rewarded_sequence():
     with torch.no_grad():
         old, mask = sequence_logprobs(model, seqs, plens)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    grpo_update(model, opt, seqs, plens, torch.tensor([1.0, -1.0]), old, mask, GRPOConfig())
+    stats = grpo_update(model, opt, seqs, plens, torch.tensor([1.0, -1.0]), old, mask, GRPOConfig())
+    assert stats["grad_norm"] > 0 and math.isclose(stats["mean_ratio"], 1.0, rel_tol=1e-5)
     with torch.no_grad():
         new, _ = sequence_logprobs(model, seqs, plens)
-    assert new[0].sum() > old[0].sum() and new[1].sum() < old[1].sum()
+    assert new[0].sum() > old[0].sum()
+    assert new[1].sum() < old[1].sum()
 
 
-def test_arithmetic_task_is_deterministic_and_correct():
-    a, b = ArithmeticTask(seed=3).sample(20), ArithmeticTask(seed=3).sample(20)
-    assert a == b and a != ArithmeticTask(seed=4).sample(20)
-    for p in a:  # replay the chain from the text
-        value = int(p.prompt.split(" has ")[1].split(" ")[0])
-        for sentence in p.prompt.split(". ")[1:]:
-            if "gets" in sentence:
-                value += int(sentence.split("gets ")[1].split(" ")[0])
-            elif "gives away" in sentence:
-                value -= int(sentence.split("gives away ")[1].rstrip("."))
-            elif "doubles" in sentence:
-                value *= 2
-        assert str(value) == p.answer
-    assert len({p.prompt.count("Then") for p in a}) > 1  # chains of different lengths
+def test_update_with_nothing_generated_takes_no_step():
+    model = tiny_model().requires_grad_(True)
+    before = [p.clone() for p in model.parameters()]
+    seqs, plens = [[1, 2, 3], [4, 5]], [3, 2]
+    with torch.no_grad():
+        old, mask = sequence_logprobs(model, seqs, plens)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    stats = grpo_update(model, opt, seqs, plens, torch.tensor([1.0, -1.0]), old, mask, GRPOConfig())
+    assert stats["num_tokens"] == 0 and stats["grad_norm"] == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-@pytest.mark.parametrize(("text", "reward"), [("so 3 + 4 = 7. Answer: 7", 1.0), ("Answer: 12.", 0.0),
-                                              ("Answer: 8", 0.0), ("I think it is 7", 1.0), ("no idea", 0.0),
-                                              ("Answer: -7", 0.0)])
-def test_arithmetic_reward(text, reward):
-    assert get_reward("arithmetic")(text, "7") == reward
+def test_update_input_errors():
+    model = tiny_model().requires_grad_(True)
+    seqs, plens = [[1, 2, 3]], [1]
+    with torch.no_grad():
+        old, mask = sequence_logprobs(model, seqs, plens)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="ref_model"):
+        grpo_update(model, opt, seqs, plens, torch.tensor([1.0]), old, mask, GRPOConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match="advantages"):
+        grpo_update(model, opt, seqs, plens, torch.tensor([1.0, 2.0]), old, mask, GRPOConfig())
 
 
-def test_rewards_by_name_only():
-    assert get_reward("numeric")("it is 3.0", "3") == 1.0
-    assert get_reward("exact")(" yes ", "yes") == 1.0
-    with pytest.raises(ValueError, match="reward must be one of"):
-        get_reward("os.system")
+@pytest.mark.parametrize("field", ["group_size", "clip_eps", "kl_coef", "lr", "max_grad_norm",
+                                   "micro_batch_size", "num_updates_per_step"])
+def test_config_errors_name_the_field(field):
+    bad = {"group_size": 1, "clip_eps": 1.5, "kl_coef": -0.1, "lr": 0.0, "max_grad_norm": 0.0,
+           "micro_batch_size": 0, "num_updates_per_step": 0}
+    with pytest.raises(ValueError, match=field):
+        GRPOConfig(**{field: bad[field]})

