@@ -8,19 +8,25 @@ h_{j+1} and x_{j+2}, so the last pair of a sequence has none.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
-from dataclasses import dataclass
+import threading
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
+
+HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # float32 for exact tests; bf16/fp16 halve the bytes
+TOKEN_DTYPE = torch.int32  # every vocabulary fits; half the bytes of int64
+MAX_OPEN_ROWS = 64  # first-fit packing window: O(num_segments * 64) while rows still fill up
 
 
 @dataclass
 class Rollout:
-    tokens: torch.Tensor  # (L,) int32
-    hidden: torch.Tensor  # (L-1, D) compact float (bf16 by default)
+    tokens: torch.Tensor  # (L,) int32: x_0..x_{L-1}
+    hidden: torch.Tensor  # (L-1, D) compact float: h_0..h_{L-2}
     policy_version: int
-    num_prompt: int
-    order: int  # insertion counter: evicts oldest first within a policy version
+    num_prompt: int  # tokens[:num_prompt] came from the prompt
+    order: int = 0  # insertion counter: evicts oldest first within a policy version
 
     @property
     def num_pairs(self) -> int:
@@ -32,94 +38,151 @@ class Rollout:
 
 
 class RolloutBuffer:
-    """Keeps the most recent rollouts within max_bytes: evicts the oldest policy version first."""
+    """Most recent rollouts within max_bytes. Eviction drops the oldest policy version first and, within
+    a version, the oldest insertion; with max_policy_versions only the newest that many versions stay.
+    A rollout of a version older than everything held may thus be evicted by its own add. Thread-safe."""
 
     def __init__(self, max_bytes: int, hidden_dtype: torch.dtype = torch.bfloat16,
                  max_policy_versions: int | None = None) -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
-        if hidden_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise ValueError(f"hidden_dtype must be bfloat16, float16 or float32, got {hidden_dtype}")
+        if hidden_dtype not in HIDDEN_DTYPES:
+            raise ValueError(f"hidden_dtype must be one of {HIDDEN_DTYPES}, got {hidden_dtype}")
         if max_policy_versions is not None and max_policy_versions < 1:
-            raise ValueError(f"max_policy_versions must be >= 1, got {max_policy_versions}")
+            raise ValueError(f"max_policy_versions must be >= 1 or None, got {max_policy_versions}")
         self.max_bytes, self.hidden_dtype, self.max_policy_versions = max_bytes, hidden_dtype, max_policy_versions
-        self.rollouts: list[Rollout] = []
-        self.num_bytes = 0
-        self.hidden_size: int | None = None
-        self._counter = 0
+        self.hidden_size: int | None = None  # D, fixed by the first rollout while the buffer is non-empty
+        self._by_order: dict[int, Rollout] = {}  # insertion order
+        self._by_version: dict[int, deque[Rollout]] = {}  # each deque in insertion order
+        self._num_bytes = self._num_tokens = self._counter = 0
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self.rollouts)
+        return len(self._by_order)
+
+    @property
+    def num_bytes(self) -> int:
+        return self._num_bytes
 
     @property
     def num_tokens(self) -> int:
         """Training pairs held."""
-        return sum(r.num_pairs for r in self.rollouts)
+        return self._num_tokens
 
     @property
     def policy_versions(self) -> list[int]:
-        return sorted({r.policy_version for r in self.rollouts})
+        return sorted(self._by_version)
 
-    def add(self, tokens, hidden: torch.Tensor, policy_version: int, num_prompt: int = 0) -> None:
-        tokens = torch.as_tensor(tokens).reshape(-1)
-        if tokens.numel() < 2:
-            raise ValueError(f"tokens must hold at least 2 ids, got {tokens.numel()}")
-        if hidden.dim() != 2 or hidden.shape[0] != tokens.numel() - 1:
-            raise ValueError(f"hidden must be (len(tokens) - 1, D) = ({tokens.numel() - 1}, D), "
-                             f"got {tuple(hidden.shape)}")
-        if self.hidden_size is not None and hidden.shape[1] != self.hidden_size:
-            raise ValueError(f"hidden size {hidden.shape[1]} differs from the buffer's {self.hidden_size}")
-        if not isinstance(policy_version, int) or policy_version < 0:
-            raise ValueError(f"policy_version must be an int >= 0, got {policy_version!r}")
-        if not 0 <= num_prompt <= tokens.numel():
-            raise ValueError(f"num_prompt must be in [0, {tokens.numel()}], got {num_prompt}")
-        r = Rollout(tokens.to(torch.int32).cpu().clone(), hidden.detach().to("cpu", self.hidden_dtype).clone(),
-                    policy_version, num_prompt, self._counter)
-        if r.num_bytes > self.max_bytes:
-            raise ValueError(f"one rollout needs {r.num_bytes} bytes, more than max_bytes={self.max_bytes}")
-        self._counter += 1
-        self.hidden_size = hidden.shape[1]
-        self.rollouts.append(r)
-        self.num_bytes += r.num_bytes
-        self._evict()
+    @property
+    def rollouts(self) -> list[Rollout]:
+        """A snapshot, oldest insertion first."""
+        with self._lock:
+            return list(self._by_order.values())
 
-    def add_outputs(self, outputs, policy_version: int) -> None:
-        """Add engine outputs generated with record_hidden=True. Without prompt hidden states, only
-        the generated part is kept: tokens = [last prompt token] + generated."""
-        for o in outputs:
-            if o.hidden_states is None or not o.token_ids:
-                raise ValueError("outputs need hidden states: generate with record_hidden=True")
+    def add(self, tokens: Sequence[int] | torch.Tensor, hidden: torch.Tensor, policy_version: int,
+            num_prompt: int = 0) -> None:
+        """Copy one rollout in (tokens as int32, hidden as hidden_dtype, on CPU), then evict."""
+        r = self._make(tokens, hidden, policy_version, num_prompt, self.hidden_size)
+        with self._lock:
+            self._insert(r)
+
+    def add_outputs(self, outputs: Iterable, policy_version: int) -> int:
+        """Add engine outputs generated with record_hidden=True (duck-typed GenerationOutput); returns the pairs
+        added. With prompt_hidden_states the whole sequence is kept: tokens = prompt + generated. Without it only
+        the generated pairs are: tokens = [last prompt token] + generated, hidden = hidden_states. Outputs with
+        fewer than 2 tokens are skipped (no pair). All outputs are validated before any is added."""
+        made: list[Rollout] = []
+        hidden_size = self.hidden_size
+        for i, o in enumerate(outputs):
+            if o.hidden_states is None:
+                raise ValueError(f"outputs[{i}].hidden_states is None: generate with record_hidden=True")
             if o.prompt_hidden_states is not None:
                 tokens = list(o.prompt_ids) + list(o.token_ids)
                 hidden = torch.cat([o.prompt_hidden_states.to(o.hidden_states.dtype), o.hidden_states])
                 num_prompt = len(o.prompt_ids)
             else:
+                if not o.prompt_ids:
+                    raise ValueError(f"outputs[{i}].prompt_ids is empty")
                 tokens, hidden, num_prompt = [o.prompt_ids[-1]] + list(o.token_ids), o.hidden_states, 1
-            self.add(tokens, hidden, policy_version, num_prompt)
-
-    def _evict(self) -> None:
-        if self.max_policy_versions is not None:
-            keep = set(self.policy_versions[-self.max_policy_versions :])
-            self._remove([r for r in self.rollouts if r.policy_version not in keep])
-        if self.num_bytes > self.max_bytes:
-            victims, excess = [], self.num_bytes - self.max_bytes
-            for r in sorted(self.rollouts, key=lambda r: (r.policy_version, r.order)):
-                if excess <= 0:
-                    break
-                victims.append(r)
-                excess -= r.num_bytes
-            self._remove(victims)
-
-    def _remove(self, victims: list[Rollout]) -> None:
-        ids = {id(r) for r in victims}
-        self.rollouts = [r for r in self.rollouts if id(r) not in ids]
-        self.num_bytes = sum(r.num_bytes for r in self.rollouts)
+            if len(tokens) < 2:
+                continue
+            made.append(self._make(tokens, hidden, policy_version, num_prompt, hidden_size))
+            hidden_size = made[-1].hidden.shape[1]
+        with self._lock:
+            for r in made:  # all share one D, so a mismatch raises at the first, before anything is added
+                self._insert(r)
+        return sum(r.num_pairs for r in made)
 
     def drop_policy_versions_below(self, version: int) -> None:
-        self._remove([r for r in self.rollouts if r.policy_version < version])
+        with self._lock:
+            for v in [v for v in self._by_version if v < version]:
+                self._drop_version(v)
 
     def clear(self) -> None:
-        self.rollouts, self.num_bytes = [], 0
+        with self._lock:
+            self._by_order.clear()
+            self._by_version.clear()
+            self._num_bytes = self._num_tokens = 0
+            self.hidden_size = None
+
+    def _make(self, tokens: Sequence[int] | torch.Tensor, hidden: torch.Tensor, policy_version: int,
+              num_prompt: int, hidden_size: int | None) -> Rollout:
+        """Validate and convert; raises ValueError naming the offending field."""
+        tokens = torch.as_tensor(tokens)
+        if tokens.dim() != 1 or tokens.numel() < 2:
+            raise ValueError(f"tokens must be 1-D with at least 2 ids, got shape {tuple(tokens.shape)}")
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise ValueError(f"tokens must be integer ids, got {tokens.dtype}")
+        if int(tokens.min()) < 0 or int(tokens.max()) > torch.iinfo(TOKEN_DTYPE).max:
+            raise ValueError(f"tokens must be in [0, {torch.iinfo(TOKEN_DTYPE).max}]")
+        L = tokens.numel()
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.shape[0] != L - 1:
+            got = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+            raise ValueError(f"hidden must be (len(tokens) - 1, D) = ({L - 1}, D), got {got}")
+        if not hidden.dtype.is_floating_point:
+            raise ValueError(f"hidden must be floating point, got {hidden.dtype}")
+        if hidden_size is not None and hidden.shape[1] != hidden_size:
+            raise ValueError(f"hidden size {hidden.shape[1]} differs from the buffer's {hidden_size}")
+        if not isinstance(policy_version, int) or isinstance(policy_version, bool) or policy_version < 0:
+            raise ValueError(f"policy_version must be an int >= 0, got {policy_version!r}")
+        if not 0 <= num_prompt <= L:
+            raise ValueError(f"num_prompt must be in [0, {L}], got {num_prompt}")
+        num_bytes = L * TOKEN_DTYPE.itemsize + hidden.numel() * self.hidden_dtype.itemsize
+        if num_bytes > self.max_bytes:
+            raise ValueError(f"one rollout needs {num_bytes} bytes, more than max_bytes={self.max_bytes}")
+        hidden = hidden.detach().to("cpu", self.hidden_dtype, copy=True)
+        return Rollout(tokens.to("cpu", TOKEN_DTYPE, copy=True), hidden, policy_version, num_prompt)
+
+    def _insert(self, r: Rollout) -> None:
+        """Caller holds the lock."""
+        if self.hidden_size is not None and r.hidden.shape[1] != self.hidden_size:
+            raise ValueError(f"hidden size {r.hidden.shape[1]} differs from the buffer's {self.hidden_size}")
+        r.order, self._counter = self._counter, self._counter + 1
+        self.hidden_size = r.hidden.shape[1]
+        self._by_order[r.order] = r
+        self._by_version.setdefault(r.policy_version, deque()).append(r)
+        self._num_bytes += r.num_bytes
+        self._num_tokens += r.num_pairs
+        if self.max_policy_versions is not None:
+            for v in sorted(self._by_version)[: -self.max_policy_versions]:
+                self._drop_version(v)
+        while self._num_bytes > self.max_bytes:
+            oldest = min(self._by_version)
+            victim = self._by_version[oldest].popleft()
+            if not self._by_version[oldest]:
+                del self._by_version[oldest]
+            self._forget(victim)
+
+    def _drop_version(self, version: int) -> None:
+        for r in self._by_version.pop(version):
+            self._forget(r)
+
+    def _forget(self, r: Rollout) -> None:
+        del self._by_order[r.order]
+        self._num_bytes -= r.num_bytes
+        self._num_tokens -= r.num_pairs
+        if not self._by_order:
+            self.hidden_size = None
 
 
 @dataclass
@@ -130,65 +193,89 @@ class PackedBatch:
     seq_ids: torch.Tensor  # (R, T) long: segment id, unique in the batch; -1 = padding
     target_mask: torch.Tensor  # (R, T) bool: slot t+1 holds the same segment's next pair
     num_tokens: int  # real pairs
-    num_sequences: int
+    num_sequences: int  # segments (a chunk of a long sequence counts as one)
 
 
-def _segments(buffer: RolloutBuffer, max_len: int) -> list[tuple[Rollout, int, int]]:
-    """(rollout, start, end) pair ranges; long sequences are cut into consecutive chunks of max_len
-    (a chunk does not attend to the chunk before it)."""
-    out = []
-    for r in buffer.rollouts:
-        for start in range(0, r.num_pairs, max_len):
-            out.append((r, start, min(start + max_len, r.num_pairs)))
-    return out
+@dataclass
+class _Segment:
+    rollout: Rollout
+    start: int  # first pair
+    end: int  # one past the last pair
+
+
+@dataclass
+class _Row:
+    segments: list[_Segment] = field(default_factory=list)
+    num_tokens: int = 0
 
 
 def iter_batches(buffer: RolloutBuffer, max_tokens_per_row: int, num_rows: int, shuffle: bool = True,
                  seed: int = 0) -> Iterator[PackedBatch]:
-    """One epoch over the buffer: segments packed greedily into rows of <= max_tokens_per_row pairs."""
-    if max_tokens_per_row < 1 or num_rows < 1:
-        raise ValueError("max_tokens_per_row and num_rows must be >= 1")
-    segs = _segments(buffer, max_tokens_per_row)
+    """One epoch over a snapshot of the buffer: every pair appears exactly once.
+
+    Sequences (in a seeded shuffle, or insertion order) are packed first-fit into rows of at most
+    max_tokens_per_row pairs; num_rows rows make a batch (the last may have fewer), padded to its longest row.
+    A sequence with more pairs than max_tokens_per_row is cut into consecutive chunks, each its own segment with
+    positions continuing from the original sequence; a chunk cannot attend to the chunk before it, and the last
+    pair of a non-final chunk gets no target. Deterministic for a given buffer content and seed.
+    """
+    if max_tokens_per_row < 1:
+        raise ValueError(f"max_tokens_per_row must be >= 1, got {max_tokens_per_row}")
+    if num_rows < 1:
+        raise ValueError(f"num_rows must be >= 1, got {num_rows}")
+    rollouts = buffer.rollouts
+    hidden_size = rollouts[0].hidden.shape[1] if rollouts else 0
+    segments = [_Segment(r, s, min(s + max_tokens_per_row, r.num_pairs))
+                for r in rollouts for s in range(0, r.num_pairs, max_tokens_per_row)]
     if shuffle:
-        random.Random(seed).shuffle(segs)
-    rows: list[list[tuple[Rollout, int, int]]] = []
-    current, used = [], 0
-    for seg in segs:
-        n = seg[2] - seg[1]
-        if used + n > max_tokens_per_row:
-            rows.append(current)
-            current, used = [], 0
-        current.append(seg)
-        used += n
-    if current:
-        rows.append(current)
+        random.Random(seed).shuffle(segments)
+    rows: list[_Row] = []
+    open_rows: list[_Row] = []  # rows with room, oldest first; at most MAX_OPEN_ROWS
+    for seg in segments:
+        n = seg.end - seg.start
+        row = next((row for row in open_rows if row.num_tokens + n <= max_tokens_per_row), None)
+        if row is None:
+            row = _Row()
+            rows.append(row)
+            open_rows.append(row)
+            if len(open_rows) > MAX_OPEN_ROWS:
+                open_rows.pop(0)
+        row.segments.append(seg)
+        row.num_tokens += n
+        if row.num_tokens == max_tokens_per_row:
+            open_rows.remove(row)
     for i in range(0, len(rows), num_rows):
-        yield _pack(rows[i : i + num_rows], buffer.hidden_size or 0)
+        yield _pack(rows[i : i + num_rows], hidden_size)
 
 
-def _pack(rows: list[list[tuple[Rollout, int, int]]], hidden_size: int) -> PackedBatch:
-    R = len(rows)
-    T = max(sum(e - s for _, s, e in row) for row in rows)
+def _pack(rows: list[_Row], hidden_size: int) -> PackedBatch:
+    R, T = len(rows), max(row.num_tokens for row in rows)
     feats = torch.zeros(R, T, hidden_size)
     tokens = torch.zeros(R, T, dtype=torch.long)
     positions = torch.zeros(R, T, dtype=torch.long)
     seq_ids = torch.full((R, T), -1, dtype=torch.long)
-    target = torch.zeros(R, T, dtype=torch.bool)
-    seg_id = num_tokens = 0
+    target_mask = torch.zeros(R, T, dtype=torch.bool)
+    num_segments = num_tokens = 0
     for b, row in enumerate(rows):
         t = 0
-        for r, s, e in row:
-            n = e - s
-            feats[b, t : t + n] = r.hidden[s:e].float()
-            tokens[b, t : t + n] = r.tokens[s + 1 : e + 1].long()
+        for seg in row.segments:
+            s, e, n = seg.start, seg.end, seg.end - seg.start
+            feats[b, t : t + n] = seg.rollout.hidden[s:e].float()
+            tokens[b, t : t + n] = seg.rollout.tokens[s + 1 : e + 1].long()
             positions[b, t : t + n] = torch.arange(s, e)
-            seq_ids[b, t : t + n] = seg_id
-            target[b, t : t + n - 1] = True
-            seg_id, t, num_tokens = seg_id + 1, t + n, num_tokens + n
-    return PackedBatch(feats, tokens, positions, seq_ids, target, num_tokens, seg_id)
+            seq_ids[b, t : t + n] = num_segments
+            target_mask[b, t : t + n - 1] = True
+            num_segments, num_tokens, t = num_segments + 1, num_tokens + n, t + n
+    return PackedBatch(feats, tokens, positions, seq_ids, target_mask, num_tokens, num_segments)
 
 
 def block_diagonal_causal_mask(seq_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """(R, T) -> (R, 1, T, T) bool: True where a query may attend (same segment, not in the future)."""
-    same = (seq_ids[:, :, None] == seq_ids[:, None, :]) & (seq_ids[:, :, None] >= 0)
-    return (same & (positions[:, None, :] <= positions[:, :, None])).unsqueeze(1)
+    """(R, T), (R, T) -> (R, 1, T, T) bool for SDPA's attn_mask: True where query t may attend key u, i.e. same
+    segment and positions[u] <= positions[t]. A padding slot attends only to itself, so that no query row is
+    fully masked (SDPA would return NaN there); its output is garbage to be ignored."""
+    R, T = seq_ids.shape
+    same = (seq_ids[:, :, None] == seq_ids[:, None, :]) & (seq_ids[:, :, None] >= 0)  # (R, Tq, Tk)
+    causal = positions[:, None, :] <= positions[:, :, None]  # (R, Tq, Tk)
+    eye = torch.eye(T, dtype=torch.bool, device=seq_ids.device)  # (Tq, Tk)
+    padding_self = eye & (seq_ids < 0)[:, :, None]  # (R, Tq, Tk)
+    return ((same & causal) | padding_self).unsqueeze(1)  # (R, 1, Tq, Tk)

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 
 import redis as redis_lib
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from workers.protocol import connect
 
@@ -86,7 +88,7 @@ class PrivateRedis:
             try:
                 self._start_once(binary)
                 return self
-            except _PortTaken as exc:
+            except _PortTakenError as exc:
                 errors.append(str(exc))
         raise RuntimeError(f"redis-server failed to start {MAX_START_ATTEMPTS} times: {errors}")
 
@@ -98,7 +100,8 @@ class PrivateRedis:
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self.dir, "--logfile", str(log_path)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis_lib.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5, socket_timeout=0.5)
+        client = redis_lib.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2, socket_timeout=0.2,
+                                 retry=Retry(NoBackoff(), 0))  # one try per loop: the loop is the retry
         try:
             deadline = time.monotonic() + self.start_timeout_s
             while time.monotonic() < deadline:
@@ -107,12 +110,12 @@ class PrivateRedis:
                     code = self.proc.returncode
                     self.stop()
                     if "Address already in use" in tail:
-                        raise _PortTaken(f"port taken: {tail}")
+                        raise _PortTakenError(f"port taken: {tail}")
                     raise RuntimeError(f"redis-server exited at start (code {code}): {tail}")
                 try:
                     if client.ping():
                         return
-                except redis_lib.ConnectionError:
+                except redis_lib.RedisError:  # not up yet (or, until it exits, someone else's port)
                     time.sleep(0.02)
         finally:
             client.close()
@@ -143,7 +146,7 @@ class PrivateRedis:
         atexit.unregister(self.stop)
 
 
-class _PortTaken(RuntimeError):
+class _PortTakenError(RuntimeError):
     pass
 
 

@@ -196,7 +196,11 @@ class RolloutWorker:
         sub = self.runner.served.subscribe()
         while True:
             msg = sub.get(timeout=1.0)
-            if msg is None:
+            if msg is None:  # quiet second: keep an idle worker's progress record alive
+                try:
+                    self.runner.reporter.heartbeat()
+                except Exception:
+                    log.exception("worker %s: heartbeat failed", self.runner.worker_id)
                 continue
             try:
                 self.runner.swap_draft(int(msg["version"]), msg.get("published_at"))

