@@ -20,7 +20,7 @@ TOKEN_DTYPE = torch.int32  # every vocabulary fits; half the bytes of int64
 MAX_OPEN_ROWS = 64  # first-fit packing window: O(num_segments * 64) while rows still fill up
 
 
-@dataclass
+@dataclass(eq=False)  # tensors inside: compare by identity
 class Rollout:
     tokens: torch.Tensor  # (L,) int32: x_0..x_{L-1}
     hidden: torch.Tensor  # (L-1, D) compact float: h_0..h_{L-2}
@@ -185,7 +185,7 @@ class RolloutBuffer:
             self.hidden_size = None
 
 
-@dataclass
+@dataclass(eq=False)  # tensors inside: compare by identity
 class PackedBatch:
     feats: torch.Tensor  # (R, T, D) float32: h_j
     tokens: torch.Tensor  # (R, T) long: x_{j+1}
@@ -196,14 +196,14 @@ class PackedBatch:
     num_sequences: int  # segments (a chunk of a long sequence counts as one)
 
 
-@dataclass
+@dataclass(eq=False)  # tensors inside: compare by identity
 class _Segment:
     rollout: Rollout
     start: int  # first pair
     end: int  # one past the last pair
 
 
-@dataclass
+@dataclass(eq=False)  # tensors inside: compare by identity
 class _Row:
     segments: list[_Segment] = field(default_factory=list)
     num_tokens: int = 0
