@@ -203,7 +203,7 @@ class _Segment:
     end: int  # one past the last pair
 
 
-@dataclass(eq=False)  # tensors inside: compare by identity
+@dataclass(eq=False)  # open_rows.remove must find this row, not an equal-looking one
 class _Row:
     segments: list[_Segment] = field(default_factory=list)
     num_tokens: int = 0

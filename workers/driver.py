@@ -173,8 +173,9 @@ class JobDriver:
             t["logprob"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             self.policy.train().requires_grad_(True)
-            stats = grpo_update(self.policy, self.optimizer, seqs, plens, adv, old_logp, mask, cfg.grpo,
-                                self.ref_model)
+            for _ in range(cfg.grpo.num_updates_per_step):  # later passes are off-policy: the ratio clips them
+                stats = grpo_update(self.policy, self.optimizer, seqs, plens, adv, old_logp, mask, cfg.grpo,
+                                    self.ref_model)
             self.policy.eval().requires_grad_(False)
             self.policy_version += 1
             t["update"] = time.perf_counter() - t0
