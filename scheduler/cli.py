@@ -109,6 +109,23 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    import uvicorn
+
+    from scheduler.app import Settings, create_app
+    from workers.redis_server import redis_url_from_env
+
+    url, private = redis_url_from_env()
+    if private is not None:
+        print(f"tlt: REDIS_URL is unset: started a private redis-server at {url}", file=sys.stderr)
+    settings = Settings(redis_url=url, api_token=os.environ.get("TLT_API_TOKEN") or None,
+                        store_dir=args.store_dir, ray_num_gpus=args.gpus)
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from scheduler.demo import run_demo
 
@@ -181,6 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="run the scheduler's REST API (REDIS_URL, TLT_API_TOKEN from the env)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8080)
+    srv.add_argument("--gpus", type=int, default=4, help="logical GPUs for a local Ray started by the server")
+    srv.add_argument("--store-dir", default="/tmp/tlt-drafts", help="draft weight store (a shared filesystem on a cluster)")
+    srv.set_defaults(func=_serve)
 
     demo = sub.add_parser("demo", help="run the main demo on the embedded defaults")
     demo.set_defaults(func=_demo)

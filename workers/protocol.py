@@ -86,6 +86,15 @@ def job_key(job_id: str) -> str:
     return f"{PREFIX}job:{check_id('job_id', job_id)}"
 
 
+def jobs_index_key() -> str:
+    """Sorted set of job ids, scored by submission time."""
+    return f"{PREFIX}jobs"
+
+
+def idempotency_key(key: str) -> str:
+    return f"{PREFIX}idempotency:{check_id('idempotency_key', key)}"
+
+
 def job_workers_key(job_id: str) -> str:
     return f"{job_key(job_id)}:workers"
 

@@ -1,0 +1,95 @@
+"""The REST API against a running app, a real redis-server and a real local Ray."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+from fastapi.testclient import TestClient
+
+from scheduler.app import Settings, create_app
+from workers.protocol import jobs_index_key
+from workers.redis_server import PrivateRedis
+
+TOKEN = "s3cret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+TINY = {"model": "tiny", "num_steps": 1, "num_prompts_per_step": 2, "group_size": 2, "max_new_tokens": 8,
+        "num_gpus": 2}
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    with PrivateRedis() as server:
+        app = create_app(Settings(redis_url=server.url, api_token=TOKEN,
+                                  store_dir=str(tmp_path_factory.mktemp("drafts")), start_ray=False))
+        with TestClient(app) as c:
+            c.redis = server.client()
+            yield c
+    ray.shutdown()
+
+
+def wait_state(client, job_id, states, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        record = client.get(f"/v1/jobs/{job_id}").json()
+        if record["state"] in states:
+            return record
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} stuck in {record['state']}")
+
+
+def test_submit_runs_a_job_to_completion(client):
+    r = client.post("/v1/jobs", json=TINY, headers=AUTH)
+    assert r.status_code == 201, r.text
+    job_id = r.json()["job_id"]
+    record = wait_state(client, job_id, {"SUCCEEDED", "FAILED"})
+    assert record["state"] == "SUCCEEDED", record["error"]
+    assert record["steps"] == 1
+    assert job_id in [j["job_id"] for j in client.get("/v1/jobs").json()]
+    workers = client.get(f"/v1/jobs/{job_id}/workers").json()
+    assert sorted(w["worker_id"] for w in workers) == ["w0", "w1"]
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("num_steps", 0), ("group_size", 1), ("temperature", -1), ("task", "chess"), ("reward", "os.system"),
+    ("model", "gpt-99"), ("num_gpus", 0), ("max_new_tokens", "many"), ("surprise", 1)])
+def test_invalid_specs_get_422_naming_the_field_and_create_nothing(client, field, value):
+    before = client.redis.zcard(jobs_index_key())
+    r = client.post("/v1/jobs", json=TINY | {field: value}, headers=AUTH)
+    assert r.status_code == 422
+    assert field in r.text
+    assert client.redis.zcard(jobs_index_key()) == before
+
+
+def test_dataset_task_needs_a_path(client):
+    r = client.post("/v1/jobs", json=TINY | {"task": "dataset"}, headers=AUTH)
+    assert r.status_code == 422 and "dataset_path" in r.text
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}])
+def test_missing_or_wrong_token_gets_401_and_changes_nothing(client, headers):
+    before = client.redis.zcard(jobs_index_key())
+    assert client.post("/v1/jobs", json=TINY, headers=headers).status_code == 401
+    assert client.redis.zcard(jobs_index_key()) == before
+    assert client.post("/v1/jobs/abc/cancel", headers=headers).status_code == 401
+
+
+def test_idempotency_key_returns_the_same_job(client):
+    h = AUTH | {"Idempotency-Key": "submit-42"}
+    a = client.post("/v1/jobs", json=TINY | {"num_steps": 50, "max_new_tokens": 64}, headers=h).json()
+    b = client.post("/v1/jobs", json=TINY | {"num_steps": 50, "max_new_tokens": 64}, headers=h).json()
+    assert a["job_id"] == b["job_id"]
+    r = client.post(f"/v1/jobs/{a['job_id']}/cancel", headers=AUTH)
+    assert r.status_code == 200 and r.json()["state"] == "CANCELLED"
+    assert client.post(f"/v1/jobs/{a['job_id']}/cancel", headers=AUTH).status_code == 409
+    time.sleep(1.0)
+    assert client.get(f"/v1/jobs/{a['job_id']}").json()["state"] == "CANCELLED"
+
+
+def test_unknown_job_is_404_and_health(client):
+    assert client.get("/v1/jobs/nope").status_code == 404
+    assert client.get("/v1/jobs/bad id!").status_code == 404
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/readyz").status_code == 200
