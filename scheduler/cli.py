@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8080)
     srv.add_argument("--gpus", type=int, default=4, help="logical GPUs for a local Ray started by the server")
-    srv.add_argument("--store-dir", default="/tmp/tlt-drafts", help="draft weight store (a shared filesystem on a cluster)")
+    srv.add_argument("--store-dir", default="/tmp/tlt-drafts", help="draft weight store (shared FS on a cluster)")
     srv.set_defaults(func=_serve)
 
     demo = sub.add_parser("demo", help="run the main demo on the embedded defaults")
