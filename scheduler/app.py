@@ -78,20 +78,27 @@ class Launcher:
                         worker=WorkerConfig(model=spec.model, k=spec.draft_k, tlt=spec.tlt),
                         grpo=GRPOConfig(group_size=spec.group_size, lr=spec.lr, clip_eps=spec.clip_eps,
                                         kl_coef=spec.kl_coef))
+        driver = None
         try:  # the job boundary: anything that goes wrong is recorded on the job
             driver = JobDriver.options(name=f"tlt-driver-{job_id}", lifetime="detached").remote(
                 cfg, self.settings.redis_url)
             self.drivers[job_id] = driver
             steps = ray.get(driver.run.remote())
             self.store.transition(job_id, JobState.SUCCEEDED, {JobState.RUNNING}, steps=len(steps))
+        except SystemExit:  # Ray is shutting down under this scheduler: leave the detached driver running
+            driver = None
+            return
         except Exception as exc:
             log.exception("job %s failed", job_id)
             error = f"{type(exc).__name__}: {exc}"[:2000]
             self.store.transition(job_id, JobState.FAILED, {JobState.RUNNING}, error=error)
         finally:
-            driver = self.drivers.pop(job_id, None)
-            if driver is not None:
-                ray.kill(driver)
+            self.drivers.pop(job_id, None)
+            if driver is not None and ray.is_initialized():
+                try:
+                    ray.kill(driver)  # a finished or failed job's driver (and its workers) go away
+                except Exception:
+                    log.warning("job %s: could not kill its driver", job_id)
 
     def cancel(self, job_id: str) -> None:
         driver = self.drivers.get(job_id)
