@@ -11,10 +11,13 @@ from typing import Annotated
 import ray
 import redis as redis_lib
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request, status
+from fastapi.responses import PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel
 
 from scheduler.jobs import TERMINAL, JobSpec, JobState, JobStore
+from scheduler.metrics import RedisCollector
 from workers.driver import JobConfig, JobDriver
 from workers.grpo import GRPOConfig
 from workers.protocol import connect, read_progress
@@ -134,6 +137,8 @@ def create_app(settings: Settings) -> FastAPI:
         if settings.start_ray and not ray.is_initialized():
             ray.init(num_gpus=settings.ray_num_gpus, include_dashboard=False, log_to_driver=False)
         app.state.store = JobStore(app.state.redis)
+        app.state.registry = CollectorRegistry()
+        app.state.registry.register(RedisCollector(app.state.store))
         app.state.launcher = Launcher(app.state.store, settings)
         yield
         app.state.redis.close()
@@ -184,6 +189,10 @@ def create_app(settings: Settings) -> FastAPI:
         found(s, job_id)
         return [WorkerOut(**{**r.__dict__, "state": r.state.value})
                 for r in read_progress(request.app.state.redis, job_id)]
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    def metrics(request: Request) -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz")
     def healthz() -> dict:

@@ -50,6 +50,11 @@ def test_submit_runs_a_job_to_completion(client):
     assert job_id in [j["job_id"] for j in client.get("/v1/jobs").json()]
     workers = client.get(f"/v1/jobs/{job_id}/workers").json()
     assert sorted(w["worker_id"] for w in workers) == ["w0", "w1"]
+    metrics = client.get("/metrics").text
+    assert 'tlt_jobs{state="SUCCEEDED"}' in metrics
+    assert f'tlt_worker_state{{job="{job_id}",state="IDLE",worker="w0"}} 1.0' in metrics
+    assert f'tlt_step_phase_seconds{{job="{job_id}",phase="rollout"}}' in metrics
+    assert f'tlt_idle_worker_seconds_total{{job="{job_id}"}}' in metrics
 
 
 @pytest.mark.parametrize(("field", "value"), [

@@ -1,0 +1,57 @@
+"""Prometheus metrics, computed at scrape time from what Redis holds (no state in the scheduler)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from scheduler.jobs import JobState, JobStore
+from workers.protocol import WorkerState, job_steps_key, read_progress
+
+log = logging.getLogger(__name__)
+MAX_JOBS_SCRAPED = 200  # newest jobs only: a scrape must stay cheap however long the history
+
+
+class RedisCollector(Collector):
+    def __init__(self, store: JobStore) -> None:
+        self.store = store
+
+    def collect(self):
+        jobs = self.store.list(MAX_JOBS_SCRAPED)
+        by_state = GaugeMetricFamily("tlt_jobs", "Jobs by state (newest jobs)", labels=["state"])
+        for state in JobState:
+            by_state.add_metric([state.value], sum(j["state"] == state.value for j in jobs))
+        yield by_state
+        state = GaugeMetricFamily("tlt_worker_state", "1 for the worker's current state", labels=["job", "worker",
+                                                                                                  "state"])
+        tps = GaugeMetricFamily("tlt_worker_tokens_per_second", "Rollout tokens/s", labels=["job", "worker"])
+        acc = GaugeMetricFamily("tlt_worker_mean_accepted_length", "Tokens per policy forward",
+                                labels=["job", "worker"])
+        ver = GaugeMetricFamily("tlt_worker_draft_version", "Draft version serving", labels=["job", "worker"])
+        phase = GaugeMetricFamily("tlt_step_phase_seconds", "Last RL step's time by phase", labels=["job", "phase"])
+        idle = CounterMetricFamily("tlt_idle_worker_seconds", "Worker-seconds idle at the step barrier",
+                                   labels=["job"])
+        for job in jobs:
+            if job["state"] not in (JobState.RUNNING.value, JobState.PENDING.value) and job["steps"] == 0:
+                continue
+            jid = job["job_id"]
+            for r in read_progress(self.store.redis, jid):
+                for s in WorkerState:
+                    state.add_metric([jid, r.worker_id, s.value], float(r.state == s))
+                tps.add_metric([jid, r.worker_id], r.tokens_per_s)
+                acc.add_metric([jid, r.worker_id], r.mean_accepted_length)
+                ver.add_metric([jid, r.worker_id], r.draft_version)
+            steps = []
+            for raw in self.store.redis.lrange(job_steps_key(jid), 0, -1):
+                try:
+                    steps.append(json.loads(raw))
+                except json.JSONDecodeError:
+                    log.error("job %s: unreadable step record", jid)
+            if steps:
+                for name, seconds in steps[-1].get("timings", {}).items():
+                    phase.add_metric([jid, name], float(seconds))
+                idle.add_metric([jid], sum(float(s.get("idle_worker_s", 0.0)) for s in steps))
+        yield from (state, tps, acc, ver, phase, idle)
