@@ -126,6 +126,38 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _submit(args: argparse.Namespace) -> int:
+    from scheduler.client import call, load_spec
+
+    headers = {"Idempotency-Key": args.idempotency_key} if args.idempotency_key else None
+    job = call("POST", args.url, "/v1/jobs", load_spec(args.file), args.token, headers)
+    print(json.dumps(job) if args.json else f"submitted job {job['job_id']} ({job['state']})")
+    return 0
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    from scheduler.client import call
+
+    for job in call("GET", args.url, "/v1/jobs"):
+        print(f"{job['job_id']}  {job['state']:<10} {job['spec']['model']:<16} steps {job.get('steps', 0)}")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from scheduler.client import watch
+
+    print(watch(args.url, args.job, once=not args.watch))
+    return 0
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    from scheduler.client import call
+
+    job = call("POST", args.url, f"/v1/jobs/{args.job}/cancel", None, args.token)
+    print(f"job {job['job_id']}: {job['state']}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from scheduler.demo import run_demo
 
@@ -205,6 +237,29 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--gpus", type=int, default=4, help="logical GPUs for a local Ray started by the server")
     srv.add_argument("--store-dir", default="/tmp/tlt-drafts", help="draft weight store (shared FS on a cluster)")
     srv.set_defaults(func=_serve)
+
+    def client_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--url", default=None, help="scheduler URL (default $TLT_URL or http://127.0.0.1:8080)")
+        p.add_argument("--token", default=None, help="API token (default $TLT_API_TOKEN)")
+
+    sb = sub.add_parser("submit", help="submit a job from a YAML or JSON JobSpec file")
+    sb.add_argument("file")
+    sb.add_argument("--idempotency-key", default=None)
+    sb.add_argument("--json", action="store_true")
+    client_args(sb)
+    sb.set_defaults(func=_submit)
+    jb = sub.add_parser("jobs", help="list jobs")
+    client_args(jb)
+    jb.set_defaults(func=_jobs)
+    st = sub.add_parser("status", help="a job and its workers' live progress")
+    st.add_argument("job")
+    st.add_argument("--watch", action="store_true", help="refresh until the job ends")
+    client_args(st)
+    st.set_defaults(func=_status)
+    cn = sub.add_parser("cancel", help="cancel a job")
+    cn.add_argument("job")
+    client_args(cn)
+    cn.set_defaults(func=_cancel)
 
     demo = sub.add_parser("demo", help="run the main demo on the embedded defaults")
     demo.set_defaults(func=_demo)

@@ -1,0 +1,62 @@
+"""The `tlt` client commands against a live scheduler (uvicorn on a free port, real Redis and Ray)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import ray
+import uvicorn
+
+from scheduler.app import Settings, create_app
+from scheduler.cli import main
+from workers.redis_server import PrivateRedis, free_port
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    with PrivateRedis() as redis_server:
+        port = free_port()
+        app = create_app(Settings(redis_url=redis_server.url, api_token="tok",
+                                  store_dir=str(tmp_path_factory.mktemp("d")), start_ray=False))
+        srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=srv.run, daemon=True)
+        thread.start()
+        while not srv.started:
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+        srv.should_exit = True
+        thread.join(timeout=10)
+    ray.shutdown()
+
+
+def test_submit_status_jobs_cancel(server, tmp_path, capsys):
+    spec = tmp_path / "job.yaml"
+    spec.write_text("model: tiny\nnum_steps: 40\nnum_prompts_per_step: 2\ngroup_size: 2\nmax_new_tokens: 32\n"
+                    "num_gpus: 2\n")
+    assert main(["submit", str(spec), "--url", server, "--token", "tok", "--json"]) == 0
+    job_id = json.loads(capsys.readouterr().out)["job_id"]
+    assert main(["status", job_id, "--url", server]) == 0
+    assert f"job {job_id}" in capsys.readouterr().out
+    assert main(["jobs", "--url", server]) == 0
+    assert job_id in capsys.readouterr().out
+    assert main(["cancel", job_id, "--url", server, "--token", "tok"]) == 0
+    assert "CANCELLED" in capsys.readouterr().out
+
+
+def test_clear_errors(server, tmp_path, capsys):
+    assert main(["jobs", "--url", "http://127.0.0.1:9"]) == 2
+    assert "cannot reach the scheduler" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    assert main(["submit", str(bad), "--url", server, "--token", "tok"]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+    spec = tmp_path / "job.json"
+    spec.write_text('{"num_steps": 0}')
+    assert main(["submit", str(spec), "--url", server, "--token", "tok"]) == 2
+    assert "HTTP 422" in capsys.readouterr().err
+    assert main(["submit", str(spec), "--url", server, "--token", "wrong"]) == 2
+    assert "HTTP 401" in capsys.readouterr().err
