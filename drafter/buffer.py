@@ -209,8 +209,8 @@ class _Row:
     num_tokens: int = 0
 
 
-def iter_batches(buffer: RolloutBuffer, max_tokens_per_row: int, num_rows: int, shuffle: bool = True,
-                 seed: int = 0) -> Iterator[PackedBatch]:
+def iter_batches(buffer: RolloutBuffer | Sequence[Rollout], max_tokens_per_row: int, num_rows: int,
+                 shuffle: bool = True, seed: int = 0) -> Iterator[PackedBatch]:
     """One epoch over a snapshot of the buffer: every pair appears exactly once.
 
     Sequences (in a seeded shuffle, or insertion order) are packed first-fit into rows of at most
@@ -223,7 +223,7 @@ def iter_batches(buffer: RolloutBuffer, max_tokens_per_row: int, num_rows: int, 
         raise ValueError(f"max_tokens_per_row must be >= 1, got {max_tokens_per_row}")
     if num_rows < 1:
         raise ValueError(f"num_rows must be >= 1, got {num_rows}")
-    rollouts = buffer.rollouts
+    rollouts = list(buffer) if isinstance(buffer, list | tuple) else buffer.rollouts
     hidden_size = rollouts[0].hidden.shape[1] if rollouts else 0
     segments = [_Segment(r, s, min(s + max_tokens_per_row, r.num_pairs))
                 for r in rollouts for s in range(0, r.num_pairs, max_tokens_per_row)]

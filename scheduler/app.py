@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 import ray
@@ -18,10 +19,13 @@ from pydantic import BaseModel
 
 from scheduler.jobs import TERMINAL, JobSpec, JobState, JobStore
 from scheduler.metrics import RedisCollector
+from scheduler.policy import PolicySettings
+from scheduler.watcher import TICK_S, Metrics, Watcher
 from workers.driver import JobConfig, JobDriver
 from workers.grpo import GRPOConfig
-from workers.protocol import connect, read_progress
+from workers.protocol import connect, job_drafts_key, job_result_key, job_tlt_key, read_progress
 from workers.rollout import WorkerConfig
+from workers.store import DraftStore
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +37,10 @@ class Settings:
     store_dir: str = "/tmp/tlt-drafts"
     ray_num_gpus: int = 4  # logical GPUs declared when this process starts a local Ray
     start_ray: bool = True
+    ray_address: str | None = None  # join this Ray cluster ("auto", "host:port"); jobs then outlive a restart
+    policy: PolicySettings = field(default_factory=PolicySettings)
+    watch: bool = True  # run the long-tail watcher (grants and preempts drafter-training leases)
+    watch_tick_s: float = TICK_S
 
 
 class JobOut(BaseModel):
@@ -60,8 +68,17 @@ class WorkerOut(BaseModel):
     timestamp: float
 
 
+def driver_name(job_id: str) -> str:
+    return f"tlt-driver-{job_id}"
+
+
 class Launcher:
-    """Runs each job's driver on Ray from a thread, and records how it ended."""
+    """Runs each job's driver on Ray (a detached, named actor) and records how it ended.
+
+    A driver outlives the scheduler process: after a restart `reattach` finds every RUNNING job's
+    driver by name and follows it again; a driver that ended while no scheduler was up left its
+    outcome in Redis (job_result_key), and PENDING jobs that never started are started.
+    """
 
     def __init__(self, store: JobStore, settings: Settings) -> None:
         self.store, self.settings = store, settings
@@ -81,20 +98,30 @@ class Launcher:
                         worker=WorkerConfig(model=spec.model, k=spec.draft_k, tlt=spec.tlt),
                         grpo=GRPOConfig(group_size=spec.group_size, lr=spec.lr, clip_eps=spec.clip_eps,
                                         kl_coef=spec.kl_coef))
-        driver = None
-        try:  # the job boundary: anything that goes wrong is recorded on the job
-            driver = JobDriver.options(name=f"tlt-driver-{job_id}", lifetime="detached").remote(
+        try:
+            driver = JobDriver.options(name=driver_name(job_id), lifetime="detached", max_concurrency=4).remote(
                 cfg, self.settings.redis_url)
-            self.drivers[job_id] = driver
-            steps = ray.get(driver.run.remote())
-            self.store.transition(job_id, JobState.SUCCEEDED, {JobState.RUNNING}, steps=len(steps))
+            run = driver.run.remote()
+        except Exception as exc:
+            log.exception("job %s could not start", job_id)
+            self.store.transition(job_id, JobState.FAILED, {JobState.RUNNING}, error=f"{type(exc).__name__}: {exc}")
+            return
+        self._follow(job_id, driver, run)
+
+    def _follow(self, job_id: str, driver, ref) -> None:
+        """Wait for the driver's run (or, after a restart, its `wait`) and record the outcome."""
+        self.drivers[job_id] = driver
+        try:  # the job boundary: anything that goes wrong is recorded on the job
+            outcome = ray.get(ref)
+            if isinstance(outcome, list):  # run() returns its step records
+                outcome = {"ok": True, "steps": len(outcome)}
+            self._record(job_id, outcome)
         except SystemExit:  # Ray is shutting down under this scheduler: leave the detached driver running
             driver = None
             return
         except Exception as exc:
             log.exception("job %s failed", job_id)
-            error = f"{type(exc).__name__}: {exc}"[:2000]
-            self.store.transition(job_id, JobState.FAILED, {JobState.RUNNING}, error=error)
+            self._record(job_id, self._stored_outcome(job_id) or {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
         finally:
             self.drivers.pop(job_id, None)
             if driver is not None and ray.is_initialized():
@@ -103,10 +130,55 @@ class Launcher:
                 except Exception:
                     log.warning("job %s: could not kill its driver", job_id)
 
+    def _record(self, job_id: str, outcome: dict) -> None:
+        if outcome.get("ok"):
+            self.store.transition(job_id, JobState.SUCCEEDED, {JobState.RUNNING}, steps=int(outcome["steps"]))
+        else:
+            self.store.transition(job_id, JobState.FAILED, {JobState.RUNNING},
+                                  error=str(outcome.get("error") or "unknown error")[:2000])
+
+    def _stored_outcome(self, job_id: str) -> dict | None:
+        raw = self.store.redis.get(job_result_key(job_id))
+        try:
+            return json.loads(raw) if raw else None
+        except json.JSONDecodeError:
+            log.error("job %s: unreadable result record %r", job_id, raw[:200])
+            return None
+
+    def reattach(self) -> dict[str, str]:
+        """After a (re)start: follow every RUNNING job's driver again, settle those that ended while no
+        scheduler was up, start the PENDING ones. Returns job id -> what was done."""
+        done = {}
+        for record in self.store.list(limit=100_000):
+            job_id, state = record["job_id"], JobState(record["state"])
+            if state == JobState.PENDING:
+                self.start(record)
+                done[job_id] = "started"
+            elif state == JobState.RUNNING and job_id not in self.drivers:
+                try:
+                    driver = ray.get_actor(driver_name(job_id))
+                except ValueError:  # no such actor: it ended (or died) while we were away
+                    outcome = self._stored_outcome(job_id) or {
+                        "ok": False, "error": "its driver is gone and left no result (did the Ray cluster restart?)"}
+                    self._record(job_id, outcome)
+                    done[job_id] = "settled"
+                    continue
+                self.drivers[job_id] = driver
+                threading.Thread(target=self._follow, args=(job_id, driver, driver.wait.remote()), daemon=True,
+                                 name=f"job-{job_id}").start()
+                done[job_id] = "reattached"
+        if done:
+            log.info("reattached: %s", done)
+        return done
+
     def cancel(self, job_id: str) -> None:
         driver = self.drivers.get(job_id)
-        if driver is not None:
-            ray.kill(driver)
+        if driver is None:
+            try:
+                driver = ray.get_actor(driver_name(job_id))
+            except ValueError:
+                return
+        ray.kill(driver)
 
 
 _bearer = HTTPBearer(auto_error=False)
@@ -134,13 +206,22 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.redis = connect(settings.redis_url)
-        if settings.start_ray and not ray.is_initialized():
+        if settings.ray_address and not ray.is_initialized():
+            ray.init(address=settings.ray_address, log_to_driver=False)
+        elif settings.start_ray and not ray.is_initialized():
             ray.init(num_gpus=settings.ray_num_gpus, include_dashboard=False, log_to_driver=False)
         app.state.store = JobStore(app.state.redis)
         app.state.registry = CollectorRegistry()
         app.state.registry.register(RedisCollector(app.state.store))
         app.state.launcher = Launcher(app.state.store, settings)
+        app.state.launcher.reattach()
+        watcher = Watcher(app.state.store, settings.store_dir, settings.policy, settings.watch_tick_s,
+                          Metrics(app.state.registry))
+        app.state.watcher = watcher
+        if settings.watch:
+            watcher.start()
         yield
+        watcher.stop()
         app.state.redis.close()
 
     app = FastAPI(title="tlt-scheduler", version="0.1.0", lifespan=lifespan)
@@ -189,6 +270,32 @@ def create_app(settings: Settings) -> FastAPI:
         found(s, job_id)
         return [WorkerOut(**{**r.__dict__, "state": r.state.value})
                 for r in read_progress(request.app.state.redis, job_id)]
+
+    @jobs.get("/{job_id}/drafts")
+    def drafts(job_id: str, s: Store, request: Request) -> dict:
+        """Served draft versions (parent, policy version, acceptance when published), every publish
+        decision with the accepted lengths it compared, and the job's TLT counters."""
+        found(s, job_id)
+        redis = request.app.state.redis
+        served = DraftStore(redis, f"{settings.store_dir}/{job_id}/served", job_id)
+        versions = [{"version": e["version"], "parent_version": e["parent_version"],
+                     "policy_version": e["policy_version"], "num_steps": e["num_steps"], "num_tokens": e["num_tokens"],
+                     "created_at": e["created_at"], "accepted_length": e["extra"].get("accepted_length"),
+                     "serving_accepted_length": e["extra"].get("serving_accepted_length")}
+                    for e in served.versions()]
+        decisions = []
+        for raw in redis.lrange(job_drafts_key(job_id), 0, -1):
+            try:
+                decisions.append(json.loads(raw))
+            except json.JSONDecodeError:
+                log.error("job %s: skipping unreadable draft decision %r", job_id, raw[:200])
+        counters = redis.hgetall(job_tlt_key(job_id))
+        return {"job_id": job_id, "serving_version": served.latest_version(), "versions": versions,
+                "decisions": decisions,
+                "reclaimed_worker_s": float(counters.get("reclaimed_worker_s", 0.0)),
+                "num_leases": int(counters.get("num_leases", 0)),
+                "num_published": int(counters.get("num_published", 0)),
+                "num_rejected": int(counters.get("num_rejected", 0))}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     def metrics(request: Request) -> PlainTextResponse:

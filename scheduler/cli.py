@@ -121,7 +121,8 @@ def _serve(args: argparse.Namespace) -> int:
     if private is not None:
         print(f"tlt: REDIS_URL is unset: started a private redis-server at {url}", file=sys.stderr)
     settings = Settings(redis_url=url, api_token=os.environ.get("TLT_API_TOKEN") or None,
-                        store_dir=args.store_dir, ray_num_gpus=args.gpus)
+                        store_dir=args.store_dir, ray_num_gpus=args.gpus,
+                        ray_address=args.ray_address or os.environ.get("RAY_ADDRESS") or None)
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
     return 0
 
@@ -236,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8080)
     srv.add_argument("--gpus", type=int, default=4, help="logical GPUs for a local Ray started by the server")
     srv.add_argument("--store-dir", default="/tmp/tlt-drafts", help="draft weight store (shared FS on a cluster)")
+    srv.add_argument("--ray-address", default=None,
+                     help="join a running Ray cluster (default $RAY_ADDRESS; unset: start a private local Ray, "
+                          "whose jobs end with this process)")
     srv.set_defaults(func=_serve)
 
     def client_args(p: argparse.ArgumentParser) -> None:

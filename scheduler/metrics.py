@@ -9,7 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from scheduler.jobs import JobState, JobStore
-from workers.protocol import WorkerState, job_steps_key, read_progress
+from workers.protocol import WorkerState, job_steps_key, job_tlt_key, read_progress
 
 log = logging.getLogger(__name__)
 MAX_JOBS_SCRAPED = 200  # newest jobs only: a scrape must stay cheap however long the history
@@ -34,7 +34,12 @@ class RedisCollector(Collector):
         phase = GaugeMetricFamily("tlt_step_phase_seconds", "Last RL step's time by phase", labels=["job", "phase"])
         idle = CounterMetricFamily("tlt_idle_worker_seconds", "Worker-seconds idle at the step barrier",
                                    labels=["job"])
+        reclaimed = CounterMetricFamily("tlt_reclaimed_worker_seconds", "Worker-seconds spent training drafters "
+                                        "on otherwise idle GPUs", labels=["job"])
         for job in jobs:
+            counters = self.store.redis.hgetall(job_tlt_key(job["job_id"]))
+            if counters:
+                reclaimed.add_metric([job["job_id"]], float(counters.get("reclaimed_worker_s", 0.0)))
             if job["state"] not in (JobState.RUNNING.value, JobState.PENDING.value) and job["steps"] == 0:
                 continue
             jid = job["job_id"]
@@ -54,4 +59,4 @@ class RedisCollector(Collector):
                 for name, seconds in steps[-1].get("timings", {}).items():
                     phase.add_metric([jid, name], float(seconds))
                 idle.add_metric([jid], sum(float(s.get("idle_worker_s", 0.0)) for s in steps))
-        yield from (state, tps, acc, ver, phase, idle)
+        yield from (state, tps, acc, ver, phase, idle, reclaimed)

@@ -23,7 +23,7 @@ class WorkerClass(StrEnum):
 
 class Phase(StrEnum):
     ROLLOUT = "ROLLOUT"  # the step's generation is under way
-    UPDATE = "UPDATE"  # rollouts are done: the policy update needs every GPU
+    UPDATE = "UPDATE"  # no generation under way (weight sync, reward, update): every GPU is needed
 
 
 @dataclass(frozen=True)
@@ -110,15 +110,20 @@ def estimate_remaining_s(views: list[WorkerView], classes: dict[str, WorkerClass
 
 
 def decide(views: list[WorkerView], now: float, phase: Phase, rollout_elapsed_s: float, serving_version: int,
-           s: PolicySettings) -> Decision:
+           s: PolicySettings, leased: frozenset[str] = frozenset()) -> Decision:
+    """`leased`: workers holding a lease the scheduler has not collected yet. Their progress record
+    may lag or say ROLLING_OUT (a new rollout began), so leases, not records, decide preemption."""
     classes = classify(views, now, s)
     counted = [v for v in views if classes[v.worker_id] != WorkerClass.STALE]
-    idle = [v for v in counted if classes[v.worker_id] == WorkerClass.IDLE]
+    idle = [v for v in counted if classes[v.worker_id] == WorkerClass.IDLE and v.worker_id not in leased]
     long_tail = phase == Phase.ROLLOUT and bool(counted) and len(idle) / len(counted) >= s.long_tail_idle_fraction
     decision = Decision(classes, long_tail)
     if phase == Phase.UPDATE:  # the policy update needs the GPUs back
-        decision.preempt = [v.worker_id for v in counted if classes[v.worker_id] == WorkerClass.TRAINING]
+        decision.preempt = sorted({v.worker_id for v in counted if classes[v.worker_id] == WorkerClass.TRAINING}
+                                  | set(leased))
         return decision
+    # a leased worker given rollouts again needs its GPU back
+    decision.preempt = sorted(w for w in leased if classes.get(w) in (WorkerClass.ROLLING_OUT, WorkerClass.STRAGGLER))
     remaining = estimate_remaining_s(views, classes, rollout_elapsed_s)
     decision.remaining_rollout_s = remaining
     deadline = min(s.max_lease_s, s.lease_margin * remaining)

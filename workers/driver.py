@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -18,7 +19,7 @@ import torch
 
 from drafter.loading import encode_prompt, load_model
 from workers.grpo import GRPOConfig, group_advantages, grpo_update, sequence_logprobs
-from workers.protocol import job_steps_key
+from workers.protocol import job_phase_key, job_result_key, job_steps_key
 from workers.rollout import RolloutWorker, WorkerConfig
 from workers.tasks import ArithmeticTask, get_reward, load_jsonl_dataset
 
@@ -95,6 +96,8 @@ class JobDriver:
         # a frozen copy of the initial policy, only when the KL term is on
         self.ref_model = copy.deepcopy(self.policy).requires_grad_(False) if cfg.grpo.kl_coef > 0 else None
         self.records: list[StepRecord] = []
+        self._outcome: dict | None = None
+        self._finished = threading.Event()
 
     def _drop(self, w, wid: str, exc: Exception, rl_step: int, failures: list) -> None:
         failures.append({"worker": wid, "error": f"{type(exc).__name__}: {exc}"[:500]})
@@ -102,19 +105,46 @@ class JobDriver:
         i = self.worker_ids.index(wid)
         del self.workers[i], self.worker_ids[i]
 
+    def set_phase(self, phase: str, rl_step: int) -> None:
+        self.redis.set(job_phase_key(self.cfg.job_id), json.dumps({"phase": phase, "rl_step": rl_step,
+                                                                   "since": time.time()}))
+
+    def worker_map(self) -> dict:
+        """Live workers by id (answers while `run` is busy: the driver is created with max_concurrency > 1)."""
+        return dict(zip(self.worker_ids, self.workers))
+
     def worker_handles(self) -> list:
         return self.workers
 
     def run(self) -> list[dict]:
-        for step in range(self.cfg.num_steps):
-            self.records.append(self.step(step))
-        return [asdict(r) for r in self.records]
+        """Every RL step; the outcome also goes to Redis (job_result_key) and to `wait` callers."""
+        try:
+            for step in range(self.cfg.num_steps):
+                self.records.append(self.step(step))
+        except BaseException as exc:
+            self._outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000], "finished_at": time.time()}
+            raise
+        else:
+            self._outcome = {"ok": True, "steps": len(self.records), "finished_at": time.time()}
+            return [asdict(r) for r in self.records]
+        finally:
+            self.set_phase("DONE", len(self.records))
+            try:
+                self.redis.set(job_result_key(self.cfg.job_id), json.dumps(self._outcome))
+            finally:
+                self._finished.set()
+
+    def wait(self, timeout_s: float | None = None) -> dict | None:
+        """Block until `run` ends (a scheduler that restarted reattaches with this); its outcome
+        {ok, steps | error}, or None if still running after timeout_s."""
+        return self._outcome if self._finished.wait(timeout_s) else None
 
     def step(self, rl_step: int) -> StepRecord:
         cfg, t = self.cfg, {}
         n = cfg.num_prompts_per_step
         problems = [self.problems[(rl_step * n + i) % len(self.problems)] for i in range(n)]
         prompts = [encode_text(self.tokenizer, p.prompt, self.policy.cfg.vocab_size) for p in problems]
+        self.set_phase("SYNC", rl_step)
         t0 = time.perf_counter()
         weights = ray.put({k: v.detach().clone() for k, v in self.policy.state_dict().items()})
         failures = []
@@ -129,6 +159,7 @@ class JobDriver:
             raise RuntimeError(f"job {cfg.job_id}: every rollout worker failed")
         t["weight_sync"] = time.perf_counter() - t0
 
+        self.set_phase("ROLLOUT", rl_step)
         t0 = time.perf_counter()
         G = cfg.grpo.group_size
         futures, shares = {}, assign(n, len(self.workers))
@@ -154,6 +185,7 @@ class JobDriver:
             for i, g in enumerate(groups):
                 results[g] = outs[i * G : (i + 1) * G]
         t["rollout"] = time.perf_counter() - t0
+        self.set_phase("UPDATE", rl_step)
         longest = max(worker_s.values(), default=0.0)
         idle = sum(longest - s for s in worker_s.values())
 

@@ -111,6 +111,27 @@ def job_steps_key(job_id: str) -> str:
     return f"{job_key(job_id)}:steps"
 
 
+def job_tlt_key(job_id: str) -> str:
+    """Hash of the scheduler's TLT counters for a job: reclaimed worker-seconds, versions published."""
+    return f"{job_key(job_id)}:tlt"
+
+
+def job_phase_key(job_id: str) -> str:
+    """JSON {phase: SYNC | ROLLOUT | UPDATE, rl_step, since}: where the driver is in its step."""
+    return f"{job_key(job_id)}:phase"
+
+
+def job_result_key(job_id: str) -> str:
+    """JSON {ok, steps | error, finished_at}, written by the job driver when its run ends: how a job
+    ended is known even if no scheduler was up to see it."""
+    return f"{job_key(job_id)}:result"
+
+
+def job_drafts_key(job_id: str) -> str:
+    """List of JSON publish decisions: candidate, merged copies, accepted lengths, published version."""
+    return f"{job_key(job_id)}:drafts"
+
+
 def job_commands_channel(job_id: str) -> str:
     return f"{job_key(job_id)}:commands"
 

@@ -20,6 +20,7 @@ from drafter.buffer import RolloutBuffer
 from drafter.checkpoint import DraftMeta
 from drafter.eagle import EagleDrafter
 from drafter.engine import Engine, Request
+from drafter.evaluate import expected_accepted_length
 from drafter.loading import load_model
 from drafter.sampling import SamplingParams
 from drafter.train import DraftTrainer, TrainConfig
@@ -29,6 +30,8 @@ from workers.protocol import ProgressRecord, WorkerState
 from workers.store import DraftStore
 
 log = logging.getLogger(__name__)
+MAX_LEASES_KEPT = 64  # finished lease outcomes kept for collection (a scheduler collects within seconds)
+EVAL_TOKENS = 2048  # recorded pairs a publish decision is scored on: ~1 s of a SmolLM2 forward on CPU
 
 
 @dataclass
@@ -67,6 +70,8 @@ class RolloutRunner:
         self.trainer: DraftTrainer | None = None
         self.swap_log: list[dict] = []  # versions loaded: (version, published_at, loaded_at)
         self.report_progress = True  # benchmarks switch it off to measure its cost
+        self.leases: dict[str, dict] = {}  # lease id -> outcome, the last MAX_LEASES_KEPT
+        self._trainer_done = threading.Event()
         self._lock = threading.Lock()
 
     # ----- policy -------------------------------------------------------------------------
@@ -97,6 +102,9 @@ class RolloutRunner:
     def generate(self, prompts: list[list[int]], params: list[dict], rl_step: int) -> list[dict]:
         """Generate one rollout per prompt; returns plain dicts (tokens, text, finish, counters)."""
         self.rl_step = rl_step
+        if self.stop_training():  # rollouts come first: a lease still running here is preempted now
+            log.warning("worker %s: a drafter lease was still training when rollouts arrived; stopped it",
+                        self.worker_id)
         reqs = [Request(p, SamplingParams(**kw)) for p, kw in zip(prompts, params)]
         self.progress.update(num_running=len(reqs), num_finished=0, num_total=len(reqs), num_tokens=0)
         self.set_state(WorkerState.ROLLING_OUT)
@@ -123,13 +131,44 @@ class RolloutRunner:
                 for o in outs]
 
     # ----- drafter training leases ---------------------------------------------------------
-    def train_drafter(self, lease: dict) -> dict:
+    def check_lease(self, lease: dict) -> None:
+        """ValueError naming the field if `lease` is malformed, or if this worker already holds one."""
+        for name in ("lease_id", "parent_version", "deadline_s"):
+            if name not in lease:
+                raise ValueError(f"lease is missing {name!r}")
+        if float(lease["deadline_s"]) <= 0:
+            raise ValueError(f"lease deadline_s must be > 0, got {lease['deadline_s']}")
+        if int(lease["parent_version"]) < 0:
+            raise ValueError(f"lease parent_version must be >= 0, got {lease['parent_version']}")
+        with self._lock:
+            running = [lid for lid, r in self.leases.items() if r["state"] == "running"]
+            if running:
+                raise ValueError(f"worker {self.worker_id} already holds lease {running[0]}")
+            self.leases[str(lease["lease_id"])] = {"state": "running", "result": None, "error": None}
+
+    def train_drafter(self, lease: dict, checked: bool = False) -> dict:
         """Train a copy from the lease's parent version on the local buffer until its deadline or a
-        stop; publish the copy (atomically) if it took at least one step."""
+        stop; publish the copy (atomically) if it took at least one step. The outcome stays in
+        `self.leases` so a scheduler that restarted can still collect it."""
+        if not checked:
+            self.check_lease(lease)
+        lease_id = str(lease["lease_id"])
+        try:
+            result = self._train(lease)
+        except Exception as exc:
+            with self._lock:
+                self.leases[lease_id] = {"state": "failed", "result": None, "error": f"{type(exc).__name__}: {exc}"}
+            raise
+        with self._lock:
+            self.leases[lease_id] = {"state": "done", "result": result, "error": None}
+            done = [lid for lid, r in self.leases.items() if r["state"] != "running"]
+            for lid in done[:-MAX_LEASES_KEPT]:
+                del self.leases[lid]
+        return result
+
+    def _train(self, lease: dict) -> dict:
         parent = int(lease["parent_version"])
         deadline_s = float(lease["deadline_s"])
-        if deadline_s <= 0:
-            raise ValueError(f"lease deadline_s must be > 0, got {deadline_s}")
         head = self._head_for(parent)
         with self._lock:
             self.trainer = DraftTrainer(self.policy, head, self.cfg.train or TrainConfig())
@@ -139,6 +178,7 @@ class RolloutRunner:
         finally:
             with self._lock:
                 self.trainer = None
+                self._trainer_done.set()
             self.set_state(WorkerState.IDLE)
         result = {"lease_id": lease.get("lease_id"), "steps": rep.num_steps, "tokens": rep.num_tokens,
                   "seconds": rep.seconds, "stopped": rep.stopped, "version": None}
@@ -150,6 +190,12 @@ class RolloutRunner:
             result["version"] = self.copies.publish(head.state_dict(), meta)
         return result
 
+    def lease_result(self, lease_id: str) -> dict | None:
+        """{"state": running | done | failed, "result", "error"}, or None for a lease this worker never had."""
+        with self._lock:
+            entry = self.leases.get(str(lease_id))
+            return dict(entry) if entry else None
+
     def _head_for(self, version: int):
         if version == 0 and self.served.latest_version() is None:
             return new_head(self.policy, self.buffer if len(self.buffer) else None, self.cfg.draft_vocab_size)
@@ -158,12 +204,42 @@ class RolloutRunner:
         head.load_state_dict(state)
         return head.to(self.policy.dtype)
 
-    def stop_training(self) -> bool:
+    def evaluate_drafts(self, drafts: list[dict], k: int, greedy: bool, max_tokens: int = EVAL_TOKENS) -> dict:
+        """Offline accepted length of each {"store": "served" | "copies", "version"} on this worker's most
+        recent rollouts of its newest policy version (drafter/evaluate.py); the scheduler's publish rule."""
+        rollouts = self.buffer.rollouts
+        if not rollouts:
+            raise ValueError(f"worker {self.worker_id} has no rollouts to evaluate drafts on")
+        newest = max(r.policy_version for r in rollouts)
+        recent, num_tokens = [], 0
+        for r in sorted((r for r in rollouts if r.policy_version == newest), key=lambda r: -r.order):
+            if num_tokens >= max_tokens:
+                break
+            recent.append(r)
+            num_tokens += r.num_pairs
+        lengths = []
+        for d in drafts:
+            store = {"served": self.served, "copies": self.copies}.get(d.get("store"))
+            if store is None:
+                raise ValueError(f"store must be 'served' or 'copies', got {d.get('store')!r}")
+            state, meta = store.load(int(d["version"]))
+            head = head_from_config(meta.head_config)
+            head.load_state_dict(state)
+            lengths.append(expected_accepted_length(head.to(self.policy.dtype), self.policy, recent, k, greedy))
+        return {"accepted_lengths": lengths, "num_tokens": num_tokens, "policy_version": newest,
+                "worker_id": self.worker_id}
+
+    def stop_training(self, wait_s: float = 0.0) -> bool:
+        """Ask a running trainer to stop (it does within one micro-step); with wait_s > 0, also wait up
+        to that long for it to have stopped. Returns whether a trainer was running."""
         with self._lock:
             if self.trainer is None:
                 return False
+            self._trainer_done.clear()
             self.trainer.request_stop()
-            return True
+        if wait_s > 0:
+            self._trainer_done.wait(wait_s)
+        return True
 
     # ----- hot swap ---------------------------------------------------------------------------
     def swap_draft(self, version: int, published_at: float | None = None) -> None:
@@ -188,6 +264,7 @@ class RolloutWorker:
         import redis
 
         self.runner = RolloutRunner(job_id, worker_id, cfg, redis.Redis.from_url(redis_url), store_dir, namespace)
+        self._tasks: set[asyncio.Task] = set()  # background leases (kept referenced until done)
         self._listener = threading.Thread(target=self._listen, daemon=True)
         self._listener.start()
 
@@ -217,8 +294,23 @@ class RolloutWorker:
     async def train_drafter(self, lease: dict) -> dict:
         return await asyncio.to_thread(self.runner.train_drafter, lease)
 
-    async def stop_training(self) -> bool:
-        return self.runner.stop_training()
+    async def start_lease(self, lease: dict) -> str:
+        """Accept a lease and train in the background; poll `lease_result`. Raises ValueError for a
+        malformed lease or a worker that already holds one."""
+        self.runner.check_lease(lease)
+        task = asyncio.get_running_loop().create_task(asyncio.to_thread(self.runner.train_drafter, lease, True))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return str(lease["lease_id"])
+
+    async def lease_result(self, lease_id: str) -> dict | None:
+        return self.runner.lease_result(lease_id)
+
+    async def stop_training(self, wait_s: float = 0.0) -> bool:
+        return await asyncio.to_thread(self.runner.stop_training, wait_s)
+
+    async def evaluate_drafts(self, drafts: list[dict], k: int, greedy: bool) -> dict:
+        return await asyncio.to_thread(self.runner.evaluate_drafts, drafts, k, greedy)
 
     async def swap_draft(self, version: int) -> None:
         await asyncio.to_thread(self.runner.swap_draft, version)

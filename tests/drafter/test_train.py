@@ -12,6 +12,7 @@ from drafter.buffer import PackedBatch, RolloutBuffer
 from drafter.checkpoint import DraftMeta
 from drafter.eagle import EagleConfig, EagleDrafter, EagleHead
 from drafter.engine import Engine, Request
+from drafter.evaluate import expected_accepted_length
 from drafter.sampling import SamplingParams
 from drafter.train import DraftTrainer, TrainConfig, unrolled_predictions
 from drafter.warmstart import HarvestConfig, harvest, measure
@@ -162,3 +163,29 @@ def test_head_swap_mid_generation_is_lossless_and_takes_effect(structured):
     assert drafter.num_swaps == 1 and drafter.version == 7
     untrained = engine.generate(reqs, k=3, drafter=EagleDrafter(model, EagleHead(model.cfg)))
     assert sum(o.num_accepted for o in swapped) > sum(o.num_accepted for o in untrained) + 20
+
+
+def test_offline_acceptance_tracks_online_decoding(structured):
+    """The scheduler's publish rule scores drafts on recorded rollouts (drafter/evaluate.py): it must
+    rank drafts as decoding does, and under greedy land near the accepted length decoding measures."""
+    model, engine, buffer, held_out = structured
+    head = EagleHead(model.cfg)
+    DraftTrainer(model, head, TrainConfig(total_steps=150)).train(buffer, max_steps=150)
+    untrained = EagleHead(model.cfg)
+    greedy_rollouts = RolloutBuffer(max_bytes=16 << 20, hidden_dtype=torch.float32)
+    harvest(engine, held_out, greedy_rollouts, cfg=HarvestConfig(batch_size=8, max_new_tokens=32, temperature=0.0))
+    sampled_rollouts = RolloutBuffer(max_bytes=16 << 20, hidden_dtype=torch.float32)
+    harvest(engine, held_out, sampled_rollouts, cfg=HarvestConfig(batch_size=8, max_new_tokens=32, temperature=1.0,
+                                                                 top_p=1.0))
+    for k in (1, 3):
+        online = measure(engine, held_out, k, EagleDrafter(model, head), max_new_tokens=32).mean_accepted_length
+        offline = expected_accepted_length(head, model, greedy_rollouts.rollouts, k)
+        assert offline == pytest.approx(online, rel=0.15), (k, offline, online)
+        assert offline > expected_accepted_length(untrained, model, greedy_rollouts.rollouts, k) + 0.3 * k
+    sampled = expected_accepted_length(head, model, sampled_rollouts.rollouts, 3, greedy=False)
+    assert 1.0 <= sampled <= 4.0
+    assert sampled > expected_accepted_length(untrained, model, sampled_rollouts.rollouts, 3, greedy=False) + 0.5
+    with pytest.raises(ValueError, match="k must be"):
+        expected_accepted_length(head, model, greedy_rollouts.rollouts, 0)
+    with pytest.raises(ValueError, match="no rollouts"):
+        expected_accepted_length(head, model, [], 3)

@@ -52,6 +52,16 @@ def test_end_of_rollout_preempts_trainers():
     assert sorted(d.preempt) == ["w0", "w1"] and d.grants == []
 
 
+def test_leases_not_progress_records_decide_preemption():
+    # w0's record lags (IDLE) and w1 already rolls out the next step: both still hold leases
+    views = [view("w0", "IDLE", 8), view("w1", done=1), view("w2", "IDLE", 8), view("w3", "IDLE", 8)]
+    assert decide(views, NOW, Phase.UPDATE, 60.0, 3, S, leased=frozenset({"w0", "w1"})).preempt == ["w0", "w1"]
+    d = decide(views, NOW, Phase.ROLLOUT, 60.0, 3, S, leased=frozenset({"w0", "w1"}))
+    assert d.preempt == ["w1"]  # given rollouts again: its GPU is needed
+    assert "w0" not in [g.worker_id for g in d.grants]  # never two leases on one worker
+    assert sorted(g.worker_id for g in d.grants) == ["w2", "w3"]
+
+
 def test_stale_and_failed_records_are_ignored():
     views = [view("w0", "IDLE", 8, age=30), view("w1", "FAILED", 0), view("w2", done=4), view("w3", done=4)]
     d = decide(views, NOW, Phase.ROLLOUT, 60.0, 1, S)

@@ -1,0 +1,77 @@
+"""Offline acceptance: how many tokens per verify step a draft head would give on recorded rollouts.
+
+The scheduler publishes a merged draft only if it is not worse than the one being served, measured
+on the same recent rollouts. Replaying generation for that would cost a rollout; instead we reuse
+the recorded (token, policy hidden state) pairs: with training-time unrolling (exact to inference,
+see tests/drafter/test_train.py) the head drafts k tokens from every position of every recorded
+sequence at once, and each draft step s is scored against the policy's own next-token distribution
+there (the policy's LM head on the recorded hidden state).
+
+Per draft step the acceptance probability alpha is
+  greedy:   1 if the draft's argmax is the policy's argmax, else 0;
+  sampled:  sum_x min(p(x), q(x)), the rejection-sampling acceptance rate for draft q, target p.
+A chain starting at position i then yields 1 + sum_{m=1..k} prod_{s<m} alpha_s(i+s) tokens per step,
+averaged over every chain start whose k targets are in the sequence. Online decoding visits only the
+chain starts its own acceptances lead to, so the two agree in expectation, not token for token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from drafter.buffer import Rollout, iter_batches
+from drafter.eagle import EagleHead
+from drafter.model import CausalLM
+from drafter.train import unrolled_predictions
+
+ROW_TOKENS = 256  # pairs per packed row: long responses are cut into chunks of this many
+NUM_ROWS = 4  # rows per batch: bounds the (rows * tokens * vocab) logits held at once
+
+
+@torch.no_grad()
+def expected_accepted_length(head: EagleHead, policy: CausalLM, rollouts: list[Rollout], k: int,
+                             greedy: bool = True) -> float:
+    """Mean tokens per verify step the head would give with k drafts on these rollouts."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if not rollouts:
+        raise ValueError("no rollouts to evaluate on")
+    was_training = head.training
+    head.eval()
+    dtype = head.fc.weight.dtype
+    lm_full = policy.lm_head.weight.to(dtype)  # (V, D)
+    vocab_ids = head.vocab_ids
+    total, count = 0.0, 0
+    try:
+        for batch in iter_batches(rollouts, ROW_TOKENS, NUM_ROWS, shuffle=False):
+            feats = batch.feats.to(dtype)
+            batch.feats = feats
+            preds = unrolled_predictions(head, policy.embed_tokens, batch, k)
+            target_logits = F.linear(feats[:, 1:], lm_full).float()  # (R, T-1, V): the policy at slot j
+            R, T1 = target_logits.shape[:2]
+            alphas, valid = [], []
+            if greedy:
+                target_top = target_logits.argmax(-1)
+            else:
+                p_draft_vocab = target_logits.softmax(-1)[..., vocab_ids]  # (R, T-1, V')
+            for s, pred in enumerate(preds):
+                draft_logits = head.draft_logits(pred[:, :-1], lm_full[vocab_ids]).float()  # (R, T-1, V')
+                if greedy:
+                    alpha = (vocab_ids[draft_logits.argmax(-1)] == target_top).float()
+                else:
+                    alpha = torch.minimum(p_draft_vocab, draft_logits.softmax(-1)).sum(-1)
+                ok = batch.target_mask[:, :-1] & (batch.positions[:, :-1] >= s)
+                # re-index by chain start i = j - s
+                alphas.append(torch.cat([alpha[:, s:], alpha.new_zeros(R, s)], dim=1))
+                valid.append(torch.cat([ok[:, s:], ok.new_zeros(R, s)], dim=1))
+            chain_ok = torch.stack(valid).all(0)  # (R, T-1): every draft step of the chain has its target
+            survive = torch.stack(alphas).cumprod(0)  # (k, R, T-1): the first m drafts all accepted
+            tokens = 1.0 + survive.sum(0)
+            total += float(tokens[chain_ok].sum())
+            count += int(chain_ok.sum())
+    finally:
+        head.train(was_training)
+    if count == 0:
+        raise ValueError(f"the rollouts are too short to score {k} draft steps")
+    return total / count

@@ -1,0 +1,304 @@
+"""The watcher: reads progress, asks the pure policy, and carries out its decisions through Ray.
+
+Each `tick()`, for every running job with TLT on: build WorkerViews from Redis progress (plus each
+worker's buffer size), `decide`; preempt trainers whose GPU is needed (the rollout phase ended, or
+the worker got rollouts again); grant leases to idle workers in the long tail; collect finished
+leases; and once a round's leases have all come back, merge their copies into a candidate, score it
+and the serving draft on recent rollouts of a worker that did not train on them, and publish it to
+the served store only if it is not worse (workers pick it up over pub/sub and swap it in between
+decode steps).
+
+Everything a restarted scheduler needs lives in Redis (job_tlt_key: open leases, unmerged copies,
+counters) or on the workers (lease outcomes), so a restart loses no lease and no draft version.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import ray
+from prometheus_client import CollectorRegistry, Histogram
+
+from scheduler.jobs import JobState, JobStore
+from scheduler.policy import Phase, PolicySettings, WorkerClass, WorkerView, decide, should_publish
+from workers.protocol import job_drafts_key, job_phase_key, job_tlt_key, read_progress
+from workers.store import DraftStore
+
+log = logging.getLogger(__name__)
+TICK_S = 0.5  # progress arrives at <= 10/s per worker; leases last seconds to minutes
+RPC_TIMEOUT_S = 10.0  # a worker that does not answer control calls within this is treated as gone
+PREEMPT_WAIT_S = 5.0  # how long a preemption waits for the trainer to confirm it stopped
+EVAL_TIMEOUT_S = 120.0  # scoring two drafts on ~2k recorded tokens: seconds on a CPU
+MAX_DECISIONS_KEPT = 1000  # publish decisions kept per job (GET /v1/jobs/{id}/drafts)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass
+class JobTLT:
+    """One job's scheduler-side TLT state; persisted in Redis after every change."""
+
+    leases: dict = field(default_factory=dict)  # worker id -> {lease_id, granted_at, deadline_s, parent_version}
+    copies: list = field(default_factory=list)  # finished copy versions not merged yet
+    trained: list = field(default_factory=list)  # workers that trained in this round (their data is seen)
+    reclaimed_worker_s: float = 0.0  # worker-seconds spent training drafters
+    num_leases: int = 0
+    num_published: int = 0
+    num_rejected: int = 0
+    published_at: dict = field(default_factory=dict)  # served version -> wall time it was published
+    swaps_seen: dict = field(default_factory=dict)  # worker id -> swaps already observed
+
+    def save(self, redis, job_id: str) -> None:
+        redis.hset(job_tlt_key(job_id), mapping={
+            "reclaimed_worker_s": self.reclaimed_worker_s, "num_published": self.num_published,
+            "num_rejected": self.num_rejected, "num_leases": self.num_leases, "active_leases": len(self.leases),
+            "state": json.dumps(asdict(self))})
+
+    @classmethod
+    def load(cls, redis, job_id: str) -> JobTLT:
+        raw = redis.hget(job_tlt_key(job_id), "state")
+        if not raw:
+            return cls()
+        try:
+            return cls(**json.loads(raw))
+        except (json.JSONDecodeError, TypeError) as exc:
+            log.error("job %s: unreadable TLT state, starting afresh: %s", job_id, exc)
+            return cls()
+
+
+class Metrics:
+    """Latency histograms the watcher observes (the rest of /metrics is read from Redis)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        kw = {"registry": registry, "buckets": LATENCY_BUCKETS, "labelnames": ["job"]}
+        self.dispatch = Histogram("tlt_dispatch_latency_seconds", "Lease decision to the worker accepting it", **kw)
+        self.preempt = Histogram("tlt_preemption_latency_seconds", "Stop signal to the trainer having stopped", **kw)
+        self.swap = Histogram("tlt_swap_latency_seconds", "Draft publish to a worker serving it", **kw)
+
+
+class Watcher:
+    def __init__(self, store: JobStore, store_dir: str, settings: PolicySettings | None = None,
+                 tick_s: float = TICK_S, metrics: Metrics | None = None) -> None:
+        self.store, self.store_dir, self.tick_s = store, store_dir, tick_s
+        self.settings = settings or PolicySettings()
+        self.metrics = metrics or Metrics(CollectorRegistry())
+        self.jobs: dict[str, JobTLT] = {}
+        self._stop = threading.Event()
+
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=self._loop, daemon=True, name="tlt-watcher")
+        thread.start()
+        return thread
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.tick_s):
+            try:
+                self.tick()
+            except Exception:  # one bad tick must not stop watching
+                log.exception("watcher tick failed")
+
+    def _state(self, job_id: str) -> JobTLT:
+        if job_id not in self.jobs:  # first sight, or after a restart: pick up where Redis says
+            self.jobs[job_id] = JobTLT.load(self.store.redis, job_id)
+        return self.jobs[job_id]
+
+    def tick(self) -> None:
+        running = set()
+        for job in self.store.list():
+            if job["state"] == JobState.RUNNING.value and job["spec"].get("tlt", True):
+                running.add(job["job_id"])
+                try:
+                    self.watch_job(job["job_id"], job["spec"])
+                except Exception:
+                    log.exception("job %s: watcher step failed", job["job_id"])
+        for job_id in set(self.jobs) - running:  # ended: its workers are gone with its driver
+            st = self.jobs.pop(job_id)
+            if st.leases or st.copies:
+                log.info("job %s ended with %d open leases and %d unmerged copies (kept in the copies store)",
+                         job_id, len(st.leases), len(st.copies))
+                st.leases, st.copies = {}, []
+                st.save(self.store.redis, job_id)
+
+    def stores(self, job_id: str) -> tuple[DraftStore, DraftStore]:
+        redis = self.store.redis
+        return (DraftStore(redis, f"{self.store_dir}/{job_id}/served", job_id),
+                DraftStore(redis, f"{self.store_dir}/{job_id}/copies", f"{job_id}:copies"))
+
+    def watch_job(self, job_id: str, spec: dict) -> None:
+        redis = self.store.redis
+        raw = redis.get(job_phase_key(job_id))
+        if raw is None:
+            return
+        phase_info = json.loads(raw)
+        try:
+            driver = ray.get_actor(f"tlt-driver-{job_id}")
+            workers = ray.get(driver.worker_map.remote(), timeout=RPC_TIMEOUT_S)
+        except Exception:
+            return  # not started yet, or gone: the launcher records how it ended
+        st = self._state(job_id)
+        status = self._statuses(workers)
+        self._observe_swaps(job_id, st, status)
+        self._collect(job_id, st, workers)
+        views = [WorkerView(r.worker_id, r.state.value, r.num_finished, r.num_total, r.timestamp,
+                            status[r.worker_id].get("buffer_tokens", 0))
+                 for r in read_progress(redis, job_id) if r.worker_id in status]
+        phase = Phase.ROLLOUT if phase_info["phase"] == "ROLLOUT" else Phase.UPDATE
+        served, _ = self.stores(job_id)
+        now = time.time()
+        decision = decide(views, now, phase, now - phase_info["since"], served.latest_version() or 0,
+                          self.settings, leased=frozenset(st.leases))
+        if decision.preempt:
+            self._preempt(job_id, {w: workers[w] for w in decision.preempt if w in workers})
+        if decision.grants:
+            self._grant(job_id, st, workers, decision.grants)
+        if not st.leases and st.copies:
+            idle = [w for w, c in decision.classes.items() if c == WorkerClass.IDLE and w in workers]
+            if phase == Phase.UPDATE:
+                idle = list(workers)  # nothing generates: every worker is free to score drafts
+            self._publish(job_id, st, workers, idle, spec)
+        st.save(redis, job_id)
+
+    # ----- the steps of a tick ------------------------------------------------------------------
+    @staticmethod
+    def _statuses(workers: dict) -> dict[str, dict]:
+        refs = {wid: w.status.remote() for wid, w in workers.items()}
+        out = {}
+        for wid, ref in refs.items():
+            try:
+                out[wid] = ray.get(ref, timeout=RPC_TIMEOUT_S)
+            except Exception as exc:
+                log.warning("worker %s: no status: %s", wid, exc)
+        return out
+
+    def _observe_swaps(self, job_id: str, st: JobTLT, status: dict) -> None:
+        for wid, s in status.items():
+            swaps = s.get("swap_times", [])
+            for version, began_at in swaps[st.swaps_seen.get(wid, 0):]:
+                published_at = st.published_at.get(str(version))
+                if published_at is not None:
+                    self.metrics.swap.labels(job_id).observe(max(began_at - published_at, 0.0))
+            st.swaps_seen[wid] = len(swaps)
+
+    def _preempt(self, job_id: str, targets: dict) -> None:
+        start = time.perf_counter()
+        refs = {w.stop_training.remote(PREEMPT_WAIT_S): wid for wid, w in targets.items()}
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=PREEMPT_WAIT_S + RPC_TIMEOUT_S)
+            if not ready:
+                log.warning("job %s: no answer to preemption from %s", job_id, [refs[r] for r in pending])
+                break
+            try:
+                if ray.get(ready[0]):
+                    self.metrics.preempt.labels(job_id).observe(time.perf_counter() - start)
+                    log.info("job %s: preempted the trainer on %s", job_id, refs[ready[0]])
+            except Exception as exc:
+                log.warning("job %s: preempting %s failed: %s", job_id, refs[ready[0]], exc)
+
+    def _grant(self, job_id: str, st: JobTLT, workers: dict, grants: list) -> None:
+        start = time.perf_counter()
+        refs = {}
+        for lease in grants:
+            body = {"lease_id": f"{job_id}-{lease.worker_id}-{st.num_leases}", "parent_version": lease.parent_version,
+                    "deadline_s": lease.deadline_s}
+            st.num_leases += 1
+            refs[workers[lease.worker_id].start_lease.remote(body)] = (lease.worker_id, body)
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=RPC_TIMEOUT_S)
+            if not ready:
+                log.warning("job %s: lease offers unanswered by %s", job_id, [refs[r][0] for r in pending])
+                break
+            wid, body = refs[ready[0]]
+            try:
+                ray.get(ready[0])
+            except Exception as exc:
+                log.warning("job %s: %s refused a lease: %s", job_id, wid, exc)
+                continue
+            self.metrics.dispatch.labels(job_id).observe(time.perf_counter() - start)
+            st.leases[wid] = {**body, "granted_at": time.time()}
+            log.info("job %s: lease %s to %s for %.1f s on v%d", job_id, body["lease_id"], wid, body["deadline_s"],
+                     body["parent_version"])
+
+    def _collect(self, job_id: str, st: JobTLT, workers: dict) -> None:
+        refs = {}
+        for wid, lease in list(st.leases.items()):
+            if wid not in workers:
+                log.warning("job %s: worker %s is gone; its lease %s is lost", job_id, wid, lease["lease_id"])
+                del st.leases[wid]
+                continue
+            refs[wid] = workers[wid].lease_result.remote(lease["lease_id"])
+        for wid, ref in refs.items():
+            lease = st.leases[wid]
+            try:
+                outcome = ray.get(ref, timeout=RPC_TIMEOUT_S)
+            except Exception as exc:
+                log.warning("job %s: lease %s on %s: no answer (%s); dropped", job_id, lease["lease_id"], wid, exc)
+                del st.leases[wid]
+                continue
+            if outcome is not None and outcome["state"] == "running":
+                continue
+            del st.leases[wid]
+            if outcome is None:
+                log.warning("job %s: %s does not know lease %s (restarted?)", job_id, wid, lease["lease_id"])
+            elif outcome["state"] == "failed":
+                log.error("job %s: lease %s on %s failed: %s", job_id, lease["lease_id"], wid, outcome["error"])
+            else:
+                result = outcome["result"]
+                st.reclaimed_worker_s += float(result["seconds"])
+                if wid not in st.trained:
+                    st.trained.append(wid)
+                if result["version"] is not None:
+                    st.copies.append(int(result["version"]))
+                log.info("job %s: lease %s on %s done: %d steps in %.1f s -> copy %s", job_id, lease["lease_id"], wid,
+                         result["steps"], result["seconds"], result["version"])
+
+    def _publish(self, job_id: str, st: JobTLT, workers: dict, free: list[str], spec: dict) -> None:
+        """Merge the round's copies into a candidate; publish it if, scored on recent rollouts of a free
+        worker that did not train on them, it accepts no fewer tokens per step than the serving draft."""
+        held_out = [w for w in free if w not in st.trained] or free
+        if not held_out:
+            return  # every worker is generating: score later, without slowing the long tail
+        evaluator = held_out[0]
+        served, copies = self.stores(job_id)
+        candidate = copies.merge_and_publish(list(st.copies))
+        serving = served.latest_version()
+        drafts = [{"store": "copies", "version": candidate}]
+        if serving is not None:
+            drafts.append({"store": "served", "version": serving})
+        k = int(spec.get("draft_k", 2))
+        record = {"candidate": candidate, "merged": list(st.copies), "parent_version": serving or 0,
+                  "evaluated_by": evaluator, "held_out": evaluator not in st.trained, "at": time.time(),
+                  "candidate_accepted_length": None, "serving_accepted_length": None, "published_version": None}
+        try:
+            ev = ray.get(workers[evaluator].evaluate_drafts.remote(drafts, k, False), timeout=EVAL_TIMEOUT_S)
+            record["candidate_accepted_length"] = ev["accepted_lengths"][0]
+            record["serving_accepted_length"] = ev["accepted_lengths"][1] if serving is not None else None
+            record["eval_tokens"] = ev["num_tokens"]
+        except Exception as exc:
+            record["reason"] = f"not scored: {type(exc).__name__}: {exc}"[:500]
+        if record["candidate_accepted_length"] is not None and should_publish(
+                record["candidate_accepted_length"], record["serving_accepted_length"], self.settings):
+            state, meta = copies.load(candidate)
+            meta.extra.update(accepted_length=record["candidate_accepted_length"],
+                              serving_accepted_length=record["serving_accepted_length"], candidate=candidate)
+            version = served.publish(state, meta)
+            record["published_version"] = version
+            st.published_at[str(version)] = time.time()
+            st.num_published += 1
+            log.info("job %s: published draft v%d (accepted length %.2f vs serving %s)", job_id, version,
+                     record["candidate_accepted_length"], record["serving_accepted_length"])
+        else:
+            st.num_rejected += 1
+            record.setdefault("reason", "scored worse than the serving draft")
+            log.info("job %s: candidate %d not published: %s", job_id, candidate, record["reason"])
+        redis = self.store.redis
+        redis.rpush(job_drafts_key(job_id), json.dumps(record))
+        redis.ltrim(job_drafts_key(job_id), -MAX_DECISIONS_KEPT, -1)
+        st.copies, st.trained = [], []

@@ -1,0 +1,68 @@
+"""A short job through the REST API where an idle worker in the long tail gets a drafter-training
+lease, and the merged draft is published and served."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import ray
+from fastapi.testclient import TestClient
+
+from drafter.loading import PRESETS, random_model, save_hf_dir
+from scheduler.app import Settings, create_app
+from scheduler.policy import PolicySettings
+from workers.redis_server import PrivateRedis
+
+# A tiny model with an EOS token: sampled responses end at random lengths (geometric, mean ~64), so
+# one worker finishes its share well before the other and waits at the barrier: a real long tail.
+SPEC = {"num_steps": 6, "num_prompts_per_step": 3, "group_size": 4, "max_new_tokens": 300, "num_gpus": 2,
+        "draft_k": 2}
+# tiny-model steps are seconds long: allow short leases and small buffers
+POLICY = PolicySettings(min_lease_s=0.05, min_buffer_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    store_dir = str(tmp_path_factory.mktemp("drafts"))
+    cfg = dataclasses.replace(PRESETS["tiny"], eos_token_ids=(0,))
+    model_dir = tmp_path_factory.mktemp("models") / "tiny-eos"
+    save_hf_dir(random_model(cfg, init_seed=0), None, model_dir)
+    with PrivateRedis() as server:
+        app = create_app(Settings(redis_url=server.url, store_dir=store_dir, start_ray=False, policy=POLICY,
+                                  watch_tick_s=0.05))
+        with TestClient(app) as c:
+            c.redis, c.store_dir, c.model = server.client(), store_dir, str(model_dir)
+            yield c
+    ray.shutdown()
+
+
+def test_idle_worker_trains_and_the_merged_draft_is_served(client):
+    job_id = client.post("/v1/jobs", json=SPEC | {"model": client.model}).json()["job_id"]
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        record = client.get(f"/v1/jobs/{job_id}").json()
+        if record["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
+            break
+        time.sleep(0.5)
+    assert record["state"] == "SUCCEEDED", record
+    drafts = client.get(f"/v1/jobs/{job_id}/drafts").json()
+    assert drafts["num_leases"] >= 1 and drafts["reclaimed_worker_s"] > 0, drafts
+    scored = [d for d in drafts["decisions"] if d["candidate_accepted_length"] is not None]
+    assert scored, drafts["decisions"]
+    assert all(1.0 <= d["candidate_accepted_length"] <= 1 + SPEC["draft_k"] for d in scored)
+    # the first scored candidate has nothing to beat; later ones were compared with the serving draft
+    assert scored[0]["published_version"] == 1 and drafts["serving_version"] >= 1
+    assert [v["version"] for v in drafts["versions"]][0] == 1
+    assert all(d["serving_accepted_length"] is not None for d in scored[1:])
+    assert all((d["published_version"] is not None)
+               == (d["candidate_accepted_length"] >= d["serving_accepted_length"]) for d in scored[1:])
+    # served: a worker switched to a published version between decode steps (its last progress record says so)
+    assert max(w["draft_version"] for w in client.get(f"/v1/jobs/{job_id}/workers").json()) >= 1
+    metrics = client.get("/metrics").text
+    assert f'tlt_reclaimed_worker_seconds_total{{job="{job_id}"}}' in metrics
+    for name in ("tlt_dispatch_latency_seconds", "tlt_swap_latency_seconds"):
+        count = next(line for line in metrics.splitlines() if line.startswith(f'{name}_count{{job="{job_id}"}}'))
+        assert float(count.split()[-1]) >= 1, count
