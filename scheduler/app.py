@@ -17,7 +17,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel
 
-from scheduler.jobs import TERMINAL, JobSpec, JobState, JobStore
+from scheduler.jobs import RAY_NAMESPACE, TERMINAL, JobSpec, JobState, JobStore, driver_name
 from scheduler.metrics import RedisCollector
 from scheduler.policy import PolicySettings
 from scheduler.watcher import TICK_S, Metrics, Watcher
@@ -66,10 +66,6 @@ class WorkerOut(BaseModel):
     policy_version: int
     rl_step: int
     timestamp: float
-
-
-def driver_name(job_id: str) -> str:
-    return f"tlt-driver-{job_id}"
 
 
 class Launcher:
@@ -207,9 +203,10 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI):
         app.state.redis = connect(settings.redis_url)
         if settings.ray_address and not ray.is_initialized():
-            ray.init(address=settings.ray_address, log_to_driver=False)
+            ray.init(address=settings.ray_address, namespace=RAY_NAMESPACE, log_to_driver=False)
         elif settings.start_ray and not ray.is_initialized():
-            ray.init(num_gpus=settings.ray_num_gpus, include_dashboard=False, log_to_driver=False)
+            ray.init(num_gpus=settings.ray_num_gpus, namespace=RAY_NAMESPACE, include_dashboard=False,
+                     log_to_driver=False)
         app.state.store = JobStore(app.state.redis)
         app.state.registry = CollectorRegistry()
         app.state.registry.register(RedisCollector(app.state.store))

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+
+from scheduler.policy import PolicySettings
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
@@ -109,18 +112,39 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def policy_from_env(environ: dict) -> PolicySettings:
+    """PolicySettings with any field overridden by TLT_POLICY_<FIELD> (e.g. TLT_POLICY_MIN_LEASE_S=2)."""
+    kwargs = {}
+    for f in dataclasses.fields(PolicySettings):
+        raw = environ.get(f"TLT_POLICY_{f.name.upper()}")
+        if raw is not None:
+            try:
+                kwargs[f.name] = type(getattr(PolicySettings(), f.name))(raw)
+            except ValueError:
+                raise ValueError(f"TLT_POLICY_{f.name.upper()}: not a number: {raw!r}") from None
+    return PolicySettings(**kwargs)
+
+
 def _serve(args: argparse.Namespace) -> int:
+    import logging
     import os
 
     import uvicorn
 
     from scheduler.app import Settings, create_app
+    from scheduler.watcher import TICK_S
     from workers.redis_server import redis_url_from_env
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    policy = policy_from_env(os.environ)
+    tick_s = float(os.environ.get("TLT_WATCH_TICK_S", TICK_S))
+    if tick_s <= 0:
+        raise ValueError(f"TLT_WATCH_TICK_S must be > 0, got {tick_s}")
     url, private = redis_url_from_env()
     if private is not None:
         print(f"tlt: REDIS_URL is unset: started a private redis-server at {url}", file=sys.stderr)
-    settings = Settings(redis_url=url, api_token=os.environ.get("TLT_API_TOKEN") or None,
+    settings = Settings(redis_url=url, api_token=os.environ.get("TLT_API_TOKEN") or None, policy=policy,
+                        watch_tick_s=tick_s,
                         store_dir=args.store_dir, ray_num_gpus=args.gpus,
                         ray_address=args.ray_address or os.environ.get("RAY_ADDRESS") or None)
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")

@@ -15,6 +15,12 @@ from drafter.loading import PRESETS, SMOLLM2_SPEC
 from workers.protocol import idempotency_key, job_key, jobs_index_key
 
 IDEMPOTENCY_TTL_S = 24 * 3600  # a client retrying a submit does so within minutes; a day is generous
+RAY_NAMESPACE = "tlt"  # named, detached job drivers are found again by a restarted scheduler in this namespace
+
+
+def driver_name(job_id: str) -> str:
+    """The Ray actor name of a job's driver (detached: it outlives the scheduler process)."""
+    return f"tlt-driver-{job_id}"
 
 
 class JobState(StrEnum):

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 import ray
 from prometheus_client import CollectorRegistry, Histogram
 
-from scheduler.jobs import JobState, JobStore
+from scheduler.jobs import JobState, JobStore, driver_name
 from scheduler.policy import Phase, PolicySettings, WorkerClass, WorkerView, decide, should_publish
 from workers.protocol import job_drafts_key, job_phase_key, job_tlt_key, read_progress
 from workers.store import DraftStore
@@ -137,7 +137,7 @@ class Watcher:
             return
         phase_info = json.loads(raw)
         try:
-            driver = ray.get_actor(f"tlt-driver-{job_id}")
+            driver = ray.get_actor(driver_name(job_id))
             workers = ray.get(driver.worker_map.remote(), timeout=RPC_TIMEOUT_S)
         except Exception:
             return  # not started yet, or gone: the launcher records how it ended
