@@ -23,7 +23,7 @@ from scheduler.policy import PolicySettings
 from scheduler.watcher import TICK_S, Metrics, Watcher
 from workers.driver import JobConfig, JobDriver
 from workers.grpo import GRPOConfig
-from workers.protocol import connect, job_drafts_key, job_result_key, job_tlt_key, read_progress
+from workers.protocol import connect, job_drafts_key, job_result_key, job_steps_key, job_tlt_key, read_progress
 from workers.rollout import WorkerConfig
 from workers.store import DraftStore
 
@@ -66,6 +66,7 @@ class WorkerOut(BaseModel):
     policy_version: int
     rl_step: int
     timestamp: float
+    scheduler_class: str | None = None  # the watcher's view: ROLLING_OUT, STRAGGLER, IDLE, TRAINING, STALE
 
 
 class Launcher:
@@ -251,7 +252,9 @@ def create_app(settings: Settings) -> FastAPI:
 
     @jobs.get("/{job_id}", response_model=JobOut)
     def get_job(job_id: str, s: Store) -> JobOut:
-        return JobOut(**found(s, job_id))
+        record = found(s, job_id)
+        # steps done so far: the driver appends a record per finished step
+        return JobOut(**{**record, "steps": max(record["steps"], s.redis.llen(job_steps_key(job_id)))})
 
     @jobs.post("/{job_id}/cancel", response_model=JobOut)
     def cancel(job_id: str, s: Store, _: Auth, request: Request) -> JobOut:
@@ -265,8 +268,13 @@ def create_app(settings: Settings) -> FastAPI:
     @jobs.get("/{job_id}/workers", response_model=list[WorkerOut])
     def workers(job_id: str, s: Store, request: Request) -> list[WorkerOut]:
         found(s, job_id)
-        return [WorkerOut(**{**r.__dict__, "state": r.state.value})
-                for r in read_progress(request.app.state.redis, job_id)]
+        redis = request.app.state.redis
+        try:
+            classes = json.loads(redis.hget(job_tlt_key(job_id), "classes") or "{}")
+        except json.JSONDecodeError:
+            classes = {}
+        return [WorkerOut(**{**r.__dict__, "state": r.state.value, "scheduler_class": classes.get(r.worker_id)})
+                for r in read_progress(redis, job_id)]
 
     @jobs.get("/{job_id}/drafts")
     def drafts(job_id: str, s: Store, request: Request) -> dict:

@@ -71,7 +71,8 @@ def status_table(job: dict, workers: list[dict]) -> str:
     lines = [f"job {job['job_id']}  {job['state']}  steps done: {job.get('steps', 0)}"
              + (f"  error: {job['error']}" if job.get("error") else "")]
     for w in workers:
-        lines.append(f"  {w['worker_id']:>6} {w['state']:<12} {bar(w['num_finished'], w['num_total'])} "
+        lines.append(f"  {w['worker_id']:>6} {w['state']:<12} {w.get('scheduler_class') or '':<11} "
+                     f"{bar(w['num_finished'], w['num_total'])} "
                      f"{w['num_finished']:>4}/{w['num_total']:<4} {w['tokens_per_s']:8.1f} tok/s  "
                      f"acc {w['mean_accepted_length']:.2f}  draft v{w['draft_version']}  step {w['rl_step']}")
     return "\n".join(lines)

@@ -1,115 +1,157 @@
-"""`tlt demo` / `make demo`: what the system does today, on the embedded defaults.
+"""`tlt demo` / `make demo`: the whole system on the embedded defaults, on this machine's CPU.
 
-1. The rollout engine: SmolLM2-135M-Instruct on CPU generates a batch of rollouts with plain and
-   with speculative decoding; the outputs are identical, and it shows what the drafter saved.
-2. The data plane: a private redis-server, local Ray with 4 logical GPUs, and one GRPO step of an
-   arithmetic-task job on 4 rollout workers, with live progress from Redis and the step's phases,
-   including the worker-seconds left idle at the barrier (what the scheduler will reclaim).
-The REST scheduler joins this demo as it lands.
+A private redis-server, local Ray with 4 logical GPUs, and the scheduler's REST API on loopback.
+Two RL jobs on SmolLM2-135M-Instruct with the built-in arithmetic task are submitted over REST,
+the same job with TLT on and with TLT off, one after the other so they do not share the cores.
+While a job runs the demo prints each worker's live progress and the scheduler's view of it
+(rolling out, straggler, idle at the barrier, training the drafter); at the end it prints per step
+the time by phase, the idle and the reclaimed worker-seconds, the draft version served and the
+accepted length, and the rollout time of the two jobs side by side.
 """
 
 from __future__ import annotations
 
 import sys
+import tempfile
+import threading
 import time
 
-import torch
+from scheduler.client import call
+from scheduler.policy import PolicySettings
 
-from drafter.drafters import NgramDrafter
-from drafter.engine import Engine, Request
-from drafter.loading import encode_prompt, load_model
-from drafter.sampling import SamplingParams
-from scheduler.bench.prompts import MATH
-
-NUM_PROMPTS = 4
-NEW_TOKENS = 96
-K = 2  # verifying 3 tokens costs about 1.1x one token on CPU; 5 tokens cost 1.65x (docs/benchmarks.md)
+NUM_STEPS = 3
+SPEC = {"model": "smollm2-135m", "task": "arithmetic", "num_steps": NUM_STEPS, "num_prompts_per_step": 4,
+        "group_size": 2, "max_new_tokens": 96, "num_gpus": 4, "draft_k": 2, "seed": 0}
+# CPU steps are tens of seconds and a worker's share is 2 responses: accept shorter leases and smaller
+# buffers than the GPU-sized defaults (5 s, 512 tokens), or nothing would be reclaimed here
+DEMO_POLICY = PolicySettings(min_lease_s=2.0, min_buffer_tokens=128)
+SHORT = {"ROLLING_OUT": "gen", "STRAGGLER": "STRAGGLER", "IDLE": "idle", "TRAINING": "TRAIN", "STALE": "stale",
+         "SWAPPING": "swap", "FAILED": "FAILED"}
 
 
 def say(msg: str = "") -> None:
     print(msg, flush=True)
 
 
+def start_server(settings) -> tuple[str, object]:
+    """The scheduler app under uvicorn in a thread, on a free loopback port."""
+    import uvicorn
+
+    from scheduler.app import create_app
+    from workers.redis_server import free_port
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True, name="tlt-scheduler").start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the scheduler did not start within 60 s")
+        time.sleep(0.1)
+    return f"http://127.0.0.1:{port}", server
+
+
+def progress_line(workers: list[dict]) -> str:
+    cells = []
+    for w in workers:
+        who = SHORT.get(w.get("scheduler_class") or w["state"], w["state"])
+        if w["state"] == "TRAINING":
+            who = "TRAIN"
+        cells.append(f"{w['worker_id']} {who:<9} {w['num_finished']}/{w['num_total']} v{w['draft_version']}")
+    return " | ".join(cells)
+
+
+def run_job(url: str, spec: dict, label: str) -> dict:
+    job = call("POST", url, "/v1/jobs", spec)
+    job_id = job["job_id"]
+    say(f"[{label}] submitted job {job_id} over REST: POST {url}/v1/jobs")
+    start, last = time.monotonic(), ""
+    while True:
+        job = call("GET", url, f"/v1/jobs/{job_id}")
+        line = progress_line(call("GET", url, f"/v1/jobs/{job_id}/workers"))
+        if line and line != last:
+            say(f"[{label} {time.monotonic() - start:5.0f}s step {job['steps']}] {line}")
+            last = line
+        if job["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
+            break
+        time.sleep(1.0)
+    say(f"[{label}] job {job_id} {job['state']} in {time.monotonic() - start:.0f} s"
+        + (f": {job['error']}" if job.get("error") else ""))
+    return job
+
+
+def summarize(redis, url: str, jobs: dict[str, dict]) -> bool:
+    import json
+
+    from workers.protocol import job_steps_key
+
+    steps = {label: [json.loads(s) for s in redis.lrange(job_steps_key(j["job_id"]), 0, -1)]
+             for label, j in jobs.items()}
+    on, off = jobs["TLT on"], jobs["TLT off"]
+    drafts = call("GET", url, f"/v1/jobs/{on['job_id']}/drafts")
+    say()
+    say("per step, TLT on (seconds; idle = worker-seconds waiting at the barrier while others generate):")
+    say(f"{'step':>4} {'sync':>6} {'rollout':>8} {'reward':>7} {'logprob':>8} {'update':>7} {'idle':>7} "
+        f"{'acc.len':>8} {'drafts served':>14}")
+    for s in steps["TLT on"]:
+        t = s["timings"]
+        versions = ",".join(f"v{v}" for v in sorted(set(s["draft_versions"].values()))) or "-"
+        say(f"{s['rl_step']:>4} {t.get('weight_sync', 0):6.1f} {t.get('rollout', 0):8.1f} {t.get('reward', 0):7.1f} "
+            f"{t.get('logprob', 0):8.1f} {t.get('update', 0):7.1f} {s['idle_worker_s']:7.1f} "
+            f"{s['mean_accepted_length']:8.2f} {versions:>14}")
+    idle = sum(s["idle_worker_s"] for s in steps["TLT on"])
+    reclaimed = drafts["reclaimed_worker_s"]
+    say()
+    say(f"idle worker-seconds (TLT on): {idle:.1f}; reclaimed for drafter training: {reclaimed:.1f} "
+        f"({reclaimed / idle:.0%} of the idle time)" if idle else "no idle time: nothing to reclaim")
+    say(f"drafter leases: {drafts['num_leases']}, draft versions published: {drafts['num_published']}, "
+        f"candidates rejected as not better: {drafts['num_rejected']}")
+    for d in drafts["decisions"]:
+        cand, serv = d["candidate_accepted_length"], d["serving_accepted_length"]
+        verdict = f"published as v{d['published_version']}" if d["published_version"] else d.get("reason", "kept back")
+        say(f"  candidate from copies {d['merged']}: accepted length {cand if cand is None else round(cand, 2)} "
+            f"vs serving {serv if serv is None else round(serv, 2)} -> {verdict}")
+    r_on = sum(s["timings"].get("rollout", 0) for s in steps["TLT on"])
+    r_off = sum(s["timings"].get("rollout", 0) for s in steps["TLT off"])
+    say()
+    say(f"rollout time over {NUM_STEPS} steps: TLT on {r_on:.1f} s, TLT off {r_off:.1f} s "
+        f"(on/off {r_on / r_off:.2f}x)" if r_off else "TLT off recorded no rollout time")
+    say("  On 2 CPU cores a drafter trained for seconds accepts few tokens and verifying k=2 drafts costs ~1.1x a "
+        "plain step, so TLT does not speed this demo up; docs/benchmarks.md has the measured figures.")
+    return on["state"] == off["state"] == "SUCCEEDED"
+
+
 def run_demo() -> int:
-    torch.set_num_threads(min(2, torch.get_num_threads()))
-    say("tlt-scheduler demo: the lossless speculative rollout engine on CPU")
-    t0 = time.perf_counter()
-    say("loading SmolLM2-135M-Instruct (the first run converts the packaged GGUF, ~20 s; later runs reuse it)...")
-    loaded = load_model("smollm2-135m")
-    say(f"  loaded in {time.perf_counter() - t0:.1f} s: {loaded.model.cfg.num_layers} layers, "
-        f"vocab {loaded.model.cfg.vocab_size}")
-    engine = Engine(loaded.model, loaded.tokenizer)
-    prompts = MATH[:NUM_PROMPTS]
-    reqs = [Request(encode_prompt(loaded.tokenizer, p), SamplingParams(max_new_tokens=NEW_TOKENS)) for p in prompts]
-    results = {}
-    for label, k, drafter in (("plain", 0, None), (f"n-gram k={K}", K, NgramDrafter())):
-        say(f"generating {len(reqs)} rollouts as one batch, {label}...")
-        t = time.perf_counter()
-        outs = engine.generate(reqs, k=k, drafter=drafter)
-        dt = time.perf_counter() - t
-        tokens = sum(len(o.token_ids) for o in outs)
-        steps = sum(o.num_steps for o in outs)
-        results[label] = (outs, dt)
-        say(f"  {tokens} tokens in {dt:.1f} s ({tokens / dt:.1f} tok/s), {steps} sequence-steps, "
-            f"{tokens / steps:.2f} tokens per policy forward")
-    (plain, t_plain), (spec, t_spec) = results.values()
-    say()
-    for prompt, out in zip(prompts, plain):
-        say(f"Q: {prompt}")
-        say(f"A: {out.text.strip()[:400]}")
-        say()
-    identical = sum(a.token_ids == b.token_ids for a, b in zip(plain, spec))
-    say(f"speculative outputs identical to plain greedy: {identical}/{len(plain)}")
-    say(f"speculative vs plain wall time: {t_plain / t_spec:.2f}x (a batch of 4 is compute-bound on 2 CPU cores; "
-        "drafting pays in the batch-1 tail: docs/benchmarks.md)")
-    ok = identical == len(plain)
-    say()
-    run_job_demo()
-    say(f"total demo time {time.perf_counter() - t0:.1f} s")
-    return 0 if ok else 1
-
-
-def run_job_demo() -> None:
-    import tempfile
-
     import ray
 
-    from workers.driver import JobConfig, JobDriver
-    from workers.grpo import GRPOConfig
-    from workers.protocol import read_progress
+    from scheduler.app import Settings
+    from scheduler.jobs import RAY_NAMESPACE
     from workers.redis_server import PrivateRedis
-    from workers.rollout import WorkerConfig
 
-    say("data plane: private redis-server, local Ray with 4 logical GPUs, one GRPO step on SmolLM2")
-    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    t0 = time.perf_counter()
+    say("tlt-scheduler demo: RL on SmolLM2-135M-Instruct (arithmetic task) through the scheduler's REST API, CPU")
+    say("(the first run converts the packaged SmolLM2 GGUF once, ~20 s; later runs reuse it)")
+    ray.init(num_cpus=2, num_gpus=4, namespace=RAY_NAMESPACE, include_dashboard=False, log_to_driver=False,
+             ignore_reinit_error=True)
     try:
-        with PrivateRedis() as server:
-            client = server.client()
-            cfg = JobConfig(job_id="demo", model="smollm2-135m", num_steps=1, num_prompts_per_step=4,
-                            max_new_tokens=64, num_workers=4, store_dir=tempfile.mkdtemp(prefix="tlt-demo-"),
-                            worker=WorkerConfig(model="smollm2-135m", k=2), grpo=GRPOConfig(group_size=2))
-            driver = JobDriver.remote(cfg, server.url)
-            run = driver.run.remote()
-            last = ""
-            while True:
-                done, _ = ray.wait([run], timeout=2.0)
-                rows = read_progress(client, "demo")
-                line = "  ".join(f"{r.worker_id}:{r.state.value[:4]} {r.num_finished}/{r.num_total}" for r in rows)
-                if line and line != last:
-                    say(f"  progress  {line}")
-                    last = line
-                if done:
-                    break
-            (step,) = ray.get(run)
-            total = sum(step["timings"].values())
-            say(f"  step 0 took {total:.1f} s: " + ", ".join(f"{k} {v:.1f} s" for k, v in step["timings"].items()))
-            say(f"  rollout share {step['timings']['rollout'] / total:.0%}; per-worker rollout "
-                + ", ".join(f"{w} {s:.1f} s" for w, s in sorted(step["worker_rollout_s"].items())))
-            say(f"  idle worker-seconds at the barrier: {step['idle_worker_s']:.1f} (to be reclaimed by the scheduler)")
-            say(f"  {step['num_rollouts']} rollouts, mean reward {step['mean_reward']:.2f}, "
-                f"policy version now {step['policy_version']}")
+        with PrivateRedis() as redis_server:
+            say(f"private redis-server at {redis_server.url}; local Ray with 4 logical GPUs")
+            settings = Settings(redis_url=redis_server.url, store_dir=tempfile.mkdtemp(prefix="tlt-demo-"),
+                                start_ray=False, policy=DEMO_POLICY, watch_tick_s=0.25)
+            url, server = start_server(settings)
+            say(f"scheduler at {url} (OpenAPI: {url}/docs, metrics: {url}/metrics)")
+            say("legend: gen = generating, STRAGGLER = still generating in the long tail, idle = waiting at the "
+                "barrier, TRAIN = training the drafter on an idle GPU, vN = draft version served")
+            jobs = {}
+            for label, tlt in (("TLT on", True), ("TLT off", False)):
+                say()
+                jobs[label] = run_job(url, SPEC | {"tlt": tlt}, label)
+            ok = summarize(redis_server.client(), url, jobs)
+            server.should_exit = True
     finally:
         ray.shutdown()
+    say(f"total demo time {time.perf_counter() - t0:.0f} s")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

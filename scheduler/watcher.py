@@ -153,6 +153,8 @@ class Watcher:
         now = time.time()
         decision = decide(views, now, phase, now - phase_info["since"], served.latest_version() or 0,
                           self.settings, leased=frozenset(st.leases))
+        redis.hset(job_tlt_key(job_id), mapping={"classes": json.dumps(decision.classes),
+                                                 "long_tail": int(decision.long_tail)})
         if decision.preempt:
             self._preempt(job_id, {w: workers[w] for w in decision.preempt if w in workers})
         if decision.grants:

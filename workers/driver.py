@@ -54,6 +54,9 @@ class StepRecord:
     mean_reward: float
     num_rollouts: int
     failures: list = field(default_factory=list)
+    num_tokens: int = 0  # generated this step
+    mean_accepted_length: float = 1.0  # tokens per policy forward over the step's rollouts (1.0: plain decoding)
+    draft_versions: dict = field(default_factory=dict)  # worker id -> draft version serving when it finished
 
 
 def encode_text(tokenizer, text: str, vocab_size: int, max_len: int = 48) -> list[int]:
@@ -62,6 +65,17 @@ def encode_text(tokenizer, text: str, vocab_size: int, max_len: int = 48) -> lis
     if tokenizer is not None:
         return encode_prompt(tokenizer, text)
     return [b % vocab_size for b in text.encode()[:max_len]]
+
+
+def shareable_state(state: dict[str, torch.Tensor]) -> dict:
+    """Weights as numpy arrays where the dtype allows: Ray stores them once in the object store and
+    every worker on a node maps them without a copy or unpickling (torch tensors would be pickled,
+    copied per worker). Exact: the values are the policy's own, no cast."""
+    out = {}
+    for k, v in state.items():
+        v = v.detach().cpu()
+        out[k] = v.numpy() if v.dtype in (torch.float32, torch.float64, torch.float16) else v.clone()
+    return out
 
 
 def assign(num_groups: int, num_workers: int) -> list[list[int]]:
@@ -146,7 +160,7 @@ class JobDriver:
         prompts = [encode_text(self.tokenizer, p.prompt, self.policy.cfg.vocab_size) for p in problems]
         self.set_phase("SYNC", rl_step)
         t0 = time.perf_counter()
-        weights = ray.put({k: v.detach().clone() for k, v in self.policy.state_dict().items()})
+        weights = ray.put(shareable_state(self.policy.state_dict()))
         failures = []
         syncs = [(w, wid, w.load_policy.remote(weights, self.policy_version))
                  for w, wid in zip(self.workers, self.worker_ids)]
@@ -170,7 +184,7 @@ class JobDriver:
             params = [{"temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
                        "seed": cfg.seed * 1_000_003 + rl_step * 10_007 + g * G + j} for g in groups for j in range(G)]
             futures[w.generate.remote(ps, params, rl_step)] = (w, wid, groups, time.perf_counter())
-        results, worker_s = {}, {}
+        results, worker_s, draft_versions = {}, {}, {}
         pending = list(futures)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
@@ -182,6 +196,7 @@ class JobDriver:
                 self._drop(w, wid, exc, rl_step, failures)
                 continue
             worker_s[wid] = time.perf_counter() - started
+            draft_versions[wid] = max((o.get("draft_version", 0) for o in outs), default=0)
             for i, g in enumerate(groups):
                 results[g] = outs[i * G : (i + 1) * G]
         t["rollout"] = time.perf_counter() - t0
@@ -211,8 +226,12 @@ class JobDriver:
             self.policy.eval().requires_grad_(False)
             self.policy_version += 1
             t["update"] = time.perf_counter() - t0
+        outs = [o for v in results.values() for o in v]
         record = StepRecord(rl_step, self.policy_version, t, worker_s, idle,
-                            float(rewards.mean()) if rewards.numel() else 0.0,
-                            sum(len(v) for v in results.values()), failures)
+                            float(rewards.mean()) if rewards.numel() else 0.0, len(outs), failures,
+                            num_tokens=sum(len(o["token_ids"]) for o in outs),
+                            mean_accepted_length=sum(len(o["token_ids"]) for o in outs)
+                            / max(sum(o["num_steps"] for o in outs), 1),
+                            draft_versions=draft_versions)
         self.redis.rpush(job_steps_key(cfg.job_id), json.dumps({**asdict(record), "grpo": stats}))
         return record

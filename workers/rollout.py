@@ -11,8 +11,10 @@ import asyncio
 import logging
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import ray
 import torch
 
@@ -75,7 +77,12 @@ class RolloutRunner:
         self._lock = threading.Lock()
 
     # ----- policy -------------------------------------------------------------------------
-    def load_policy(self, state: dict[str, torch.Tensor], policy_version: int) -> None:
+    def load_policy(self, state: dict, policy_version: int) -> None:
+        """Copy `state` (torch tensors, or read-only numpy arrays mapped from Ray's object store) into the
+        worker's policy."""
+        with warnings.catch_warnings():  # from_numpy on a read-only array: we only read it
+            warnings.simplefilter("ignore", UserWarning)
+            state = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in state.items()}
         self.policy.load_state_dict(state)
         self.policy.requires_grad_(False)
         self.policy_version = policy_version
@@ -126,9 +133,10 @@ class RolloutRunner:
         if self.cfg.tlt:
             self.buffer.add_outputs(outs, self.policy_version)
         self.set_state(WorkerState.IDLE)
+        version = int(self.drafter.version or 0)
         return [{"prompt_ids": o.prompt_ids, "token_ids": o.token_ids, "text": o.text,
-                 "finish_reason": o.finish_reason, "num_steps": o.num_steps, "num_accepted": o.num_accepted}
-                for o in outs]
+                 "finish_reason": o.finish_reason, "num_steps": o.num_steps, "num_accepted": o.num_accepted,
+                 "draft_version": version} for o in outs]
 
     # ----- drafter training leases ---------------------------------------------------------
     def check_lease(self, lease: dict) -> None:
