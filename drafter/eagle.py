@@ -117,6 +117,18 @@ class EagleDrafter(Drafter):
         with self._lock:
             self._next = (head, version)
 
+    def refresh(self) -> None:
+        """The policy's weights changed: re-slice its LM head at the next draft step. A head already
+        requested keeps its place (it is installed against the new weights anyway)."""
+        with self._lock:
+            if self._next is None:
+                self._next = (self.head, self.version)
+
+    def apply_pending_swap(self) -> None:
+        """Switch to a requested head now; only between generations (the engine calls `_apply_swap`
+        between decode steps itself)."""
+        self._apply_swap()
+
     def _apply_swap(self) -> None:
         with self._lock:
             nxt, self._next = self._next, None

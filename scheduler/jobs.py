@@ -34,6 +34,17 @@ class JobState(StrEnum):
 TERMINAL = {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
 
 
+class DrafterSpec(BaseModel):
+    """How a lease trains the drafter (drafter/train.py TrainConfig has the reasons for the defaults)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(1e-3, gt=0, le=1)
+    num_unroll: int = Field(3, ge=1, le=16, description="draft positions trained per pair")
+    max_tokens_per_row: int = Field(256, ge=2, le=65_536, description="pairs per packed row")
+    num_rows: int = Field(4, ge=1, le=1024, description="rows per micro-step; smaller micro-steps stop sooner")
+
+
 class JobSpec(BaseModel):
     """POST /v1/jobs body. Unknown fields are rejected, so a typo never silently becomes a default."""
 
@@ -54,6 +65,10 @@ class JobSpec(BaseModel):
     num_gpus: int = Field(2, ge=1, le=4096, description="rollout workers, one GPU each")
     tlt: bool = Field(True, description="speculative rollouts with idle-time drafter training")
     draft_k: int = Field(2, ge=1, le=16)
+    min_accepted_length: float = Field(1.2, ge=0, le=17, description=(
+        "speculate only with a draft measured (at publish) to give at least this many tokens per verify step; "
+        "drafting and verifying k tokens cost ~1.1-1.2x a plain step on CPU. 0: always speculate"))
+    drafter: DrafterSpec = Field(default_factory=DrafterSpec)
     seed: int = Field(0, ge=0)
 
     @model_validator(mode="after")

@@ -175,7 +175,7 @@ class Watcher:
             try:
                 out[wid] = ray.get(ref, timeout=RPC_TIMEOUT_S)
             except Exception as exc:
-                log.warning("worker %s: no status: %s", wid, exc)
+                log.info("worker %s: no status (starting, or busy): %s", wid, exc)
         return out
 
     def _observe_swaps(self, job_id: str, st: JobTLT, status: dict) -> None:

@@ -44,6 +44,9 @@ class WorkerConfig:
     buffer_bytes: int = 256 << 20  # harvested (token, hidden) pairs kept for drafter training
     num_threads: int = 1  # torch threads per worker: several workers share a CPU box
     tlt: bool = True  # speculative decoding with the trained drafter, and harvesting for it
+    # speculate only with a draft whose accepted length, measured when it was published, reaches this:
+    # below it drafting and verifying k tokens cost more than they save (0: always speculate)
+    min_accepted_length: float = 0.0
     train: TrainConfig | None = None
 
 
@@ -64,6 +67,7 @@ class RolloutRunner:
         self.buffer = RolloutBuffer(max_bytes=cfg.buffer_bytes)
         self.drafter = EagleDrafter(self.policy, new_head(self.policy, None, cfg.draft_vocab_size))
         self.drafter.version = 0
+        self.draft_accepted_length = 0.0  # of the newest version loaded, as measured when it was published
         self.policy_version = 0
         self.rl_step = 0
         self.state = WorkerState.IDLE
@@ -86,8 +90,9 @@ class RolloutRunner:
         self.policy.load_state_dict(state)
         self.policy.requires_grad_(False)
         self.policy_version = policy_version
-        # the drafter slices the policy's LM head: refresh it for the new weights
-        self.drafter.request_swap(self.drafter.head, self.drafter.version)
+        # the drafter slices the policy's LM head: refresh it for the new weights (never dropping a
+        # draft version that arrived meanwhile and is waiting for the next decode step)
+        self.drafter.refresh()
 
     # ----- progress -----------------------------------------------------------------------
     def record(self) -> ProgressRecord:
@@ -116,7 +121,9 @@ class RolloutRunner:
         self.progress.update(num_running=len(reqs), num_finished=0, num_total=len(reqs), num_tokens=0)
         self.set_state(WorkerState.ROLLING_OUT)
         start = time.perf_counter()
-        k = self.cfg.k if self.cfg.tlt else 0
+        k = self.cfg.k if self.speculating() else 0
+        if not k:  # not drafting: a version published meanwhile starts serving now, between rollouts
+            self.drafter.apply_pending_swap()
         stats = self.engine.stats
 
         def on_step(num_finished: int, num_tokens: int) -> None:  # rate-limited inside the reporter
@@ -205,12 +212,15 @@ class RolloutRunner:
             return dict(entry) if entry else None
 
     def _head_for(self, version: int):
+        return self._head_and_meta(version)[0]
+
+    def _head_and_meta(self, version: int):
         if version == 0 and self.served.latest_version() is None:
-            return new_head(self.policy, self.buffer if len(self.buffer) else None, self.cfg.draft_vocab_size)
+            return new_head(self.policy, self.buffer if len(self.buffer) else None, self.cfg.draft_vocab_size), None
         state, meta = self.served.load(version)
         head = head_from_config(meta.head_config)
         head.load_state_dict(state)
-        return head.to(self.policy.dtype)
+        return head.to(self.policy.dtype), meta
 
     def evaluate_drafts(self, drafts: list[dict], k: int, greedy: bool, max_tokens: int = EVAL_TOKENS) -> dict:
         """Offline accepted length of each {"store": "served" | "copies", "version"} on this worker's most
@@ -250,9 +260,16 @@ class RolloutRunner:
         return True
 
     # ----- hot swap ---------------------------------------------------------------------------
+    def speculating(self) -> bool:
+        """Whether the next rollouts draft: TLT on, and the newest draft accepts enough tokens per step."""
+        if not self.cfg.tlt:
+            return False
+        return self.cfg.min_accepted_length <= 0 or self.draft_accepted_length >= self.cfg.min_accepted_length
+
     def swap_draft(self, version: int, published_at: float | None = None) -> None:
         """Load `version` (this thread) and hand it to the drafter, which switches between steps."""
-        head = self._head_for(version)
+        head, meta = self._head_and_meta(version)
+        self.draft_accepted_length = float(meta.extra.get("accepted_length") or 0.0) if meta else 0.0
         self.drafter.request_swap(head, version)
         self.swap_log.append({"version": version, "published_at": published_at, "loaded_at": time.time()})
 

@@ -1,0 +1,81 @@
+"""RolloutRunner without Ray: speculation only with a draft that pays, leases and their outcomes,
+and offline scoring of draft versions (real Redis, real tiny model, real store)."""
+
+from __future__ import annotations
+
+import pytest
+
+from drafter.checkpoint import DraftMeta
+from drafter.warmstart import head_config, new_head
+from workers.rollout import RolloutRunner, WorkerConfig
+
+PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7]]
+GREEDY = [{"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}] * 2
+
+
+def runner(redis_client, tmp_path, **kw) -> RolloutRunner:
+    return RolloutRunner("job1", "w0", WorkerConfig(model="tiny", k=2, **kw), redis_client, str(tmp_path), "job1")
+
+
+def publish(r: RolloutRunner, accepted_length: float | None) -> int:
+    head = new_head(r.policy, None, r.cfg.draft_vocab_size, seed=3)
+    meta = DraftMeta(version=0, parent_version=0, policy_version=0, num_steps=1, total_steps=1, num_tokens=1,
+                     head_config=head_config(head),
+                     extra={} if accepted_length is None else {"accepted_length": accepted_length})
+    return r.served.publish(head.state_dict(), meta)
+
+
+def test_speculates_only_once_a_draft_measured_to_pay_is_served(redis_client, tmp_path):
+    r = runner(redis_client, tmp_path, min_accepted_length=1.5)
+    plain = r.generate(PROMPTS, GREEDY, rl_step=0)
+    assert not r.speculating() and all(o["num_steps"] == len(o["token_ids"]) for o in plain)
+    v1 = publish(r, 1.2)  # measured below the bar: served (the record says so) but no drafting
+    r.swap_draft(v1)
+    again = r.generate(PROMPTS, GREEDY, rl_step=1)
+    assert not r.speculating() and r.record().draft_version == v1
+    assert [o["draft_version"] for o in again] == [v1, v1]
+    v2 = publish(r, 1.8)
+    r.swap_draft(v2)
+    assert r.speculating()
+    spec = r.generate(PROMPTS, GREEDY, rl_step=2)
+    assert r.engine.stats.num_draft_tokens > 0  # it drafted
+    assert [o["token_ids"] for o in spec] == [o["token_ids"] for o in plain]  # and stayed lossless
+    assert r.record().draft_version == v2
+    # TLT off never drafts, whatever is served; 0 means always draft
+    assert not runner(redis_client, tmp_path / "off", tlt=False).speculating()
+    assert runner(redis_client, tmp_path / "always", min_accepted_length=0.0).speculating()
+
+
+def test_lease_outcomes_are_kept_for_collection_and_bad_leases_are_named(redis_client, tmp_path):
+    r = runner(redis_client, tmp_path)
+    r.generate(PROMPTS, [{"max_new_tokens": 40, "temperature": 1.0, "seed": 1}] * 2, rl_step=0)
+    for lease, field in (({"parent_version": 0, "deadline_s": 1}, "lease_id"),
+                         ({"lease_id": "x", "parent_version": 0, "deadline_s": 0}, "deadline_s"),
+                         ({"lease_id": "x", "parent_version": -1, "deadline_s": 1}, "parent_version")):
+        with pytest.raises(ValueError, match=field):
+            r.check_lease(lease)
+    assert r.lease_result("x") is None  # a rejected lease leaves no trace
+    result = r.train_drafter({"lease_id": "l1", "parent_version": 0, "deadline_s": 0.5})
+    outcome = r.lease_result("l1")
+    assert outcome["state"] == "done" and outcome["result"] == result and result["steps"] >= 1
+    scores = r.evaluate_drafts([{"store": "copies", "version": result["version"]}], k=2, greedy=False)
+    assert len(scores["accepted_lengths"]) == 1 and 1.0 <= scores["accepted_lengths"][0] <= 3.0
+    assert scores["num_tokens"] > 0
+    with pytest.raises(ValueError, match="store must be"):
+        r.evaluate_drafts([{"store": "elsewhere", "version": 1}], k=2, greedy=False)
+
+
+def test_a_second_lease_is_refused_while_one_runs(redis_client, tmp_path):
+    r = runner(redis_client, tmp_path)
+    r.check_lease({"lease_id": "a", "parent_version": 0, "deadline_s": 5})
+    with pytest.raises(ValueError, match="already holds lease a"):
+        r.check_lease({"lease_id": "b", "parent_version": 0, "deadline_s": 5})
+
+
+def test_a_policy_update_never_drops_a_draft_version_waiting_to_be_served(redis_client, tmp_path):
+    r = runner(redis_client, tmp_path, min_accepted_length=0.0)
+    v1 = publish(r, 1.5)
+    r.swap_draft(v1)  # arrives between two steps: waits for the next decode step
+    r.load_policy({k: v.clone() for k, v in r.policy.state_dict().items()}, policy_version=1)
+    r.generate(PROMPTS, GREEDY, rl_step=1)
+    assert r.record().draft_version == v1 and r.record().policy_version == 1
