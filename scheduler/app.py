@@ -222,7 +222,7 @@ def create_app(settings: Settings) -> FastAPI:
         if settings.watch:
             watcher.start()
         yield
-        watcher.stop()
+        watcher.stop(join_s=10.0)
         app.state.redis.close()
 
     app = FastAPI(title="tlt-scheduler", version="0.1.0", lifespan=lifespan)

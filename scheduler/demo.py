@@ -44,7 +44,8 @@ def start_server(settings) -> tuple[str, object]:
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True, name="tlt-scheduler").start()
+    server.thread = threading.Thread(target=server.run, daemon=True, name="tlt-scheduler")
+    server.thread.start()
     deadline = time.monotonic() + 60
     while not server.started:
         if time.monotonic() > deadline:
@@ -151,7 +152,8 @@ def run_demo() -> int:
                 say()
                 jobs[label] = run_job(url, SPEC | {"tlt": tlt}, label)
             ok = summarize(redis_server.client(), url, jobs)
-            server.should_exit = True
+            server.should_exit = True  # its lifespan stops the watcher before Redis goes away
+            server.thread.join(30)
     finally:
         ray.shutdown()
     say(f"total demo time {time.perf_counter() - t0:.0f} s")

@@ -14,6 +14,7 @@ counters) or on the workers (lease outcomes), so a restart loses no lease and no
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
@@ -69,6 +70,22 @@ class JobTLT:
             return cls()
 
 
+def mergeable(copies: DraftStore, versions: list[int]) -> tuple[list[int], list[int]]:
+    """Split copies into the largest group (by training steps) that can be averaged, and the rest.
+    Copies average only with the same parent, head shape and integer tensors: two first leases on
+    different workers each pick a draft vocabulary from their own rollouts."""
+    groups: dict[tuple, list[int]] = {}
+    steps: dict[int, int] = {}
+    for v in versions:
+        state, meta = copies.load(v)
+        ints = tuple((k, hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest())
+                     for k, t in sorted(state.items()) if not t.is_floating_point())
+        groups.setdefault((meta.parent_version, json.dumps(meta.head_config, sort_keys=True), ints), []).append(v)
+        steps[v] = meta.num_steps
+    best = max(groups.values(), key=lambda g: (sum(steps[v] for v in g), len(g)))
+    return best, [v for v in versions if v not in best]
+
+
 class Metrics:
     """Latency histograms the watcher observes (the rest of /metrics is read from Redis)."""
 
@@ -87,14 +104,18 @@ class Watcher:
         self.metrics = metrics or Metrics(CollectorRegistry())
         self.jobs: dict[str, JobTLT] = {}
         self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def start(self) -> threading.Thread:
-        thread = threading.Thread(target=self._loop, daemon=True, name="tlt-watcher")
-        thread.start()
-        return thread
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="tlt-watcher")
+        self._thread.start()
+        return self._thread
 
-    def stop(self) -> None:
+    def stop(self, join_s: float = 0.0) -> None:
+        """Stop ticking; with join_s, wait that long for a tick under way to finish."""
         self._stop.set()
+        if join_s and self._thread is not None:
+            self._thread.join(join_s)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.tick_s):
@@ -269,13 +290,17 @@ class Watcher:
             return  # every worker is generating: score later, without slowing the long tail
         evaluator = held_out[0]
         served, copies = self.stores(job_id)
-        candidate = copies.merge_and_publish(list(st.copies))
+        merged, dropped = mergeable(copies, st.copies)
+        if dropped:
+            log.info("job %s: copies %s cannot be averaged with %s (another parent or draft vocabulary); dropped",
+                     job_id, dropped, merged)
+        candidate = copies.merge_and_publish(merged)
         serving = served.latest_version()
         drafts = [{"store": "copies", "version": candidate}]
         if serving is not None:
             drafts.append({"store": "served", "version": serving})
         k = int(spec.get("draft_k", 2))
-        record = {"candidate": candidate, "merged": list(st.copies), "parent_version": serving or 0,
+        record = {"candidate": candidate, "merged": merged, "dropped": dropped, "parent_version": serving or 0,
                   "evaluated_by": evaluator, "held_out": evaluator not in st.trained, "at": time.time(),
                   "candidate_accepted_length": None, "serving_accepted_length": None, "published_version": None}
         try:
