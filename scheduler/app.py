@@ -207,7 +207,10 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI):
         app.state.redis = connect(settings.redis_url)
         if settings.ray_address and not ray.is_initialized():
-            ray.init(address=settings.ray_address, namespace=RAY_NAMESPACE, log_to_driver=False)
+            try:
+                ray.init(address=settings.ray_address, namespace=RAY_NAMESPACE, log_to_driver=False)
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                raise RuntimeError(f"cannot join the Ray cluster at {settings.ray_address!r}: {exc}") from None
         elif settings.start_ray and not ray.is_initialized():
             ray.init(num_gpus=settings.ray_num_gpus, namespace=RAY_NAMESPACE, include_dashboard=False,
                      log_to_driver=False)

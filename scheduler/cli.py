@@ -143,6 +143,14 @@ def _serve(args: argparse.Namespace) -> int:
     url, private = redis_url_from_env()
     if private is not None:
         print(f"tlt: REDIS_URL is unset: started a private redis-server at {url}", file=sys.stderr)
+    import redis as redis_lib
+
+    from workers.protocol import connect
+
+    try:
+        connect(url).ping()
+    except (redis_lib.RedisError, ValueError) as exc:
+        raise ValueError(f"cannot reach Redis at {url} ({exc}); check REDIS_URL") from None
     settings = Settings(redis_url=url, api_token=os.environ.get("TLT_API_TOKEN") or None, policy=policy,
                         watch_tick_s=tick_s,
                         store_dir=args.store_dir, ray_num_gpus=args.gpus,

@@ -60,3 +60,22 @@ def test_clear_errors(server, tmp_path, capsys):
     assert "HTTP 422" in capsys.readouterr().err
     assert main(["submit", str(spec), "--url", server, "--token", "wrong"]) == 2
     assert "HTTP 401" in capsys.readouterr().err
+
+
+def test_serve_names_an_unreachable_redis_or_bad_policy_setting(monkeypatch, capsys):
+    monkeypatch.setenv("REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    assert main(["serve", "--port", str(free_port())]) == 2
+    assert "cannot reach Redis at redis://127.0.0.1:" in capsys.readouterr().err
+    monkeypatch.setenv("TLT_POLICY_MIN_LEASE_S", "soon")
+    assert main(["serve", "--port", str(free_port())]) == 2
+    assert "TLT_POLICY_MIN_LEASE_S: not a number" in capsys.readouterr().err
+    monkeypatch.setenv("TLT_POLICY_MIN_LEASE_S", "-1")
+    assert main(["serve", "--port", str(free_port())]) == 2
+    assert "min_lease_s" in capsys.readouterr().err
+
+
+def test_policy_settings_from_the_environment():
+    from scheduler.cli import policy_from_env
+
+    s = policy_from_env({"TLT_POLICY_MIN_LEASE_S": "2", "TLT_POLICY_MIN_BUFFER_TOKENS": "128", "OTHER": "x"})
+    assert s.min_lease_s == 2.0 and s.min_buffer_tokens == 128 and s.max_lease_s == 600.0
