@@ -33,7 +33,9 @@ class EagleConfig:
 
 
 class EagleHead(nn.Module):
-    def __init__(self, policy_cfg: ModelConfig, cfg: EagleConfig | None = None) -> None:
+    def __init__(self, policy_cfg: ModelConfig, cfg: EagleConfig | None = None, init: bool = True) -> None:
+        """init=False leaves the weights uninitialised, for a head about to load a checkpoint (a
+        hot swap: random init is most of the cost of building a SmolLM2-size head)."""
         super().__init__()
         self.cfg = cfg or EagleConfig()
         self.policy_cfg = policy_cfg
@@ -43,10 +45,11 @@ class EagleHead(nn.Module):
         self.norm = RMSNorm(d, policy_cfg.rms_norm_eps)
         # drafting runs up to k positions past the policy's context: give the table room for it
         self.rotary = Rotary(policy_cfg.head_dim, 2 * policy_cfg.max_position, policy_cfg.rope_theta)
-        gen = torch.Generator().manual_seed(self.cfg.init_seed)
-        for p in self.parameters():
-            if p.dim() == 2:
-                nn.init.normal_(p, std=0.02, generator=gen)
+        if init:
+            gen = torch.Generator().manual_seed(self.cfg.init_seed)
+            for p in self.parameters():
+                if p.dim() == 2:
+                    nn.init.normal_(p, std=0.02, generator=gen)
         num_draft = self.cfg.draft_vocab_size or policy_cfg.vocab_size
         if not 0 < num_draft <= policy_cfg.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, {policy_cfg.vocab_size}], got {num_draft}")

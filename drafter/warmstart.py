@@ -82,10 +82,12 @@ def head_config(head: EagleHead) -> dict:
     return {"policy": head.policy_cfg.to_dict(), "eagle": head.cfg.to_dict()}
 
 
-def head_from_config(config: dict) -> EagleHead:
+def head_from_config(config: dict, init: bool = False) -> EagleHead:
+    """The head a checkpoint's head_config describes; its weights are left for load_state_dict
+    unless init (then: the seeded initialisation a new head gets)."""
     from drafter.model import ModelConfig
 
-    return EagleHead(ModelConfig.from_dict(config["policy"]), EagleConfig(**config["eagle"]))
+    return EagleHead(ModelConfig.from_dict(config["policy"]), EagleConfig(**config["eagle"]), init=init)
 
 
 @dataclass
