@@ -24,7 +24,15 @@ from scheduler.policy import PolicySettings
 from scheduler.watcher import TICK_S, Metrics, Watcher
 from workers.driver import JobConfig, JobDriver
 from workers.grpo import GRPOConfig
-from workers.protocol import connect, job_drafts_key, job_result_key, job_steps_key, job_tlt_key, read_progress
+from workers.protocol import (
+    connect,
+    job_drafts_key,
+    job_result_key,
+    job_steps_key,
+    job_tlt_key,
+    read_events,
+    read_progress,
+)
 from workers.rollout import WorkerConfig
 from workers.store import DraftStore
 
@@ -281,6 +289,25 @@ def create_app(settings: Settings) -> FastAPI:
             classes = {}
         return [WorkerOut(**{**r.__dict__, "state": r.state.value, "scheduler_class": classes.get(r.worker_id)})
                 for r in read_progress(redis, job_id)]
+
+    @jobs.get("/{job_id}/steps")
+    def steps(job_id: str, s: Store) -> list[dict]:
+        """One record per finished RL step: timings by phase, per-worker rollout seconds, idle
+        worker-seconds, tokens, accepted length, draft versions served, reward, failures."""
+        found(s, job_id)
+        out = []
+        for raw in s.redis.lrange(job_steps_key(job_id), 0, -1):
+            try:
+                out.append(json.loads(raw))
+            except json.JSONDecodeError:
+                log.error("job %s: skipping unreadable step record %r", job_id, raw[:200])
+        return out
+
+    @jobs.get("/{job_id}/events")
+    def events(job_id: str, s: Store, limit: int = 10_000) -> list[dict]:
+        """Worker state transitions, oldest first (the newest `limit`, at most 100000): the per-GPU timeline."""
+        found(s, job_id)
+        return read_events(s.redis, job_id, count=max(1, min(limit, 100_000)))
 
     @jobs.get("/{job_id}/drafts")
     def drafts(job_id: str, s: Store, request: Request) -> dict:

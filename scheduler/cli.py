@@ -112,6 +112,22 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def api_token_from_env(environ) -> str | None:
+    """TLT_API_TOKEN, or the first line of the file TLT_API_TOKEN_FILE names (a mounted secret)."""
+    if environ.get("TLT_API_TOKEN"):
+        return environ["TLT_API_TOKEN"]
+    path = environ.get("TLT_API_TOKEN_FILE")
+    if not path:
+        return None
+    try:
+        token = open(path).read().strip()  # noqa: SIM115 - read once at start
+    except OSError as exc:
+        raise ValueError(f"TLT_API_TOKEN_FILE: cannot read {path}: {exc.strerror}") from None
+    if not token:
+        raise ValueError(f"TLT_API_TOKEN_FILE: {path} is empty")
+    return token
+
+
 def policy_from_env(environ: dict) -> PolicySettings:
     """PolicySettings with any field overridden by TLT_POLICY_<FIELD> (e.g. TLT_POLICY_MIN_LEASE_S=2)."""
     kwargs = {}
@@ -151,7 +167,7 @@ def _serve(args: argparse.Namespace) -> int:
         connect(url).ping()
     except (redis_lib.RedisError, ValueError) as exc:
         raise ValueError(f"cannot reach Redis at {url} ({exc}); check REDIS_URL") from None
-    settings = Settings(redis_url=url, api_token=os.environ.get("TLT_API_TOKEN") or None, policy=policy,
+    settings = Settings(redis_url=url, api_token=api_token_from_env(os.environ), policy=policy,
                         watch_tick_s=tick_s,
                         store_dir=args.store_dir, ray_num_gpus=args.gpus,
                         ray_address=args.ray_address or os.environ.get("RAY_ADDRESS") or None)

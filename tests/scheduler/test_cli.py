@@ -79,3 +79,18 @@ def test_policy_settings_from_the_environment():
 
     s = policy_from_env({"TLT_POLICY_MIN_LEASE_S": "2", "TLT_POLICY_MIN_BUFFER_TOKENS": "128", "OTHER": "x"})
     assert s.min_lease_s == 2.0 and s.min_buffer_tokens == 128 and s.max_lease_s == 600.0
+
+
+def test_api_token_from_a_mounted_secret_file(tmp_path):
+    from scheduler.cli import api_token_from_env
+
+    secret = tmp_path / "token"
+    secret.write_text("s3cret\n")
+    assert api_token_from_env({"TLT_API_TOKEN_FILE": str(secret)}) == "s3cret"
+    assert api_token_from_env({"TLT_API_TOKEN": "env", "TLT_API_TOKEN_FILE": str(secret)}) == "env"
+    assert api_token_from_env({}) is None
+    with pytest.raises(ValueError, match="TLT_API_TOKEN_FILE: cannot read"):
+        api_token_from_env({"TLT_API_TOKEN_FILE": str(tmp_path / "missing")})
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        api_token_from_env({"TLT_API_TOKEN_FILE": str(tmp_path / "empty")})

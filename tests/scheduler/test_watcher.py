@@ -66,3 +66,11 @@ def test_idle_worker_trains_and_the_merged_draft_is_served(client):
     for name in ("tlt_dispatch_latency_seconds", "tlt_swap_latency_seconds"):
         count = next(line for line in metrics.splitlines() if line.startswith(f'{name}_count{{job="{job_id}"}}'))
         assert float(count.split()[-1]) >= 1, count
+    # the per-GPU timeline and the step records behind `tlt report`
+    steps = client.get(f"/v1/jobs/{job_id}/steps").json()
+    assert [s["rl_step"] for s in steps] == list(range(SPEC["num_steps"]))
+    assert all(s["num_tokens"] > 0 and s["mean_accepted_length"] >= 1.0 for s in steps)
+    events = client.get(f"/v1/jobs/{job_id}/events").json()
+    assert {"ROLLING_OUT", "IDLE", "TRAINING"} <= {e["to"] for e in events}
+    assert [e["ts"] for e in events] == sorted(e["ts"] for e in events)
+    assert client.get("/v1/jobs/nope/events").status_code == 404
