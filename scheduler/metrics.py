@@ -9,9 +9,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from scheduler.jobs import JobState, JobStore
-from workers.protocol import WorkerState, job_steps_key, job_tlt_key, read_progress
+from scheduler.policy import WorkerClass
+from workers.protocol import WorkerState, drafts_latest_key, job_steps_key, job_tlt_key, read_progress
 
 log = logging.getLogger(__name__)
+CLASSES = [c.value for c in WorkerClass]
 MAX_JOBS_SCRAPED = 200  # newest jobs only: a scrape must stay cheap however long the history
 
 
@@ -36,10 +38,31 @@ class RedisCollector(Collector):
                                    labels=["job"])
         reclaimed = CounterMetricFamily("tlt_reclaimed_worker_seconds", "Worker-seconds spent training drafters "
                                         "on otherwise idle GPUs", labels=["job"])
+        info = GaugeMetricFamily("tlt_job_info", "1 per job, its labels describe it (the job table)",
+                                 labels=["job", "state", "model", "tlt", "num_gpus"])
+        steps_done = GaugeMetricFamily("tlt_job_steps_done", "RL steps finished", labels=["job"])
+        serving = GaugeMetricFamily("tlt_job_draft_version_served", "Newest published draft version",
+                                    labels=["job"])
+        klass = GaugeMetricFamily("tlt_worker_class", "1 for the scheduler's view of the worker: ROLLING_OUT, "
+                                  "STRAGGLER, IDLE, TRAINING or STALE", labels=["job", "worker", "class"])
         for job in jobs:
+            spec = job.get("spec", {})
+            info.add_metric([job["job_id"], job["state"], str(spec.get("model", "")),
+                             str(spec.get("tlt", True)).lower(), str(spec.get("num_gpus", ""))], 1.0)
             counters = self.store.redis.hgetall(job_tlt_key(job["job_id"]))
             if counters:
                 reclaimed.add_metric([job["job_id"]], float(counters.get("reclaimed_worker_s", 0.0)))
+                if job["state"] == JobState.RUNNING.value:
+                    try:
+                        classes = json.loads(counters.get("classes") or "{}")
+                    except json.JSONDecodeError:
+                        classes = {}
+                    for wid, c in classes.items():
+                        for name in CLASSES:
+                            klass.add_metric([job["job_id"], wid, name], float(c == name))
+            latest = self.store.redis.get(drafts_latest_key(job["job_id"]))
+            if latest is not None:
+                serving.add_metric([job["job_id"]], float(latest))
             if job["state"] not in (JobState.RUNNING.value, JobState.PENDING.value) and job["steps"] == 0:
                 continue
             jid = job["job_id"]
@@ -59,4 +82,5 @@ class RedisCollector(Collector):
                 for name, seconds in steps[-1].get("timings", {}).items():
                     phase.add_metric([jid, name], float(seconds))
                 idle.add_metric([jid], sum(float(s.get("idle_worker_s", 0.0)) for s in steps))
-        yield from (state, tps, acc, ver, phase, idle, reclaimed)
+            steps_done.add_metric([jid], len(steps))
+        yield from (state, tps, acc, ver, phase, idle, reclaimed, info, steps_done, serving, klass)

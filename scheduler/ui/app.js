@@ -1,0 +1,161 @@
+// tlt-scheduler status page: the job list and, for one job, the live per-GPU timeline.
+// Plain JS over the REST API (docs/api.md); no build step. Refreshes every REFRESH_MS.
+"use strict";
+const REFRESH_MS = 2000;
+const STATES = ["ROLLING_OUT", "IDLE", "TRAINING", "SWAPPING", "FAILED"];
+let selected = new URLSearchParams(location.search).get("job");
+
+async function get(path) {
+  const r = await fetch(path, { headers: { Accept: "application/json" } });
+  if (!r.ok) throw new Error(`${path}: HTTP ${r.status}`);
+  return r.json();
+}
+
+function cell(row, text) {
+  const td = document.createElement("td");
+  td.textContent = text;
+  row.appendChild(td);
+  return td;
+}
+
+function renderJobs(jobs) {
+  const body = document.querySelector("#jobs tbody");
+  body.replaceChildren();
+  for (const j of jobs) {
+    const tr = document.createElement("tr");
+    tr.dataset.job = j.job_id;
+    if (j.job_id === selected) tr.classList.add("selected");
+    [j.job_id, j.state, j.spec.model, j.spec.num_gpus, j.spec.tlt ? "on" : "off", j.steps,
+     new Date(j.created_at * 1000).toLocaleString()].forEach((t) => cell(tr, String(t)));
+    tr.addEventListener("click", () => {
+      selected = j.job_id;
+      history.replaceState(null, "", `?job=${selected}`);
+      refresh();
+    });
+    body.appendChild(tr);
+  }
+  if (!selected && jobs.length) selected = jobs[0].job_id;
+}
+
+// events (oldest first) -> per worker [{state, start, end}], a state lasting until the worker's next event
+function spans(events, now) {
+  const byWorker = new Map();
+  for (const e of events) {
+    if (!byWorker.has(e.worker)) byWorker.set(e.worker, []);
+    const list = byWorker.get(e.worker);
+    if (list.length) list[list.length - 1].end = e.ts;
+    list.push({ state: e.to, start: e.ts, end: now, step: e.rl_step });
+  }
+  return byWorker;
+}
+
+function renderTimeline(events, steps, job) {
+  const box = document.getElementById("timeline");
+  box.replaceChildren();
+  if (!events.length) {
+    box.textContent = "no worker events yet";
+    return;
+  }
+  const t0 = events[0].ts;
+  const end = job.state === "RUNNING" ? Date.now() / 1000 : Math.max(...events.map((e) => e.ts));
+  const width = Math.max(end - t0, 1e-3);
+  const pct = (t) => `${(100 * (t - t0)) / width}%`;
+  const stepStarts = new Map();
+  for (const e of events) if (e.to === "ROLLING_OUT" && !stepStarts.has(e.rl_step)) stepStarts.set(e.rl_step, e.ts);
+  const workers = [...spans(events, end).entries()].sort(([a], [b]) => a.localeCompare(b, undefined, { numeric: true }));
+  for (const [worker, list] of workers) {
+    const row = document.createElement("div");
+    row.className = "row";
+    row.dataset.worker = worker;
+    const label = document.createElement("span");
+    label.className = "label";
+    label.textContent = worker;
+    const track = document.createElement("div");
+    track.className = "track";
+    for (const s of list) {
+      const span = document.createElement("div");
+      span.className = `span ${STATES.includes(s.state) ? s.state : "IDLE"}`;
+      span.style.left = pct(s.start);
+      span.style.width = `${(100 * (s.end - s.start)) / width}%`;
+      span.title = `${worker} ${s.state} step ${s.step}: ${(s.end - s.start).toFixed(1)} s`;
+      track.appendChild(span);
+    }
+    for (const [, ts] of stepStarts) {
+      const mark = document.createElement("div");
+      mark.className = "step-mark";
+      mark.style.left = pct(ts);
+      track.appendChild(mark);
+    }
+    row.append(label, track);
+    box.appendChild(row);
+  }
+  const axis = document.createElement("div");
+  axis.className = "axis";
+  for (const [step, ts] of stepStarts) {
+    const s = document.createElement("span");
+    s.style.left = pct(ts);
+    s.textContent = `step ${step}`;
+    axis.appendChild(s);
+  }
+  box.appendChild(axis);
+}
+
+function renderFigures(steps, drafts) {
+  const idle = steps.reduce((a, s) => a + s.idle_worker_s, 0);
+  const reclaimed = drafts.reclaimed_worker_s;
+  const last = steps[steps.length - 1];
+  const figures = [
+    ["reclaimed / idle", idle > 0 ? `${Math.round((100 * reclaimed) / idle)}%` : "-"],
+    ["idle worker-s", idle.toFixed(1)],
+    ["reclaimed worker-s", reclaimed.toFixed(1)],
+    ["draft served", drafts.serving_version === null ? "v0" : `v${drafts.serving_version}`],
+    ["published / rejected", `${drafts.num_published} / ${drafts.num_rejected}`],
+    ["accepted length (last step)", last ? last.mean_accepted_length.toFixed(2) : "-"],
+  ];
+  const box = document.getElementById("figures");
+  box.replaceChildren();
+  for (const [name, value] of figures) {
+    const div = document.createElement("div");
+    div.className = "figure";
+    div.dataset.figure = name;
+    const b = document.createElement("b");
+    b.textContent = value;
+    div.append(b, document.createTextNode(name));
+    box.appendChild(div);
+  }
+}
+
+function renderWorkers(workers) {
+  const body = document.querySelector("#workers tbody");
+  body.replaceChildren();
+  for (const w of workers) {
+    const tr = document.createElement("tr");
+    [w.worker_id, w.state, w.scheduler_class || "", `${w.num_finished}/${w.num_total}`, w.tokens_per_s.toFixed(1),
+     w.mean_accepted_length.toFixed(2), `v${w.draft_version}`, w.rl_step].forEach((t) => cell(tr, String(t)));
+    body.appendChild(tr);
+  }
+}
+
+async function refresh() {
+  const status = document.getElementById("status");
+  try {
+    renderJobs(await get("/v1/jobs?limit=50"));
+    if (selected) {
+      const [job, events, steps, drafts, workers] = await Promise.all([
+        get(`/v1/jobs/${selected}`), get(`/v1/jobs/${selected}/events`), get(`/v1/jobs/${selected}/steps`),
+        get(`/v1/jobs/${selected}/drafts`), get(`/v1/jobs/${selected}/workers`)]);
+      document.getElementById("job-section").hidden = false;
+      document.getElementById("job-id").textContent = job.job_id;
+      document.getElementById("job-state").textContent = job.state;
+      renderFigures(steps, drafts);
+      renderTimeline(events, steps, job);
+      renderWorkers(workers);
+    }
+    status.textContent = `updated ${new Date().toLocaleTimeString()}`;
+  } catch (err) {
+    status.textContent = `cannot reach the scheduler: ${err.message}`;
+  }
+}
+
+refresh();
+setInterval(refresh, REFRESH_MS);

@@ -1,0 +1,171 @@
+"""A real Prometheus scrapes a running scheduler during a short job with drafter leases, and the
+status page runs in headless Chromium against the same job.
+
+Real parts: redis-server, local Ray, the scheduler under uvicorn, Debian's `prometheus` with our rule
+file, Debian's `chromium` + `chromedriver` driven by Selenium. `make test` installs the Debian
+packages where apt is available; without them these tests skip, saying which binary is missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import threading
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import ray
+import uvicorn
+import yaml
+
+from drafter.loading import PRESETS, random_model, save_hf_dir
+from scheduler.app import Settings, create_app
+from scheduler.policy import PolicySettings
+from tests.deploy.promql import ROOT, RULES, dashboard, panel_exprs, rules, substitute
+from workers.redis_server import PrivateRedis, free_port
+
+SPEC = {"num_steps": 10, "num_prompts_per_step": 3, "group_size": 4, "max_new_tokens": 300, "num_gpus": 2,
+        "draft_k": 2, "min_accepted_length": 0.0}
+ARTIFACTS = ROOT / "artifacts"
+
+
+def http_json(url: str, body: dict | None = None) -> object:
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def wait_for(what: str, check, timeout_s: float, interval_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """Redis, Ray, the scheduler on a free port, Prometheus scraping it every second, and one job."""
+    if shutil.which("prometheus") is None:
+        pytest.skip("Debian's prometheus is not installed (make test installs it where apt is available)")
+    tmp = tmp_path_factory.mktemp("obs")
+    cfg = dataclasses.replace(PRESETS["tiny"], eos_token_ids=(0,))  # natural long tails (see test_watcher)
+    save_hf_dir(random_model(cfg, init_seed=0), None, tmp / "tiny-eos")
+    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    with PrivateRedis() as redis_server:
+        port = free_port()
+        app = create_app(Settings(redis_url=redis_server.url, store_dir=str(tmp / "drafts"), start_ray=False,
+                                  policy=PolicySettings(min_lease_s=0.05, min_buffer_tokens=16), watch_tick_s=0.05))
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        wait_for("the scheduler", lambda: server.started, 30)
+        base = f"http://127.0.0.1:{port}"
+        prom_port = free_port()
+        config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+        config["global"] |= {"scrape_interval": "1s", "evaluation_interval": "1s"}
+        config["rule_files"] = [str(RULES)]
+        config["scrape_configs"][0]["static_configs"] = [{"targets": [f"127.0.0.1:{port}"]}]
+        (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
+        prom = subprocess.Popen(["prometheus", f"--config.file={tmp / 'prometheus.yml'}",
+                                 f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
+                                stdout=subprocess.DEVNULL, stderr=(tmp / "prometheus.log").open("wb"))
+        try:
+            prom_url = f"http://127.0.0.1:{prom_port}"
+            wait_for("prometheus", lambda: _ready(prom_url), 60)
+            start = time.time()
+            job = http_json(f"{base}/v1/jobs", SPEC | {"model": str(tmp / "tiny-eos")})
+            yield {"base": base, "prom": prom_url, "job_id": job["job_id"], "start": start, "tmp": tmp}
+        finally:
+            prom.terminate()
+            prom.wait(30)
+            server.should_exit = True
+            thread.join(30)
+    ray.shutdown()
+
+
+def _ready(prom_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{prom_url}/-/ready", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def job_state(stack) -> dict:
+    return http_json(f"{stack['base']}/v1/jobs/{stack['job_id']}")
+
+
+def test_status_page_shows_the_running_job_in_chromium(stack):
+    if shutil.which("chromium") is None or shutil.which("chromedriver") is None:
+        pytest.skip("Debian's chromium and chromium-driver are not installed")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+
+    wait_for("the job's first step", lambda: job_state(stack)["steps"] >= 1, 120)
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,900"):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver")))
+    try:
+        driver.get(f"{stack['base']}/ui/?job={stack['job_id']}")
+        rows = wait_for("timeline rows", lambda: driver.find_elements(By.CSS_SELECTOR, "#timeline .row"), 30)
+        assert job_state(stack)["state"] == "RUNNING"  # it showed a live job
+        assert sorted(r.get_attribute("data-worker") for r in rows) == ["w0", "w1"]  # one row per worker
+        assert driver.find_elements(By.CSS_SELECTOR, "#timeline .span.ROLLING_OUT")
+        jobs = driver.find_elements(By.CSS_SELECTOR, "#jobs tbody tr")
+        assert [j.get_attribute("data-job") for j in jobs] == [stack["job_id"]]
+        figure = driver.find_element(By.CSS_SELECTOR, '[data-figure="reclaimed / idle"] b').text
+        assert figure == "-" or figure.endswith("%")
+        time.sleep(2.5)  # one refresh cycle, so a failing refresh would log
+        ARTIFACTS.mkdir(exist_ok=True)
+        driver.save_screenshot(str(ARTIFACTS / "status-page.png"))
+        assert (ARTIFACTS / "status-page.png").stat().st_size > 10_000
+        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+        assert not errors, errors
+        assert "cannot reach" not in driver.find_element(By.ID, "status").text
+    finally:
+        driver.quit()
+
+
+def query_range(stack, expr: str) -> list:
+    params = urllib.parse.urlencode({"query": substitute(expr), "start": stack["start"] - 5, "end": time.time(),
+                                     "step": "1"})
+    body = http_json(f"{stack['prom']}/api/v1/query_range?{params}")
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def test_prometheus_gets_data_for_every_dashboard_query_and_recording_rule(stack):
+    wait_for("the job to end", lambda: job_state(stack)["state"] in ("SUCCEEDED", "FAILED"), 240, 1.0)
+    assert job_state(stack)["state"] == "SUCCEEDED"
+    time.sleep(3)  # a last scrape and rule evaluation
+    drafts = http_json(f"{stack['base']}/v1/jobs/{stack['job_id']}/drafts")
+    assert drafts["num_leases"] >= 1 and drafts["num_published"] >= 1, drafts
+    exprs = panel_exprs(dashboard()) + [(r["record"], r["record"]) for r in rules() if "record" in r]
+    empty = [(where, expr) for where, expr in exprs if not query_range(stack, expr)]
+    assert not empty, f"no data for: {empty}"
+    # the scrape target is healthy and the rule groups evaluated without errors
+    targets = http_json(f"{stack['prom']}/api/v1/targets")["data"]["activeTargets"]
+    assert [t["health"] for t in targets] == ["up"]
+    groups = http_json(f"{stack['prom']}/api/v1/rules")["data"]["groups"]
+    assert all(r["health"] == "ok" for g in groups for r in g["rules"]), groups
+
+
+def test_promtool_accepts_the_rules_and_config():
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool (Debian's prometheus package) is not installed")
+    for args in (["check", "rules", str(RULES)], ["check", "config", str(ROOT / "deploy/prometheus/prometheus.yml")]):
+        out = subprocess.run(["promtool", *args], capture_output=True, text=True, cwd=Path(RULES).parent)
+        assert out.returncode == 0, out.stdout + out.stderr
