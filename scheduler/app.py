@@ -228,7 +228,10 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.registry = CollectorRegistry()
         app.state.registry.register(RedisCollector(app.state.store))
         app.state.launcher = Launcher(app.state.store, settings)
-        app.state.launcher.reattach()
+        if ray.is_initialized():
+            app.state.launcher.reattach()
+        else:  # never let a lookup start a Ray of its own and settle live jobs as lost
+            log.warning("Ray is not initialised: running jobs are not reattached, new jobs cannot start")
         watcher = Watcher(app.state.store, settings.store_dir, settings.policy, settings.watch_tick_s,
                           Metrics(app.state.registry))
         app.state.watcher = watcher
@@ -298,12 +301,13 @@ def create_app(settings: Settings) -> FastAPI:
                 for r in read_progress(redis, job_id)]
 
     @jobs.get("/{job_id}/steps")
-    def steps(job_id: str, s: Store) -> list[dict]:
+    def steps(job_id: str, s: Store, start: int = 0) -> list[dict]:
         """One record per finished RL step: timings by phase, per-worker rollout seconds, idle
-        worker-seconds, tokens, accepted length, draft versions served, reward, failures."""
+        worker-seconds, tokens, accepted length, draft versions served, reward, failures. `start`:
+        from that step index on (pollers fetch each record once)."""
         found(s, job_id)
         out = []
-        for raw in s.redis.lrange(job_steps_key(job_id), 0, -1):
+        for raw in s.redis.lrange(job_steps_key(job_id), max(start, 0), -1):
             try:
                 out.append(json.loads(raw))
             except json.JSONDecodeError:
@@ -311,10 +315,14 @@ def create_app(settings: Settings) -> FastAPI:
         return out
 
     @jobs.get("/{job_id}/events")
-    def events(job_id: str, s: Store, limit: int = 10_000) -> list[dict]:
-        """Worker state transitions, oldest first (the newest `limit`, at most 100000): the per-GPU timeline."""
+    def events(job_id: str, s: Store, limit: int = 10_000, after: str | None = None) -> list[dict]:
+        """Worker state transitions, oldest first (the newest `limit`, at most 100000): the per-GPU
+        timeline. `after`: only those after that event id (pollers fetch each event once)."""
         found(s, job_id)
-        return read_events(s.redis, job_id, count=max(1, min(limit, 100_000)))
+        try:
+            return read_events(s.redis, job_id, count=max(1, min(limit, 100_000)), after=after)
+        except ValueError as exc:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, str(exc)) from None
 
     @jobs.get("/{job_id}/drafts")
     def drafts(job_id: str, s: Store, request: Request) -> dict:

@@ -47,6 +47,14 @@ def _bench_dataplane(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_observability(args: argparse.Namespace) -> int:
+    from scheduler.bench.observability import bench_observability
+
+    print(json.dumps(bench_observability(num_workers=args.workers, num_steps=args.steps,
+                                         events_per_worker=args.events, repeats=args.repeats)))
+    return 0
+
+
 def _read_prompts(path: str) -> list[str]:
     from pathlib import Path
 
@@ -253,6 +261,13 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--swap-trials", type=int, default=3)
     dp.add_argument("--json", action="store_true", help="accepted for symmetry; the JSON object is always last")
     dp.set_defaults(func=_bench_dataplane)
+    ob = bench_sub.add_parser("observability", help="CPU cost of /metrics and the status page at N workers")
+    ob.add_argument("--workers", type=int, default=256)
+    ob.add_argument("--steps", type=int, default=50, help="step records of the job")
+    ob.add_argument("--events", type=int, default=40, help="state transitions per worker")
+    ob.add_argument("--repeats", type=int, default=20)
+    ob.add_argument("--json", action="store_true", help="accepted for symmetry; the JSON object is always last")
+    ob.set_defaults(func=_bench_observability)
 
     dr = sub.add_parser("drafter", help="drafter tools")
     dr_sub = dr.add_subparsers(dest="drafter", required=True)

@@ -10,7 +10,14 @@ from prometheus_client.registry import Collector
 
 from scheduler.jobs import JobState, JobStore
 from scheduler.policy import WorkerClass
-from workers.protocol import WorkerState, drafts_latest_key, job_steps_key, job_tlt_key, read_progress
+from workers.protocol import (
+    WorkerState,
+    drafts_latest_key,
+    job_steps_key,
+    job_tlt_key,
+    job_totals_key,
+    read_progress,
+)
 
 log = logging.getLogger(__name__)
 CLASSES = [c.value for c in WorkerClass]
@@ -72,15 +79,14 @@ class RedisCollector(Collector):
                 tps.add_metric([jid, r.worker_id], r.tokens_per_s)
                 acc.add_metric([jid, r.worker_id], r.mean_accepted_length)
                 ver.add_metric([jid, r.worker_id], r.draft_version)
-            steps = []
-            for raw in self.store.redis.lrange(job_steps_key(jid), 0, -1):
+            redis = self.store.redis
+            num_steps, last = redis.llen(job_steps_key(jid)), redis.lindex(job_steps_key(jid), -1)
+            if last is not None:
                 try:
-                    steps.append(json.loads(raw))
-                except json.JSONDecodeError:
-                    log.error("job %s: unreadable step record", jid)
-            if steps:
-                for name, seconds in steps[-1].get("timings", {}).items():
-                    phase.add_metric([jid, name], float(seconds))
-                idle.add_metric([jid], sum(float(s.get("idle_worker_s", 0.0)) for s in steps))
-            steps_done.add_metric([jid], len(steps))
+                    for name, seconds in json.loads(last).get("timings", {}).items():
+                        phase.add_metric([jid, name], float(seconds))
+                except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
+                    log.error("job %s: unreadable last step record", jid)
+                idle.add_metric([jid], float(redis.hget(job_totals_key(jid), "idle_worker_s") or 0.0))
+            steps_done.add_metric([jid], num_steps)
         yield from (state, tps, acc, ver, phase, idle, reclaimed, info, steps_done, serving, klass)

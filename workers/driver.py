@@ -19,7 +19,7 @@ import torch
 
 from drafter.loading import encode_prompt, load_model
 from workers.grpo import GRPOConfig, group_advantages, grpo_update, sequence_logprobs
-from workers.protocol import job_phase_key, job_result_key, job_steps_key
+from workers.protocol import job_phase_key, job_result_key, job_steps_key, job_totals_key
 from workers.rollout import RolloutWorker, WorkerConfig
 from workers.tasks import ArithmeticTask, get_reward, load_jsonl_dataset
 
@@ -233,5 +233,8 @@ class JobDriver:
                             mean_accepted_length=sum(len(o["token_ids"]) for o in outs)
                             / max(sum(o["num_steps"] for o in outs), 1),
                             draft_versions=draft_versions)
-        self.redis.rpush(job_steps_key(cfg.job_id), json.dumps({**asdict(record), "grpo": stats}))
+        with self.redis.pipeline(transaction=True) as pipe:  # the record and the running totals together
+            pipe.rpush(job_steps_key(cfg.job_id), json.dumps({**asdict(record), "grpo": stats}))
+            pipe.hincrbyfloat(job_totals_key(cfg.job_id), "idle_worker_s", idle)
+            pipe.execute()
         return record

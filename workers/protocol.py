@@ -111,6 +111,12 @@ def job_steps_key(job_id: str) -> str:
     return f"{job_key(job_id)}:steps"
 
 
+def job_totals_key(job_id: str) -> str:
+    """Hash of running totals over the job's steps (idle_worker_s), kept by the driver beside each
+    step record, so a scrape reads a number instead of every step record."""
+    return f"{job_key(job_id)}:totals"
+
+
 def job_tlt_key(job_id: str) -> str:
     """Hash of the scheduler's TLT counters for a job: reclaimed worker-seconds, versions published."""
     return f"{job_key(job_id)}:tlt"
@@ -271,14 +277,21 @@ def event_fields(worker_id: str, from_state: WorkerState | None, to_state: Worke
             "to": WorkerState(to_state).value, "ts": repr(float(ts)), "rl_step": str(int(rl_step))}
 
 
-def read_events(redis: redis_lib.Redis, job_id: str, count: int = 100) -> list[dict]:
+_STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
+
+
+def read_events(redis: redis_lib.Redis, job_id: str, count: int = 100, after: str | None = None) -> list[dict]:
     """The newest `count` state transitions of a job, oldest first:
-    {"id", "worker", "from", "to", "ts": float, "rl_step": int}. Malformed entries are logged and skipped."""
+    {"id", "worker", "from", "to", "ts": float, "rl_step": int}. With `after` (a stream id from an
+    earlier read) only later ones: a poller reads each event once. Malformed entries are logged and skipped."""
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"count must be an int >= 1, got {count!r}")
+    if after is not None and not _STREAM_ID.fullmatch(after):
+        raise ValueError(f"after must be a stream id like 1700000000000-0, got {after!r}")
     key = job_events_key(job_id)
     events = []
-    for entry_id, raw in reversed(redis.xrevrange(key, count=count)):
+    entries = redis.xrevrange(key, min=f"({after}" if after else "-", count=count)
+    for entry_id, raw in reversed(entries):
         d = {text(k): text(v) for k, v in raw.items()}
         try:
             events.append({"id": text(entry_id), "worker": d["worker"], "from": d["from"],

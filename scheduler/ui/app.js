@@ -4,6 +4,7 @@
 const REFRESH_MS = 2000;
 const STATES = ["ROLLING_OUT", "IDLE", "TRAINING", "SWAPPING", "FAILED"];
 let selected = new URLSearchParams(location.search).get("job");
+const seen = { job: null, events: [], steps: [] };  // events fetched so far for the selected job: later polls ask only for new ones
 
 async function get(path) {
   const r = await fetch(path, { headers: { Accept: "application/json" } });
@@ -141,9 +142,15 @@ async function refresh() {
   try {
     renderJobs(await get("/v1/jobs?limit=50"));
     if (selected) {
-      const [job, events, steps, drafts, workers] = await Promise.all([
-        get(`/v1/jobs/${selected}`), get(`/v1/jobs/${selected}/events`), get(`/v1/jobs/${selected}/steps`),
+      if (seen.job !== selected) Object.assign(seen, { job: selected, events: [], steps: [] });
+      const last = seen.events.length ? `?after=${seen.events[seen.events.length - 1].id}` : "";
+      const [job, fresh, newSteps, drafts, workers] = await Promise.all([
+        get(`/v1/jobs/${selected}`), get(`/v1/jobs/${selected}/events${last}`), get(`/v1/jobs/${selected}/steps?start=${seen.steps.length}`),
         get(`/v1/jobs/${selected}/drafts`), get(`/v1/jobs/${selected}/workers`)]);
+      seen.events.push(...fresh);
+      seen.steps.push(...newSteps);
+      const events = seen.events;
+      const steps = seen.steps;
       document.getElementById("job-section").hidden = false;
       document.getElementById("job-id").textContent = job.job_id;
       document.getElementById("job-state").textContent = job.state;

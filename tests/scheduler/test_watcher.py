@@ -74,3 +74,12 @@ def test_idle_worker_trains_and_the_merged_draft_is_served(client):
     assert {"ROLLING_OUT", "IDLE", "TRAINING"} <= {e["to"] for e in events}
     assert [e["ts"] for e in events] == sorted(e["ts"] for e in events)
     assert client.get("/v1/jobs/nope/events").status_code == 404
+    # pollers fetch only what is new
+    assert client.get(f"/v1/jobs/{job_id}/events", params={"after": events[2]["id"]}).json() == events[3:]
+    assert client.get(f"/v1/jobs/{job_id}/steps", params={"start": 4}).json() == steps[4:]
+    r = client.get(f"/v1/jobs/{job_id}/events", params={"after": "yesterday"})
+    assert r.status_code == 422 and "after" in r.text
+    # running totals kept beside the step records: what /metrics reads instead of every record
+    idle = next(line for line in client.get("/metrics").text.splitlines()
+                if line.startswith(f'tlt_idle_worker_seconds_total{{job="{job_id}"}}'))
+    assert float(idle.split()[-1]) == pytest.approx(sum(s["idle_worker_s"] for s in steps))
