@@ -207,6 +207,15 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from scheduler.report import write_report
+
+    paths = write_report(args.url, args.job, args.out, token=args.token)
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+    return 0
+
+
 def _cancel(args: argparse.Namespace) -> int:
     from scheduler.client import call
 
@@ -327,6 +336,12 @@ def build_parser() -> argparse.ArgumentParser:
     cn.add_argument("job")
     client_args(cn)
     cn.set_defaults(func=_cancel)
+
+    rp = sub.add_parser("report", help="PNG plots and a Markdown summary of a job")
+    rp.add_argument("job")
+    rp.add_argument("--out", required=True, help="directory to write timeline.png, steps.png, phases.png, summary.md")
+    client_args(rp)
+    rp.set_defaults(func=_report)
 
     demo = sub.add_parser("demo", help="run the main demo on the embedded defaults")
     demo.set_defaults(func=_demo)

@@ -20,6 +20,7 @@ from scheduler.client import call
 from scheduler.policy import PolicySettings
 
 NUM_STEPS = 3
+REPORT_DIR = "artifacts/demo-report"
 # one micro-step of 256 pairs takes ~1 s on a shared CPU core: leases of a few seconds still train
 SPEC = {"model": "smollm2-135m", "task": "arithmetic", "num_steps": NUM_STEPS, "num_prompts_per_step": 4,
         "group_size": 2, "max_new_tokens": 64, "num_gpus": 4, "draft_k": 2, "seed": 0,
@@ -152,6 +153,10 @@ def run_demo() -> int:
                 say()
                 jobs[label] = run_job(url, SPEC | {"tlt": tlt}, label)
             ok = summarize(redis_server.client(), url, jobs)
+            from scheduler.report import write_report
+
+            paths = write_report(url, jobs["TLT on"]["job_id"], REPORT_DIR)
+            say(f"report of the TLT-on job: {paths['summary']} (plots beside it; `tlt report JOB --out DIR` makes one)")
             server.should_exit = True  # its lifespan stops the watcher before Redis goes away
             server.thread.join(30)
     finally:

@@ -1,0 +1,111 @@
+"""`tlt report`: spans and totals on constructed records, and the whole command against a live
+scheduler (uvicorn, private Redis) holding a job written by the real progress writer."""
+
+from __future__ import annotations
+
+import json
+import struct
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from scheduler.app import Settings, create_app
+from scheduler.cli import main
+from scheduler.client import call
+from scheduler.jobs import JobSpec, JobState, JobStore
+from scheduler.report import spans, totals
+from workers.progress import ProgressReporter
+from workers.protocol import ProgressRecord, WorkerState, job_steps_key, job_tlt_key
+from workers.redis_server import PrivateRedis, free_port
+
+
+def ev(worker, to, ts, step=0):
+    return {"id": f"{int(ts * 1000)}-0", "worker": worker, "from": "", "to": to, "ts": ts, "rl_step": step}
+
+
+def test_spans_last_until_the_next_transition_and_the_last_until_the_end():
+    events = [ev("w0", "ROLLING_OUT", 0.0), ev("w1", "ROLLING_OUT", 0.5), ev("w0", "IDLE", 3.0),
+              ev("w0", "TRAINING", 3.5), ev("w1", "IDLE", 6.0), ev("w0", "IDLE", 6.2)]
+    runs = spans(events)
+    assert runs["w0"] == [("ROLLING_OUT", 0.0, 3.0, 0), ("IDLE", 3.0, 3.5, 0), ("TRAINING", 3.5, 6.2, 0),
+                          ("IDLE", 6.2, 6.2, 0)]
+    assert runs["w1"] == [("ROLLING_OUT", 0.5, 6.0, 0), ("IDLE", 6.0, 6.2, 0)]
+    assert spans(events, end=10.0)["w1"][-1] == ("IDLE", 6.0, 10.0, 0)
+    assert spans([]) == {}
+
+
+def test_totals():
+    steps = [{"timings": {"rollout": 6.0, "update": 2.0}, "idle_worker_s": 3.0},
+             {"timings": {"rollout": 4.0, "update": 2.0}, "idle_worker_s": 1.0}]
+    t = totals(steps, {"reclaimed_worker_s": 2.0, "num_leases": 3, "num_published": 1, "num_rejected": 1})
+    assert t["step_s"] == 14.0 and t["rollout_share"] == pytest.approx(10 / 14)
+    assert t["reclaimed_ratio"] == 0.5 and t["num_published"] == 1
+    assert totals([], {})["reclaimed_ratio"] is None
+
+
+def png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.fixture
+def server(tmp_path):
+    with PrivateRedis() as redis_server:
+        port = free_port()
+        app = create_app(Settings(redis_url=redis_server.url, store_dir=str(tmp_path / "d"), start_ray=False,
+                                  watch=False))
+        srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=srv.run, daemon=True)
+        thread.start()
+        while not srv.started:
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}", redis_server.client()
+        srv.should_exit = True
+        thread.join(10)
+
+
+def test_report_writes_plots_and_a_summary(server, tmp_path, capsys):
+    url, redis = server
+    store = JobStore(redis)
+    job_id = store.create(JobSpec(model="tiny", num_gpus=2, num_steps=2))[0]["job_id"]
+    store.transition(job_id, JobState.RUNNING, {JobState.PENDING})
+    t0 = time.time()
+    for wid, states in (("w0", ["ROLLING_OUT", "IDLE", "TRAINING", "IDLE", "ROLLING_OUT", "IDLE"]),
+                        ("w1", ["ROLLING_OUT", "IDLE", "ROLLING_OUT", "IDLE"])):
+        reporter = ProgressReporter(redis, job_id, wid)
+        for i, state in enumerate(states):
+            reporter.report(ProgressRecord(job_id, wid, WorkerState(state), 0, min(i, 4), 4, 10 * i, 50.0, 1.3, 1, 1,
+                                           i // 3, t0 + i), force=True)
+    for step in range(2):
+        redis.rpush(job_steps_key(job_id), json.dumps({
+            "rl_step": step, "policy_version": step + 1, "idle_worker_s": 2.0, "mean_reward": 0.1, "num_rollouts": 8,
+            "failures": [], "num_tokens": 400, "mean_accepted_length": 1.0 + 0.3 * step,
+            "timings": {"weight_sync": 1.0, "rollout": 8.0, "reward": 0.0, "logprob": 1.0, "update": 2.0},
+            "worker_rollout_s": {"w0": 6.0, "w1": 8.0}, "draft_versions": {"w0": step, "w1": step}}))
+    redis.hset(job_tlt_key(job_id), mapping={"reclaimed_worker_s": 3.0, "num_leases": 2, "num_published": 1})
+    store.transition(job_id, JobState.SUCCEEDED, {JobState.RUNNING}, steps=2)
+    out = tmp_path / "report"
+    assert main(["report", job_id, "--out", str(out), "--url", url]) == 0
+    printed = capsys.readouterr().out
+    for name in ("timeline", "steps", "phases"):
+        width, height = png_size(out / f"{name}.png")
+        assert width > 200 and height > 200, name
+        assert f"{name}: {out / name}.png" in printed
+    summary = (out / "summary.md").read_text()
+    assert f"# Job {job_id}" in summary and "SUCCEEDED" in summary
+    assert "reclaimed for drafter training: 3.0 (75%)" in summary  # 3.0 of 2 x 2.0 idle worker-seconds
+    assert all(f"({name}.png)" in summary for name in ("timeline", "steps", "phases"))
+    # what the timeline drew: one span per transition the progress writer recorded
+    runs = spans(call("GET", url, f"/v1/jobs/{job_id}/events"))
+    assert {w: [r[0] for r in rs] for w, rs in runs.items()} == {
+        "w0": ["ROLLING_OUT", "IDLE", "TRAINING", "IDLE", "ROLLING_OUT", "IDLE"],
+        "w1": ["ROLLING_OUT", "IDLE", "ROLLING_OUT", "IDLE"]}
+
+
+def test_report_on_an_unknown_job_names_it(server, tmp_path, capsys):
+    url, _ = server
+    assert main(["report", "nosuchjob", "--out", str(tmp_path / "r"), "--url", url]) == 2
+    assert "nosuchjob" in capsys.readouterr().err
