@@ -68,16 +68,16 @@ def plot_timeline(events: list[dict], path: Path) -> None:
                 starts.setdefault(e["rl_step"], e["ts"])
         for step, ts in starts.items():
             ax.axvline(ts - t0, color="#1d2330", alpha=0.3, linewidth=0.8)
-            ax.text(ts - t0, -0.45, f"step {step}", fontsize=7, alpha=0.7)
+            ax.text(ts - t0, len(workers) - 0.55, f" step {step}", fontsize=7, alpha=0.7, va="bottom")
         ax.set_yticks(range(len(workers)), workers)
         ax.invert_yaxis()  # w0 on top
         ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()],
-                  labels=list(LABELS.values()), loc="lower center", bbox_to_anchor=(0.5, 1.12), ncol=5, fontsize=8,
+                  labels=list(LABELS.values()), loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=5, fontsize=8,
                   frameon=False)
     else:
         ax.text(0.5, 0.5, "no worker events yet", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("seconds since the job's first worker event")
-    ax.set_title("Per-GPU state over time", pad=30)
+    ax.set_title("Per-GPU state over time", pad=24)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -132,15 +132,18 @@ def summary_markdown(job: dict, t: dict, drafts: dict) -> str:
              f"- idle worker-seconds at the barrier: {t['idle_worker_s']:.1f}; reclaimed for drafter training: "
              f"{t['reclaimed_worker_s']:.1f} ({ratio})",
              f"- drafter leases {t['num_leases']}, versions published {t['num_published']}, "
-             f"candidates rejected {t['num_rejected']}", ""]
+             f"candidates rejected {t['num_rejected']}, serving draft v{drafts.get('serving_version') or 0}", ""]
+    if not t["num_steps"]:
+        lines += ["No RL step has finished yet: the step plots are empty.", ""]
     if drafts.get("decisions"):
         lines += ["| candidate | merged copies | accepted length | serving | outcome |", "|---|---|---|---|---|"]
         for d in drafts["decisions"]:
             def fmt(v):
                 return "-" if v is None else f"{v:.2f}"
-            outcome = f"published v{d['published_version']}" if d.get("published_version") else d.get("reason", "")
-            lines.append(f"| {d['candidate']} | {d['merged']} | {fmt(d['candidate_accepted_length'])} | "
-                         f"{fmt(d['serving_accepted_length'])} | {outcome} |")
+            published = d.get("published_version")
+            outcome = f"published v{published}" if published is not None else f"rejected: {d.get('reason', '?')}"
+            lines.append(f"| {d.get('candidate')} | {d.get('merged')} | {fmt(d.get('candidate_accepted_length'))} | "
+                         f"{fmt(d.get('serving_accepted_length'))} | {outcome} |")
         lines.append("")
     lines += ["![per-GPU timeline](timeline.png)", "", "![over RL steps](steps.png)", "",
               "![step time by phase](phases.png)", ""]
@@ -150,7 +153,7 @@ def summary_markdown(job: dict, t: dict, drafts: dict) -> str:
 def write_report(url: str | None, job_id: str, out_dir: str | Path, token: str | None = None) -> dict[str, str]:
     """Fetch the job over REST and write the plots and summary.md into out_dir; returns the paths."""
     job = call("GET", url, f"/v1/jobs/{job_id}", token=token)
-    events = call("GET", url, f"/v1/jobs/{job_id}/events", token=token)
+    events = call("GET", url, f"/v1/jobs/{job_id}/events?limit=100000", token=token)  # the API's most
     steps = call("GET", url, f"/v1/jobs/{job_id}/steps", token=token)
     drafts = call("GET", url, f"/v1/jobs/{job_id}/drafts", token=token)
     out = Path(out_dir)
