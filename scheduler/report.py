@@ -17,6 +17,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, never a display
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from scheduler.client import call  # noqa: E402
 
@@ -93,6 +94,8 @@ def plot_steps(steps: list[dict], path: Path) -> None:
     a2.set_ylabel("rollout tokens/s")
     a3.plot(x, [max(s.get("draft_versions", {}).values(), default=0) for s in steps], marker="o", color="#f59e0b")
     a3.set_ylabel("draft version")
+    a3.yaxis.set_major_locator(MaxNLocator(integer=True))
+    a3.xaxis.set_major_locator(MaxNLocator(integer=True))  # shared by the three
     a3.set_xlabel("RL step")
     if not steps:
         a1.text(0.5, 0.5, "no finished steps yet", ha="center", va="center", transform=a1.transAxes)
@@ -113,6 +116,7 @@ def plot_phases(steps: list[dict], path: Path) -> None:
     if not steps:
         ax.text(0.5, 0.5, "no finished steps yet", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("RL step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("seconds")
     ax.set_title("Step time by phase")
     ax.legend(fontsize=8)
@@ -123,6 +127,7 @@ def plot_phases(steps: list[dict], path: Path) -> None:
 
 def summary_markdown(job: dict, t: dict, drafts: dict) -> str:
     spec = job["spec"]
+    serving = "none" if drafts.get("serving_version") is None else f"v{drafts['serving_version']}"
     ratio = "n/a (no idle time)" if t["reclaimed_ratio"] is None else f"{t['reclaimed_ratio']:.0%}"
     lines = [f"# Job {job['job_id']}", "",
              f"- state: {job['state']}" + (f" ({job['error']})" if job.get("error") else ""),
@@ -132,7 +137,7 @@ def summary_markdown(job: dict, t: dict, drafts: dict) -> str:
              f"- idle worker-seconds at the barrier: {t['idle_worker_s']:.1f}; reclaimed for drafter training: "
              f"{t['reclaimed_worker_s']:.1f} ({ratio})",
              f"- drafter leases {t['num_leases']}, versions published {t['num_published']}, "
-             f"candidates rejected {t['num_rejected']}, serving draft v{drafts.get('serving_version') or 0}", ""]
+             f"candidates rejected {t['num_rejected']}, serving draft {serving}", ""]
     if not t["num_steps"]:
         lines += ["No RL step has finished yet: the step plots are empty.", ""]
     if drafts.get("decisions"):
@@ -142,7 +147,8 @@ def summary_markdown(job: dict, t: dict, drafts: dict) -> str:
                 return "-" if v is None else f"{v:.2f}"
             published = d.get("published_version")
             outcome = f"published v{published}" if published is not None else f"rejected: {d.get('reason', '?')}"
-            lines.append(f"| {d.get('candidate')} | {d.get('merged')} | {fmt(d.get('candidate_accepted_length'))} | "
+            merged = ", ".join(str(v) for v in d.get("merged") or [])
+            lines.append(f"| {d.get('candidate')} | {merged} | {fmt(d.get('candidate_accepted_length'))} | "
                          f"{fmt(d.get('serving_accepted_length'))} | {outcome} |")
         lines.append("")
     lines += ["![per-GPU timeline](timeline.png)", "", "![over RL steps](steps.png)", "",

@@ -17,7 +17,7 @@ from scheduler.client import call
 from scheduler.jobs import JobSpec, JobState, JobStore
 from scheduler.report import spans, totals
 from workers.progress import ProgressReporter
-from workers.protocol import ProgressRecord, WorkerState, job_steps_key, job_tlt_key
+from workers.protocol import ProgressRecord, WorkerState, job_drafts_key, job_steps_key, job_tlt_key
 from workers.redis_server import PrivateRedis, free_port
 
 
@@ -85,7 +85,16 @@ def test_report_writes_plots_and_a_summary(server, tmp_path, capsys):
             "failures": [], "num_tokens": 400, "mean_accepted_length": 1.0 + 0.3 * step,
             "timings": {"weight_sync": 1.0, "rollout": 8.0, "reward": 0.0, "logprob": 1.0, "update": 2.0},
             "worker_rollout_s": {"w0": 6.0, "w1": 8.0}, "draft_versions": {"w0": step, "w1": step}}))
-    redis.hset(job_tlt_key(job_id), mapping={"reclaimed_worker_s": 3.0, "num_leases": 2, "num_published": 1})
+    worse = "scored worse than the serving draft"
+    for candidate, cand_len, published, reason in ((1, 1.6, 1, None), (2, 1.4, None, worse)):
+        redis.rpush(job_drafts_key(job_id), json.dumps({
+            "candidate": candidate, "merged": [candidate * 10, candidate * 10 + 1], "dropped": [],
+            "parent_version": candidate - 1,
+            "evaluated_by": "w1", "held_out": True, "at": t0 + 10 * candidate, "candidate_accepted_length": cand_len,
+            "serving_accepted_length": None if candidate == 1 else 1.6, "published_version": published,
+            **({"reason": reason} if reason else {})}))
+    redis.hset(job_tlt_key(job_id), mapping={"reclaimed_worker_s": 3.0, "num_leases": 2, "num_published": 1,
+                                             "num_rejected": 1})
     store.transition(job_id, JobState.SUCCEEDED, {JobState.RUNNING}, steps=2)
     out = tmp_path / "report"
     assert main(["report", job_id, "--out", str(out), "--url", url]) == 0
@@ -98,6 +107,9 @@ def test_report_writes_plots_and_a_summary(server, tmp_path, capsys):
     assert f"# Job {job_id}" in summary and "SUCCEEDED" in summary
     assert "reclaimed for drafter training: 3.0 (75%)" in summary  # 3.0 of 2 x 2.0 idle worker-seconds
     assert all(f"({name}.png)" in summary for name in ("timeline", "steps", "phases"))
+    assert "versions published 1, candidates rejected 1, serving draft none" in summary
+    assert "| 1 | 10, 11 | 1.60 | - | published v1 |" in summary  # merged copies are copy versions (ints)
+    assert "| 2 | 20, 21 | 1.40 | 1.60 | rejected: scored worse than the serving draft |" in summary
     # what the timeline drew: one span per transition the progress writer recorded
     runs = spans(call("GET", url, f"/v1/jobs/{job_id}/events"))
     assert {w: [r[0] for r in rs] for w, rs in runs.items()} == {
@@ -109,3 +121,14 @@ def test_report_on_an_unknown_job_names_it(server, tmp_path, capsys):
     url, _ = server
     assert main(["report", "nosuchjob", "--out", str(tmp_path / "r"), "--url", url]) == 2
     assert "nosuchjob" in capsys.readouterr().err
+
+
+def test_report_on_a_job_with_no_steps_or_events_says_so(server, tmp_path, capsys):
+    url, redis = server
+    job_id = JobStore(redis).create(JobSpec(model="tiny"))[0]["job_id"]  # created after startup: stays PENDING
+    out = tmp_path / "empty"
+    assert main(["report", job_id, "--out", str(out), "--url", url]) == 0
+    assert f"summary: {out / 'summary.md'}" in capsys.readouterr().out
+    summary = (out / "summary.md").read_text()
+    assert "PENDING" in summary and "No RL step has finished yet" in summary and "n/a (no idle time)" in summary
+    assert all(min(png_size(out / f"{name}.png")) > 200 for name in ("timeline", "steps", "phases"))
