@@ -76,6 +76,7 @@ class RolloutRunner:
         self.trainer: DraftTrainer | None = None
         self.swap_log: list[dict] = []  # versions loaded: (version, published_at, loaded_at)
         self.report_progress = True  # benchmarks switch it off to measure its cost
+        self._generating = False  # a rollout is under way (leases yield to it)
         self.leases: dict[str, dict] = {}  # lease id -> outcome, the last MAX_LEASES_KEPT
         self._trainer_done = threading.Event()
         self._lock = threading.Lock()
@@ -114,6 +115,7 @@ class RolloutRunner:
     def generate(self, prompts: list[list[int]], params: list[dict], rl_step: int) -> list[dict]:
         """Generate one rollout per prompt; returns plain dicts (tokens, text, finish, counters)."""
         self.rl_step = rl_step
+        self._generating = True
         if self.stop_training():  # rollouts come first: a lease still running here is preempted now
             log.warning("worker %s: a drafter lease was still training when rollouts arrived; stopped it",
                         self.worker_id)
@@ -134,8 +136,11 @@ class RolloutRunner:
             if self.report_progress:
                 self.report()
 
-        outs = self.engine.generate(reqs, k=k, drafter=self.drafter if k else None, record_hidden=self.cfg.tlt,
-                                    on_step=on_step)
+        try:
+            outs = self.engine.generate(reqs, k=k, drafter=self.drafter if k else None, record_hidden=self.cfg.tlt,
+                                        on_step=on_step)
+        finally:
+            self._generating = False
         self.reporter.flush()
         if self.cfg.tlt:
             self.buffer.add_outputs(outs, self.policy_version)
@@ -187,14 +192,18 @@ class RolloutRunner:
         head = self._head_for(parent)
         with self._lock:
             self.trainer = DraftTrainer(self.policy, head, self.cfg.train or TrainConfig())
-        self.set_state(WorkerState.TRAINING)
+            if self._generating:  # rollouts arrived while the parent loaded: the GPU is theirs
+                self.trainer.request_stop()
+        if not self._generating:
+            self.set_state(WorkerState.TRAINING)
         try:
             rep = self.trainer.train(self.buffer, max_seconds=deadline_s)
         finally:
             with self._lock:
                 self.trainer = None
                 self._trainer_done.set()
-            self.set_state(WorkerState.IDLE)
+            # a rollout that started meanwhile owns the worker's state
+            self.set_state(WorkerState.ROLLING_OUT if self._generating else WorkerState.IDLE)
         result = {"lease_id": lease.get("lease_id"), "steps": rep.num_steps, "tokens": rep.num_tokens,
                   "seconds": rep.seconds, "stopped": rep.stopped, "version": None}
         if rep.num_steps > 0:

@@ -79,3 +79,24 @@ def test_a_policy_update_never_drops_a_draft_version_waiting_to_be_served(redis_
     r.load_policy({k: v.clone() for k, v in r.policy.state_dict().items()}, policy_version=1)
     r.generate(PROMPTS, GREEDY, rl_step=1)
     assert r.record().draft_version == v1 and r.record().policy_version == 1
+
+
+def test_a_lease_yields_to_a_rollout_under_way_and_leaves_its_state_alone(redis_client, tmp_path):
+    import threading
+    import time
+
+    r = runner(redis_client, tmp_path)
+    r.generate(PROMPTS, [{"max_new_tokens": 40, "temperature": 1.0, "seed": 1}] * 2, rl_step=0)  # some data
+    long = [{"max_new_tokens": 480, "temperature": 1.0, "ignore_eos": True, "seed": 2}] * 2
+    rollout = threading.Thread(target=r.generate, args=(PROMPTS, long, 1))
+    rollout.start()
+    while not r._generating:
+        time.sleep(0.001)
+    result = r.train_drafter({"lease_id": "late", "parent_version": 0, "deadline_s": 60})
+    still_generating = r._generating
+    state = r.state
+    rollout.join()
+    assert result["stopped"] and result["seconds"] < 10  # it gave the GPU back at once
+    if still_generating:  # the lease ended mid-rollout: the worker still says what it does
+        assert state == "ROLLING_OUT"
+    assert r.state == "IDLE"
