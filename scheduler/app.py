@@ -23,7 +23,7 @@ from drafter.train import TrainConfig
 from scheduler.jobs import RAY_NAMESPACE, TERMINAL, JobSpec, JobState, JobStore, driver_name
 from scheduler.metrics import RedisCollector
 from scheduler.policy import PolicySettings
-from scheduler.watcher import TICK_S, Metrics, Watcher
+from scheduler.watcher import TICK_S, Metrics, Watcher, read_classes
 from workers.driver import JobConfig, JobDriver
 from workers.grpo import GRPOConfig
 from workers.protocol import (
@@ -33,10 +33,11 @@ from workers.protocol import (
     job_steps_key,
     job_tlt_key,
     read_events,
+    read_json_list,
     read_progress,
 )
 from workers.rollout import WorkerConfig
-from workers.store import DraftStore
+from workers.store import job_stores
 
 log = logging.getLogger(__name__)
 
@@ -293,10 +294,7 @@ def create_app(settings: Settings) -> FastAPI:
     def workers(job_id: str, s: Store, request: Request) -> list[WorkerOut]:
         found(s, job_id)
         redis = request.app.state.redis
-        try:
-            classes = json.loads(redis.hget(job_tlt_key(job_id), "classes") or "{}")
-        except json.JSONDecodeError:
-            classes = {}
+        classes = read_classes(redis.hget(job_tlt_key(job_id), "classes"))
         return [WorkerOut(**{**r.__dict__, "state": r.state.value, "scheduler_class": classes.get(r.worker_id)})
                 for r in read_progress(redis, job_id)]
 
@@ -306,13 +304,7 @@ def create_app(settings: Settings) -> FastAPI:
         worker-seconds, tokens, accepted length, draft versions served, reward, failures. `start`:
         from that step index on (pollers fetch each record once)."""
         found(s, job_id)
-        out = []
-        for raw in s.redis.lrange(job_steps_key(job_id), max(start, 0), -1):
-            try:
-                out.append(json.loads(raw))
-            except json.JSONDecodeError:
-                log.error("job %s: skipping unreadable step record %r", job_id, raw[:200])
-        return out
+        return read_json_list(s.redis, job_steps_key(job_id), start)
 
     @jobs.get("/{job_id}/events")
     def events(job_id: str, s: Store, limit: int = 10_000, after: str | None = None) -> list[dict]:
@@ -330,25 +322,18 @@ def create_app(settings: Settings) -> FastAPI:
         decision with the accepted lengths it compared, and the job's TLT counters."""
         found(s, job_id)
         redis = request.app.state.redis
-        served = DraftStore(redis, f"{settings.store_dir}/{job_id}/served", job_id)
+        served, _ = job_stores(redis, f"{settings.store_dir}/{job_id}", job_id)
         versions = [{"version": e["version"], "parent_version": e["parent_version"],
                      "policy_version": e["policy_version"], "num_steps": e["num_steps"], "num_tokens": e["num_tokens"],
                      "created_at": e["created_at"], "accepted_length": e["extra"].get("accepted_length"),
                      "serving_accepted_length": e["extra"].get("serving_accepted_length")}
                     for e in served.versions()]
-        decisions = []
-        for raw in redis.lrange(job_drafts_key(job_id), 0, -1):
-            try:
-                decisions.append(json.loads(raw))
-            except json.JSONDecodeError:
-                log.error("job %s: skipping unreadable draft decision %r", job_id, raw[:200])
-        counters = redis.hgetall(job_tlt_key(job_id))
+        reclaimed, leases, published, rejected = redis.hmget(
+            job_tlt_key(job_id), "reclaimed_worker_s", "num_leases", "num_published", "num_rejected")
         return {"job_id": job_id, "serving_version": served.latest_version(), "versions": versions,
-                "decisions": decisions,
-                "reclaimed_worker_s": float(counters.get("reclaimed_worker_s", 0.0)),
-                "num_leases": int(counters.get("num_leases", 0)),
-                "num_published": int(counters.get("num_published", 0)),
-                "num_rejected": int(counters.get("num_rejected", 0))}
+                "decisions": read_json_list(redis, job_drafts_key(job_id)),
+                "reclaimed_worker_s": float(reclaimed or 0.0), "num_leases": int(leases or 0),
+                "num_published": int(published or 0), "num_rejected": int(rejected or 0)}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     def metrics(request: Request) -> PlainTextResponse:

@@ -84,15 +84,13 @@ def run_job(url: str, spec: dict, label: str) -> dict:
     return job
 
 
-def summarize(redis, url: str, jobs: dict[str, dict]) -> bool:
-    import json
+def summarize(url: str, jobs: dict[str, dict]) -> bool:
+    from scheduler.report import totals
 
-    from workers.protocol import job_steps_key
-
-    steps = {label: [json.loads(s) for s in redis.lrange(job_steps_key(j["job_id"]), 0, -1)]
-             for label, j in jobs.items()}
+    steps = {label: call("GET", url, f"/v1/jobs/{j['job_id']}/steps") for label, j in jobs.items()}
     on, off = jobs["TLT on"], jobs["TLT off"]
     drafts = call("GET", url, f"/v1/jobs/{on['job_id']}/drafts")
+    t_on, t_off = totals(steps["TLT on"], drafts), totals(steps["TLT off"], {})
     say()
     say("per step, TLT on (seconds; idle = worker-seconds waiting at the barrier while others generate):")
     say(f"{'step':>4} {'sync':>6} {'rollout':>8} {'reward':>7} {'logprob':>8} {'update':>7} {'idle':>7} "
@@ -103,11 +101,10 @@ def summarize(redis, url: str, jobs: dict[str, dict]) -> bool:
         say(f"{s['rl_step']:>4} {t.get('weight_sync', 0):6.1f} {t.get('rollout', 0):8.1f} {t.get('reward', 0):7.1f} "
             f"{t.get('logprob', 0):8.1f} {t.get('update', 0):7.1f} {s['idle_worker_s']:7.1f} "
             f"{s['mean_accepted_length']:8.2f} {versions:>14}")
-    idle = sum(s["idle_worker_s"] for s in steps["TLT on"])
-    reclaimed = drafts["reclaimed_worker_s"]
+    idle, reclaimed = t_on["idle_worker_s"], t_on["reclaimed_worker_s"]
     say()
     say(f"idle worker-seconds (TLT on): {idle:.1f}; reclaimed for drafter training: {reclaimed:.1f} "
-        f"({reclaimed / idle:.0%} of the idle time)" if idle else "no idle time: nothing to reclaim")
+        f"({t_on['reclaimed_ratio']:.0%} of the idle time)" if idle else "no idle time: nothing to reclaim")
     say(f"drafter leases: {drafts['num_leases']}, draft versions published: {drafts['num_published']}, "
         f"candidates rejected as not better: {drafts['num_rejected']}")
     for d in drafts["decisions"]:
@@ -115,8 +112,7 @@ def summarize(redis, url: str, jobs: dict[str, dict]) -> bool:
         verdict = f"published as v{d['published_version']}" if d["published_version"] else d.get("reason", "kept back")
         say(f"  candidate from copies {d['merged']}: accepted length {cand if cand is None else round(cand, 2)} "
             f"vs serving {serv if serv is None else round(serv, 2)} -> {verdict}")
-    r_on = sum(s["timings"].get("rollout", 0) for s in steps["TLT on"])
-    r_off = sum(s["timings"].get("rollout", 0) for s in steps["TLT off"])
+    r_on, r_off = t_on["rollout_s"], t_off["rollout_s"]
     say()
     say(f"rollout time over {NUM_STEPS} steps: TLT on {r_on:.1f} s, TLT off {r_off:.1f} s "
         f"(on/off {r_on / r_off:.2f}x)" if r_off else "TLT off recorded no rollout time")
@@ -152,7 +148,7 @@ def run_demo() -> int:
             for label, tlt in (("TLT on", True), ("TLT off", False)):
                 say()
                 jobs[label] = run_job(url, SPEC | {"tlt": tlt}, label)
-            ok = summarize(redis_server.client(), url, jobs)
+            ok = summarize(url, jobs)
             from scheduler.report import write_report
 
             paths = write_report(url, jobs["TLT on"]["job_id"], REPORT_DIR)

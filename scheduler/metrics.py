@@ -10,6 +10,7 @@ from prometheus_client.registry import Collector
 
 from scheduler.jobs import JobState, JobStore
 from scheduler.policy import WorkerClass
+from scheduler.watcher import read_classes
 from workers.protocol import (
     WorkerState,
     drafts_latest_key,
@@ -56,15 +57,13 @@ class RedisCollector(Collector):
             spec = job.get("spec", {})
             info.add_metric([job["job_id"], job["state"], str(spec.get("model", "")),
                              str(spec.get("tlt", True)).lower(), str(spec.get("num_gpus", ""))], 1.0)
-            counters = self.store.redis.hgetall(job_tlt_key(job["job_id"]))
-            if counters:
-                reclaimed.add_metric([job["job_id"]], float(counters.get("reclaimed_worker_s", 0.0)))
+            # two fields, not the whole hash: it also holds the watcher's state
+            reclaimed_s, classes_raw = self.store.redis.hmget(job_tlt_key(job["job_id"]), "reclaimed_worker_s",
+                                                              "classes")
+            if reclaimed_s is not None or classes_raw is not None:
+                reclaimed.add_metric([job["job_id"]], float(reclaimed_s or 0.0))
                 if job["state"] == JobState.RUNNING.value:
-                    try:
-                        classes = json.loads(counters.get("classes") or "{}")
-                    except json.JSONDecodeError:
-                        classes = {}
-                    for wid, c in classes.items():
+                    for wid, c in read_classes(classes_raw).items():
                         for name in CLASSES:
                             klass.add_metric([job["job_id"], wid, name], float(c == name))
             latest = self.store.redis.get(drafts_latest_key(job["job_id"]))

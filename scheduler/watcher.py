@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from scheduler.jobs import JobState, JobStore, driver_name
 from scheduler.policy import Phase, PolicySettings, WorkerClass, WorkerView, decide, should_publish
 from workers.protocol import job_drafts_key, job_phase_key, job_tlt_key, read_progress
-from workers.store import DraftStore
+from workers.store import DraftStore, job_stores
 
 log = logging.getLogger(__name__)
 TICK_S = 0.5  # progress arrives at <= 10/s per worker; leases last seconds to minutes
@@ -68,6 +68,27 @@ class JobTLT:
         except (json.JSONDecodeError, TypeError) as exc:
             log.error("job %s: unreadable TLT state, starting afresh: %s", job_id, exc)
             return cls()
+
+
+def read_classes(raw: str | None) -> dict[str, str]:
+    """The watcher's last worker classes (job_tlt_key field "classes"); {} if none or unreadable."""
+    try:
+        return json.loads(raw or "{}")
+    except json.JSONDecodeError:
+        log.error("unreadable worker classes %r", raw[:200])
+        return {}
+
+
+def answers(refs: dict, timeout_s: float, what: str):
+    """Yield each ref of `refs` (ref -> who was asked) as its answer arrives; after `timeout_s`
+    without a new one, log who did not answer and stop."""
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
+        if not ready:
+            log.warning("%s: no answer from %s", what, [refs[r] for r in pending])
+            return
+        yield ready[0]
 
 
 def mergeable(copies: DraftStore, versions: list[int]) -> tuple[list[int], list[int]]:
@@ -147,9 +168,7 @@ class Watcher:
                 st.save(self.store.redis, job_id)
 
     def stores(self, job_id: str) -> tuple[DraftStore, DraftStore]:
-        redis = self.store.redis
-        return (DraftStore(redis, f"{self.store_dir}/{job_id}/served", job_id),
-                DraftStore(redis, f"{self.store_dir}/{job_id}/copies", f"{job_id}:copies"))
+        return job_stores(self.store.redis, f"{self.store_dir}/{job_id}", job_id)
 
     def watch_job(self, job_id: str, spec: dict) -> None:
         redis = self.store.redis
@@ -211,18 +230,13 @@ class Watcher:
     def _preempt(self, job_id: str, targets: dict) -> None:
         start = time.perf_counter()
         refs = {w.stop_training.remote(PREEMPT_WAIT_S): wid for wid, w in targets.items()}
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=PREEMPT_WAIT_S + RPC_TIMEOUT_S)
-            if not ready:
-                log.warning("job %s: no answer to preemption from %s", job_id, [refs[r] for r in pending])
-                break
+        for ref in answers(refs, PREEMPT_WAIT_S + RPC_TIMEOUT_S, f"job {job_id}: preemption"):
             try:
-                if ray.get(ready[0]):
+                if ray.get(ref):
                     self.metrics.preempt.labels(job_id).observe(time.perf_counter() - start)
-                    log.info("job %s: preempted the trainer on %s", job_id, refs[ready[0]])
+                    log.info("job %s: preempted the trainer on %s", job_id, refs[ref])
             except Exception as exc:
-                log.warning("job %s: preempting %s failed: %s", job_id, refs[ready[0]], exc)
+                log.warning("job %s: preempting %s failed: %s", job_id, refs[ref], exc)
 
     def _grant(self, job_id: str, st: JobTLT, workers: dict, grants: list) -> None:
         start = time.perf_counter()
@@ -232,15 +246,10 @@ class Watcher:
                     "deadline_s": lease.deadline_s}
             st.num_leases += 1
             refs[workers[lease.worker_id].start_lease.remote(body)] = (lease.worker_id, body)
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=RPC_TIMEOUT_S)
-            if not ready:
-                log.warning("job %s: lease offers unanswered by %s", job_id, [refs[r][0] for r in pending])
-                break
-            wid, body = refs[ready[0]]
+        for ref in answers(refs, RPC_TIMEOUT_S, f"job {job_id}: lease offers"):
+            wid, body = refs[ref]
             try:
-                ray.get(ready[0])
+                ray.get(ref)
             except Exception as exc:
                 log.warning("job %s: %s refused a lease: %s", job_id, wid, exc)
                 continue

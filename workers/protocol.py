@@ -269,6 +269,18 @@ def read_progress(redis: redis_lib.Redis, job_id: str) -> list[ProgressRecord]:
     return records
 
 
+def read_json_list(redis: redis_lib.Redis, key: str, start: int = 0) -> list:
+    """The JSON entries of a Redis list from index `start`; an unreadable entry is logged with its key
+    and skipped (step records, publish decisions)."""
+    out = []
+    for raw in redis.lrange(key, max(start, 0), -1):
+        try:
+            out.append(json.loads(raw))
+        except json.JSONDecodeError:
+            log.error("skipping unreadable entry in %s: %r", key, raw[:200])
+    return out
+
+
 # ----- events -------------------------------------------------------------------------------------
 def event_fields(worker_id: str, from_state: WorkerState | None, to_state: WorkerState, ts: float,
                  rl_step: int) -> dict[str, str]:

@@ -29,7 +29,7 @@ from drafter.train import DraftTrainer, TrainConfig
 from drafter.warmstart import head_config, head_from_config, new_head
 from workers.progress import ProgressReporter
 from workers.protocol import ProgressRecord, WorkerState
-from workers.store import DraftStore
+from workers.store import DraftStore, job_stores
 
 log = logging.getLogger(__name__)
 MAX_LEASES_KEPT = 64  # finished lease outcomes kept for collection (a scheduler collects within seconds)
@@ -61,8 +61,7 @@ class RolloutRunner:
         self.policy, self.tokenizer = loaded.model, loaded.tokenizer
         self.engine = Engine(self.policy, self.tokenizer)
         self.redis = redis
-        self.served = DraftStore(redis, f"{store_dir}/served", namespace)
-        self.copies = DraftStore(redis, f"{store_dir}/copies", f"{namespace}:copies")
+        self.served, self.copies = job_stores(redis, store_dir, namespace)
         self.reporter = ProgressReporter(redis, job_id, worker_id)
         self.buffer = RolloutBuffer(max_bytes=cfg.buffer_bytes)
         self.drafter = EagleDrafter(self.policy, new_head(self.policy, None, cfg.draft_vocab_size))
@@ -226,7 +225,11 @@ class RolloutRunner:
     def _head_and_meta(self, version: int):
         if version == 0 and self.served.latest_version() is None:
             return new_head(self.policy, self.buffer if len(self.buffer) else None, self.cfg.draft_vocab_size), None
-        state, meta = self.served.load(version)
+        return self._load_head(self.served, version)
+
+    def _load_head(self, store: DraftStore, version: int):
+        """(head in the policy's dtype, meta) of a stored version (checksum-checked by the store)."""
+        state, meta = store.load(version)
         head = head_from_config(meta.head_config)
         head.load_state_dict(state)
         return head.to(self.policy.dtype), meta
@@ -249,10 +252,8 @@ class RolloutRunner:
             store = {"served": self.served, "copies": self.copies}.get(d.get("store"))
             if store is None:
                 raise ValueError(f"store must be 'served' or 'copies', got {d.get('store')!r}")
-            state, meta = store.load(int(d["version"]))
-            head = head_from_config(meta.head_config)
-            head.load_state_dict(state)
-            lengths.append(expected_accepted_length(head.to(self.policy.dtype), self.policy, recent, k, greedy))
+            head, _ = self._load_head(store, int(d["version"]))
+            lengths.append(expected_accepted_length(head, self.policy, recent, k, greedy))
         return {"accepted_lengths": lengths, "num_tokens": num_tokens, "policy_version": newest,
                 "worker_id": self.worker_id}
 

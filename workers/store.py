@@ -246,6 +246,13 @@ class DraftStore:
         raise RuntimeError(f"store {self.namespace!r}: could not raise the version counter to {version}")
 
 
+def job_stores(redis: redis_lib.Redis, directory: str | Path, namespace: str) -> tuple[DraftStore, DraftStore]:
+    """A job's two draft stores under `directory`: (served, copies). Served holds the published
+    versions workers swap in; copies holds each lease's trained copy and the merged candidates."""
+    return (DraftStore(redis, Path(directory) / "served", namespace),
+            DraftStore(redis, Path(directory) / "copies", f"{namespace}:copies"))
+
+
 class Subscription:
     """A pub/sub subscription to one store's announcements; `get` returns the parsed JSON."""
 

@@ -9,10 +9,8 @@ packages where apt is available; without them these tests skip, saying which bin
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import subprocess
-import threading
 import time
 import urllib.parse
 import urllib.request
@@ -20,11 +18,12 @@ from pathlib import Path
 
 import pytest
 import ray
-import uvicorn
 import yaml
 
 from drafter.loading import PRESETS, random_model, save_hf_dir
-from scheduler.app import Settings, create_app
+from scheduler.app import Settings
+from scheduler.client import call
+from scheduler.demo import start_server
 from scheduler.policy import PolicySettings
 from tests.deploy.promql import ROOT, RULES, dashboard, panel_exprs, rules, substitute
 from workers.redis_server import PrivateRedis, free_port
@@ -35,10 +34,7 @@ ARTIFACTS = ROOT / "artifacts"
 
 
 def http_json(url: str, body: dict | None = None) -> object:
-    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return json.loads(r.read())
+    return call("GET" if body is None else "POST", url, "", body)
 
 
 def wait_for(what: str, check, timeout_s: float, interval_s: float = 0.2):
@@ -61,14 +57,10 @@ def stack(tmp_path_factory):
     save_hf_dir(random_model(cfg, init_seed=0), None, tmp / "tiny-eos")
     ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     with PrivateRedis() as redis_server:
-        port = free_port()
-        app = create_app(Settings(redis_url=redis_server.url, store_dir=str(tmp / "drafts"), start_ray=False,
-                                  policy=PolicySettings(min_lease_s=0.05, min_buffer_tokens=16), watch_tick_s=0.05))
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        wait_for("the scheduler", lambda: server.started, 30)
-        base = f"http://127.0.0.1:{port}"
+        base, server = start_server(Settings(redis_url=redis_server.url, store_dir=str(tmp / "drafts"),
+                                             start_ray=False, watch_tick_s=0.05,
+                                             policy=PolicySettings(min_lease_s=0.05, min_buffer_tokens=16)))
+        port = int(base.rsplit(":", 1)[1])
         prom_port = free_port()
         config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
         config["global"] |= {"scrape_interval": "1s", "evaluation_interval": "1s"}
@@ -88,7 +80,7 @@ def stack(tmp_path_factory):
             prom.terminate()
             prom.wait(30)
             server.should_exit = True
-            thread.join(30)
+            server.thread.join(30)
     ray.shutdown()
 
 

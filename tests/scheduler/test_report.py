@@ -5,20 +5,19 @@ from __future__ import annotations
 
 import json
 import struct
-import threading
 import time
 
 import pytest
-import uvicorn
 
-from scheduler.app import Settings, create_app
+from scheduler.app import Settings
 from scheduler.cli import main
 from scheduler.client import call
+from scheduler.demo import start_server
 from scheduler.jobs import JobSpec, JobState, JobStore
 from scheduler.report import spans, totals
 from workers.progress import ProgressReporter
 from workers.protocol import ProgressRecord, WorkerState, job_drafts_key, job_steps_key, job_tlt_key
-from workers.redis_server import PrivateRedis, free_port
+from workers.redis_server import PrivateRedis
 
 
 def ev(worker, to, ts, step=0):
@@ -54,17 +53,11 @@ def png_size(path) -> tuple[int, int]:
 @pytest.fixture
 def server(tmp_path):
     with PrivateRedis() as redis_server:
-        port = free_port()
-        app = create_app(Settings(redis_url=redis_server.url, store_dir=str(tmp_path / "d"), start_ray=False,
-                                  watch=False))
-        srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=srv.run, daemon=True)
-        thread.start()
-        while not srv.started:
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}", redis_server.client()
+        url, srv = start_server(Settings(redis_url=redis_server.url, store_dir=str(tmp_path / "d"), start_ray=False,
+                                         watch=False))
+        yield url, redis_server.client()
         srv.should_exit = True
-        thread.join(10)
+        srv.thread.join(10)
 
 
 def test_report_writes_plots_and_a_summary(server, tmp_path, capsys):

@@ -10,9 +10,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -40,18 +43,38 @@ def post(url: str, body: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """A standalone Ray head with 4 logical GPUs on 2 CPUs, stopped at the end."""
+def cluster():
+    """A standalone Ray head of its own (4 logical GPUs on 2 CPUs, its own temp dir), stopped at the
+    end by signalling its process group: other Ray instances on the machine are left alone."""
     port = free_port()
+    temp_dir = tempfile.mkdtemp(prefix="tlt-ray-", dir="/tmp")  # short: Ray's socket paths live under it
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}  # loopback-only test cluster
-    subprocess.run([RAY, "start", "--head", f"--port={port}", "--num-cpus=2", "--num-gpus=4",
-                    "--include-dashboard=false", "--disable-usage-stats"], check=True, env=env,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+    head = subprocess.Popen([RAY, "start", "--head", "--block", f"--port={port}", "--num-cpus=2", "--num-gpus=4",
+                             "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
+        deadline = time.monotonic() + 120
+        while True:  # the GCS answers on its port once the head is up
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if head.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"ray start --head did not come up (exit code {head.poll()})") from None
+                time.sleep(0.3)
         yield f"127.0.0.1:{port}"
     finally:
-        subprocess.run([RAY, "stop", "--force"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                       timeout=120)
+        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(head.pid, sig)  # the head, its raylet and GCS, and the workers they started
+            except ProcessLookupError:
+                break
+            try:
+                head.wait(wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def serve(redis_url: str, ray_address: str, port: int, store_dir: str, log: Path) -> subprocess.Popen:

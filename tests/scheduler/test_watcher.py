@@ -15,9 +15,9 @@ from scheduler.app import Settings, create_app
 from scheduler.policy import PolicySettings
 from workers.redis_server import PrivateRedis
 
-# A tiny model with an EOS token: sampled responses end at random lengths (geometric, mean ~64), so
+# A tiny model with an EOS token: sampled responses end at random lengths (geometric, mean ~256), so
 # one worker finishes its share well before the other and waits at the barrier: a real long tail.
-SPEC = {"num_steps": 6, "num_prompts_per_step": 3, "group_size": 4, "max_new_tokens": 300, "num_gpus": 2,
+SPEC = {"num_steps": 6, "num_prompts_per_step": 3, "group_size": 4, "max_new_tokens": 900, "num_gpus": 2,
         "draft_k": 2}
 # tiny-model steps are seconds long: allow short leases and small buffers
 POLICY = PolicySettings(min_lease_s=0.05, min_buffer_tokens=16)
@@ -27,7 +27,7 @@ POLICY = PolicySettings(min_lease_s=0.05, min_buffer_tokens=16)
 def client(tmp_path_factory):
     ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     store_dir = str(tmp_path_factory.mktemp("drafts"))
-    cfg = dataclasses.replace(PRESETS["tiny"], eos_token_ids=(0,))
+    cfg = dataclasses.replace(PRESETS["tiny"], eos_token_ids=(0,), vocab_size=256, max_position=1024)
     model_dir = tmp_path_factory.mktemp("models") / "tiny-eos"
     save_hf_dir(random_model(cfg, init_seed=0), None, model_dir)
     with PrivateRedis() as server:
