@@ -12,16 +12,16 @@ from typing import Annotated
 
 import ray
 import redis as redis_lib
-from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request, status
+from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request, Response, status
 from fastapi.responses import PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from pydantic import BaseModel
 
 from drafter.train import TrainConfig
 from scheduler.jobs import RAY_NAMESPACE, TERMINAL, JobSpec, JobState, JobStore, driver_name
-from scheduler.metrics import RedisCollector
+from scheduler.metrics import RedisCollector, exposition
 from scheduler.policy import PolicySettings
 from scheduler.watcher import TICK_S, Metrics, Watcher, read_classes
 from workers.driver import JobConfig, JobDriver
@@ -227,7 +227,8 @@ def create_app(settings: Settings) -> FastAPI:
                      log_to_driver=False)
         app.state.store = JobStore(app.state.redis)
         app.state.registry = CollectorRegistry()
-        app.state.registry.register(RedisCollector(app.state.store))
+        app.state.collector = RedisCollector(app.state.store)
+        app.state.registry.register(app.state.collector)
         app.state.launcher = Launcher(app.state.store, settings)
         if ray.is_initialized():
             app.state.launcher.reattach()
@@ -291,12 +292,16 @@ def create_app(settings: Settings) -> FastAPI:
         return JobOut(**record)
 
     @jobs.get("/{job_id}/workers", response_model=list[WorkerOut])
-    def workers(job_id: str, s: Store, request: Request) -> list[WorkerOut]:
+    def workers(job_id: str, s: Store, request: Request) -> Response:
+        """Every live worker's latest progress record and the watcher's class for it. Serialized
+        here, not through WorkerOut (the documented shape): the records are validated on read, and
+        256 response models per status-page refresh were most of this route's cost."""
         found(s, job_id)
         redis = request.app.state.redis
         classes = read_classes(redis.hget(job_tlt_key(job_id), "classes"))
-        return [WorkerOut(**{**r.__dict__, "state": r.state.value, "scheduler_class": classes.get(r.worker_id)})
+        body = [r.__dict__ | {"state": r.state.value, "scheduler_class": classes.get(r.worker_id)}
                 for r in read_progress(redis, job_id)]
+        return Response(json.dumps(body, allow_nan=False), media_type="application/json")
 
     @jobs.get("/{job_id}/steps")
     def steps(job_id: str, s: Store, start: int = 0) -> list[dict]:
@@ -337,7 +342,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     def metrics(request: Request) -> PlainTextResponse:
-        return PlainTextResponse(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
+        return PlainTextResponse(exposition(request.app.state.registry, request.app.state.collector),
+                                 media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz")
     def healthz() -> dict:

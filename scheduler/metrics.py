@@ -1,10 +1,18 @@
-"""Prometheus metrics, computed at scrape time from what Redis holds (no state in the scheduler)."""
+"""Prometheus metrics, computed at scrape time from what Redis holds (no state in the scheduler).
+
+Job-level families go through prometheus_client. The per-worker families (13 samples per worker:
+about 3,300 at 256 workers) are written as exposition text directly: the library validates and
+escapes every label name of every sample, which made it most of a scrape's cost. `exposition()`
+joins the two; tests/scheduler/test_metrics.py checks the text against the library's own parser.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -25,9 +33,34 @@ CLASSES = [c.value for c in WorkerClass]
 MAX_JOBS_SCRAPED = 200  # newest jobs only: a scrape must stay cheap however long the history
 
 
+# per-worker gauge families, written as text by RedisCollector.collect: (name, help)
+WORKER_FAMILIES = (
+    ("tlt_worker_state", "1 for the worker's current state"),
+    ("tlt_worker_tokens_per_second", "Rollout tokens/s"),
+    ("tlt_worker_mean_accepted_length", "Tokens per policy forward"),
+    ("tlt_worker_draft_version", "Draft version serving"),
+    ("tlt_worker_class", "1 for the scheduler's view of the worker: ROLLING_OUT, STRAGGLER, IDLE, TRAINING or "
+                         "STALE"),
+)
+STATES = [s.value for s in WorkerState]
+
+
+def _label(value: str) -> str:
+    """A label value escaped for the text format (ids are [A-Za-z0-9_.-] already; this is the guard)."""
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _num(value: float) -> str:
+    return repr(float(value))  # finite, validated on read; same digits as the library's floatToGoString
+
+
 class RedisCollector(Collector):
+    """Job-level families for the registry; `collect` also leaves the per-worker text of the same
+    read in `self.local.worker_text` for `exposition` (one Redis read per scrape, per thread)."""
+
     def __init__(self, store: JobStore) -> None:
         self.store = store
+        self.local = threading.local()
 
     def collect(self):
         jobs = self.store.list(MAX_JOBS_SCRAPED)
@@ -35,12 +68,6 @@ class RedisCollector(Collector):
         for state in JobState:
             by_state.add_metric([state.value], sum(j["state"] == state.value for j in jobs))
         yield by_state
-        state = GaugeMetricFamily("tlt_worker_state", "1 for the worker's current state", labels=["job", "worker",
-                                                                                                  "state"])
-        tps = GaugeMetricFamily("tlt_worker_tokens_per_second", "Rollout tokens/s", labels=["job", "worker"])
-        acc = GaugeMetricFamily("tlt_worker_mean_accepted_length", "Tokens per policy forward",
-                                labels=["job", "worker"])
-        ver = GaugeMetricFamily("tlt_worker_draft_version", "Draft version serving", labels=["job", "worker"])
         phase = GaugeMetricFamily("tlt_step_phase_seconds", "Last RL step's time by phase", labels=["job", "phase"])
         idle = CounterMetricFamily("tlt_idle_worker_seconds", "Worker-seconds idle at the step barrier",
                                    labels=["job"])
@@ -51,34 +78,38 @@ class RedisCollector(Collector):
         steps_done = GaugeMetricFamily("tlt_job_steps_done", "RL steps finished", labels=["job"])
         serving = GaugeMetricFamily("tlt_job_draft_version_served", "Newest published draft version",
                                     labels=["job"])
-        klass = GaugeMetricFamily("tlt_worker_class", "1 for the scheduler's view of the worker: ROLLING_OUT, "
-                                  "STRAGGLER, IDLE, TRAINING or STALE", labels=["job", "worker", "class"])
+        lines: dict[str, list[str]] = {name: [] for name, _ in WORKER_FAMILIES}
+        redis = self.store.redis
         for job in jobs:
+            jid = job["job_id"]
             spec = job.get("spec", {})
-            info.add_metric([job["job_id"], job["state"], str(spec.get("model", "")),
-                             str(spec.get("tlt", True)).lower(), str(spec.get("num_gpus", ""))], 1.0)
+            info.add_metric([jid, job["state"], str(spec.get("model", "")), str(spec.get("tlt", True)).lower(),
+                             str(spec.get("num_gpus", ""))], 1.0)
             # two fields, not the whole hash: it also holds the watcher's state
-            reclaimed_s, classes_raw = self.store.redis.hmget(job_tlt_key(job["job_id"]), "reclaimed_worker_s",
-                                                              "classes")
+            reclaimed_s, classes_raw = redis.hmget(job_tlt_key(jid), "reclaimed_worker_s", "classes")
             if reclaimed_s is not None or classes_raw is not None:
-                reclaimed.add_metric([job["job_id"]], float(reclaimed_s or 0.0))
+                reclaimed.add_metric([jid], float(reclaimed_s or 0.0))
                 if job["state"] == JobState.RUNNING.value:
-                    for wid, c in read_classes(classes_raw).items():
-                        for name in CLASSES:
-                            klass.add_metric([job["job_id"], wid, name], float(c == name))
-            latest = self.store.redis.get(drafts_latest_key(job["job_id"]))
+                    for wid, c in read_classes(classes_raw).items():  # labels in name order, as the library
+                        tail = f'",job="{_label(jid)}",worker="{_label(str(wid))}"}}'
+                        lines["tlt_worker_class"] += [f'tlt_worker_class{{class="{name}{tail} '
+                                                      f'{1.0 if c == name else 0.0}\n' for name in CLASSES]
+            latest = redis.get(drafts_latest_key(jid))
             if latest is not None:
-                serving.add_metric([job["job_id"]], float(latest))
+                serving.add_metric([jid], float(latest))
             if job["state"] not in (JobState.RUNNING.value, JobState.PENDING.value) and job["steps"] == 0:
                 continue
-            jid = job["job_id"]
-            for r in read_progress(self.store.redis, jid):
-                for s in WorkerState:
-                    state.add_metric([jid, r.worker_id, s.value], float(r.state == s))
-                tps.add_metric([jid, r.worker_id], r.tokens_per_s)
-                acc.add_metric([jid, r.worker_id], r.mean_accepted_length)
-                ver.add_metric([jid, r.worker_id], r.draft_version)
-            redis = self.store.redis
+            for r in read_progress(redis, jid):
+                job_l, worker_l = f'job="{_label(jid)}"', f'worker="{_label(r.worker_id)}"'
+                labels = f"{job_l},{worker_l}"
+                lines["tlt_worker_state"] += [f'tlt_worker_state{{{job_l},state="{s}",{worker_l}}} '
+                                              f'{1.0 if r.state.value == s else 0.0}\n' for s in STATES]
+                lines["tlt_worker_tokens_per_second"].append(
+                    f"tlt_worker_tokens_per_second{{{labels}}} {_num(r.tokens_per_s)}\n")
+                lines["tlt_worker_mean_accepted_length"].append(
+                    f"tlt_worker_mean_accepted_length{{{labels}}} {_num(r.mean_accepted_length)}\n")
+                lines["tlt_worker_draft_version"].append(f"tlt_worker_draft_version{{{labels}}} "
+                                                         f"{_num(r.draft_version)}\n")
             num_steps, last = redis.llen(job_steps_key(jid)), redis.lindex(job_steps_key(jid), -1)
             if last is not None:
                 try:
@@ -88,4 +119,15 @@ class RedisCollector(Collector):
                     log.error("job %s: unreadable last step record", jid)
                 idle.add_metric([jid], float(redis.hget(job_totals_key(jid), "idle_worker_s") or 0.0))
             steps_done.add_metric([jid], num_steps)
-        yield from (state, tps, acc, ver, phase, idle, reclaimed, info, steps_done, serving, klass)
+        self.local.worker_text = "".join(
+            f"# HELP {name} {help_}\n# TYPE {name} gauge\n{''.join(lines[name])}"
+            for name, help_ in WORKER_FAMILIES)
+        yield from (phase, idle, reclaimed, info, steps_done, serving)
+
+
+def exposition(registry: CollectorRegistry, collector: RedisCollector) -> bytes:
+    """The /metrics body: the registry (which runs `collector`), then the per-worker text that this
+    thread's collect() just wrote."""
+    collector.local.worker_text = ""
+    head = generate_latest(registry)
+    return head + collector.local.worker_text.encode()

@@ -229,14 +229,17 @@ class ProgressRecord:
             raise ProtocolError("record", f"not JSON: {exc}") from None
         if not isinstance(d, dict):
             raise ProtocolError("record", f"must be a JSON object, got {type(d).__name__}")
-        names = [f.name for f in fields(cls)]
-        for name in names:
-            if name not in d:
-                raise ProtocolError(name, "missing")
-        unknown = sorted(set(d) - set(names))
-        if unknown:
+        if d.keys() != _RECORD_FIELDS:
+            missing = next((name for name in _RECORD_NAMES if name not in d), None)
+            if missing is not None:
+                raise ProtocolError(missing, "missing")
+            unknown = sorted(set(d) - _RECORD_FIELDS)
             raise ProtocolError(unknown[0], f"unknown field (all unknown: {unknown})")
         return cls(**d)
+
+
+_RECORD_NAMES = tuple(f.name for f in fields(ProgressRecord))
+_RECORD_FIELDS = frozenset(_RECORD_NAMES)
 
 
 def read_progress(redis: redis_lib.Redis, job_id: str) -> list[ProgressRecord]:

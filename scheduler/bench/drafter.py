@@ -39,7 +39,7 @@ def log(msg: str) -> None:
 
 
 def warm_drafter(loaded, num_prompts: int, max_steps: int, draft_vocab: int):
-    key = hashlib.sha256(json.dumps([loaded.name, num_prompts, max_steps, draft_vocab, 2]).encode()).hexdigest()[:12]
+    key = hashlib.sha256(json.dumps([loaded.name, num_prompts, max_steps, draft_vocab, 3]).encode()).hexdigest()[:12]
     out = default_cache_dir().parent / "drafters" / key
     path = out / "draft-v000001.safetensors"
     if path.is_file():
@@ -123,8 +123,8 @@ def stop_latencies(policy, head, buffer, trials: int) -> tuple[list[float], floa
 
 
 def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_prompts: int = 6,
-                  new_tokens: int = 96, ks: tuple[int, ...] = (2, 3, 4, 6), warm_prompts: int = 256,
-                  warm_steps: int = 600, draft_vocab: int = 8192, drift_steps: int = 8, drift_lr: float = 5e-5,
+                  new_tokens: int = 96, ks: tuple[int, ...] = (2, 3, 4, 6), warm_prompts: int = 768,
+                  warm_steps: int = 1500, draft_vocab: int = 8192, drift_steps: int = 40, drift_lr: float = 1e-4,
                   adapt_seconds: float = 60.0, stop_trials: int = 20) -> dict:
     torch.set_num_threads(threads)
     torch.manual_seed(0)

@@ -32,7 +32,7 @@ def log(msg: str) -> None:
 
 def _populate(redis, job_id: str, num_workers: int, num_steps: int, events_per_worker: int) -> None:
     from workers.progress import ProgressReporter
-    from workers.protocol import ProgressRecord, WorkerState, job_steps_key, job_totals_key
+    from workers.protocol import ProgressRecord, WorkerState, job_steps_key, job_tlt_key, job_totals_key
 
     now = time.time()
     states = [WorkerState.ROLLING_OUT, WorkerState.IDLE, WorkerState.TRAINING, WorkerState.IDLE]
@@ -47,6 +47,9 @@ def _populate(redis, job_id: str, num_workers: int, num_steps: int, events_per_w
             "timings": {"weight_sync": 1.0, "rollout": 30.0, "reward": 0.1, "logprob": 5.0, "update": 10.0},
             "worker_rollout_s": {f"w{w}": 28.0 for w in range(num_workers)},
             "draft_versions": {f"w{w}": 3 for w in range(num_workers)}}
+    # as the watcher leaves them every tick: its class for each worker, and the reclaimed time
+    redis.hset(job_tlt_key(job_id), mapping={"reclaimed_worker_s": 12.5, "classes": json.dumps(
+        {f"w{w}": ["ROLLING_OUT", "STRAGGLER", "IDLE", "TRAINING"][w % 4] for w in range(num_workers)})})
     for s in range(num_steps):  # as the driver writes them: the record and the running totals
         redis.rpush(job_steps_key(job_id), json.dumps(step | {"rl_step": s}))
         redis.hincrbyfloat(job_totals_key(job_id), "idle_worker_s", step["idle_worker_s"])
@@ -103,6 +106,7 @@ def bench_observability(num_workers: int = 256, num_steps: int = 50, events_per_
             events = json.loads(fetch(f"{base}/v1/jobs/{job_id}/events"))
             assert len(workers) == num_workers, f"expected {num_workers} live workers, got {len(workers)}"
             assert metrics.count("tlt_worker_tokens_per_second{") == num_workers
+            assert metrics.count('tlt_worker_class{') == 5 * num_workers
             # what one open page fetches per refresh once it has the history: new events only
             job = f"/v1/jobs/{job_id}"
             page = ["/v1/jobs?limit=50", job, f"{job}/events?after={events[-1]['id']}",

@@ -26,8 +26,10 @@ INSTRUCTIONS = [
 PROMPTS = MATH + INSTRUCTIONS
 
 
-_NAMES = ["Tom", "Anna", "Ravi", "Mei", "Lucas", "Sofia", "Omar", "Lena", "Kenji", "Zara"]
-_ITEMS = ["apples", "books", "marbles", "stickers", "cookies", "pencils", "coins", "cards"]
+_NAMES = ["Tom", "Anna", "Ravi", "Mei", "Lucas", "Sofia", "Omar", "Lena", "Kenji", "Zara", "Maria", "David",
+          "Aisha", "Pierre", "Yuki", "Carlos", "Nina", "Sam", "Fatima", "Jonas"]
+_ITEMS = ["apples", "books", "marbles", "stickers", "cookies", "pencils", "coins", "cards", "oranges", "cupcakes",
+          "toy cars", "flowers", "eggs", "stamps", "shells", "balloons"]
 _MATH_TEMPLATES = [
     "{a} has {x} {item}. {b} gives {a} {y} more. How many {item} does {a} have now? Explain step by step.",
     "{a} buys {x} packs of {item} with {y} in each pack. How many {item} is that in total? Show your work.",
@@ -35,13 +37,41 @@ _MATH_TEMPLATES = [
     "{a} shares {x} {item} equally among {y} friends. How many does each friend get, and how many are left?",
     "A box holds {y} {item}. How many boxes does {a} need for {x} {item}? Explain your reasoning.",
     "{a} earns {y} dollars a day. How many days does {a} need to save {x} dollars? Solve it step by step.",
+    "A car drives {x} km per hour for {y} hours. How far does it go? Explain your answer.",
+    "{a} is {y} years old. {b} is {x} years older. How old will {b} be in {y} years? Think step by step.",
+    "A garden is {x} meters long and {y} meters wide. What is its area? What is its perimeter? Show your work.",
+    "{a} runs {y} km every day for {x} days. How many km is that in total? Explain.",
+    "A ticket costs {y} dollars. {a} buys tickets for {x} people. How much does {a} pay? Solve step by step.",
+    "{a} reads {y} pages every evening. The book has {x} pages. After how many evenings is it finished?",
+    "A class of {x} students splits into teams of {y}. How many full teams are there, and how many students "
+    "are left over?",
+    "{a} had {x} dollars, spent {y} dollars on lunch and twice as much on a book. How much money is left?",
+    "A tank holds {x} liters and leaks {y} liters per hour. How long until it is empty? Explain your reasoning.",
+    "{a} bakes {y} trays of {item} with {x} on each tray and gives away half. How many are left? Show your work.",
 ]
 _TOPICS = ["the moon", "volcanoes", "bees", "the internet", "rainbows", "trains", "chess", "coffee", "rivers",
-           "batteries", "dinosaurs", "libraries"]
+           "batteries", "dinosaurs", "libraries", "airplanes", "the ocean", "forests", "bicycles", "music",
+           "the heart", "clouds", "electricity", "bread", "photosynthesis", "magnets", "earthquakes", "penguins",
+           "the solar system", "vaccines", "money", "maps", "computers", "solar panels", "glaciers", "tea",
+           "the human brain", "sleep", "recycling", "bridges", "elections", "deserts", "whales", "friendship",
+           "gardening", "the printing press", "cameras", "robots", "football", "cheese", "telescopes", "mountains",
+           "windmills", "ants", "the weather", "smartphones", "castles", "the olympics", "honey", "owls",
+           "video games", "the post office", "hospitals"]
 _INSTRUCTION_TEMPLATES = [
-    "Explain how {t} work, in simple words.", "Write a short poem about {t}.",
+    "Explain {t} in simple words.", "Write a short poem about {t}.",
     "Give three interesting facts about {t}.", "Write a short story that involves {t}.",
     "Describe {t} to a ten-year-old.", "List the pros and cons of {t}.",
+    "Write a short blog post about {t}.", "What are the most common misconceptions about {t}?",
+    "Write a dialogue between a teacher and a student about {t}.", "Give me five quiz questions about {t}, "
+    "with answers.", "Explain why {t} are important in everyday life.", "Write a product description for a book "
+    "about {t}.", "Summarize the history of {t} in one paragraph.", "Write a letter to a friend about {t}.",
+    "Give me a step-by-step plan to learn about {t} in a week.", "Compare {t} and {u}.",
+    "Write a short speech about {t} for a school assembly.", "Explain {t} as if I were a complete beginner.",
+    "What would happen if there were no {t}?", "Write a haiku about {t}, then explain it.",
+    "Give me a list of ten words related to {t}, with a short definition of each.",
+    "Write a news report about a surprising discovery involving {t}.",
+    "Write an email to my team announcing a workshop about {t}.",
+    "Give me tips for a beginner who is interested in {t}.",
 ]
 _DRIFT_TEMPLATES = [
     "Write a Python function that {task}. Explain the code.",
@@ -70,7 +100,8 @@ def synthetic_prompts(num: int, seed: int = 0, kind: str = "mixed") -> list[str]
             out.append(rng.choice(_MATH_TEMPLATES).format(a=a, b=b, x=rng.randint(10, 99), y=rng.randint(2, 9),
                                                           item=rng.choice(_ITEMS)))
         elif pick == "instructions":
-            out.append(rng.choice(_INSTRUCTION_TEMPLATES).format(t=rng.choice(_TOPICS)))
+            t, u = rng.sample(_TOPICS, 2)
+            out.append(rng.choice(_INSTRUCTION_TEMPLATES).format(t=t, u=u))
         else:
             out.append(rng.choice(_DRIFT_TEMPLATES).format(task=rng.choice(_TASKS), s=rng.choice(_SENTENCES)))
     return out
