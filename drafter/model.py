@@ -8,6 +8,7 @@ beyond a row's length hold stale values that the mask never reads. Rolling a seq
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -93,14 +94,22 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+@functools.lru_cache(maxsize=8)
+def rotary_tables(head_dim: int, max_position: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), (P, D) float32, shared by every module with these settings and never written:
+    computing them is most of the cost of building a draft head (16k positions for SmolLM2's)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)  # (P, D/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (P, D), HF "rotate_half" layout
+    return angles.cos().float(), angles.sin().float()
+
+
 class Rotary(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)  # (P, D/2)
-        angles = torch.cat([angles, angles], dim=-1)  # (P, D), HF "rotate_half" layout
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        cos, sin = rotary_tables(head_dim, max_position, float(theta))
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # (B, T) -> (B, T, 1, D) to broadcast over heads in (B, T, H, D)

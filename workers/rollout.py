@@ -79,6 +79,8 @@ class RolloutRunner:
         self.leases: dict[str, dict] = {}  # lease id -> outcome, the last MAX_LEASES_KEPT
         self._trainer_done = threading.Event()
         self._lock = threading.Lock()
+        self._state_lock = threading.Lock()  # state changes come from the rollout, lease and swap threads
+        self._install_lock = threading.Lock()  # an idle worker's swap installs under it; rollouts wait for it
 
     # ----- policy -------------------------------------------------------------------------
     def load_policy(self, state: dict, policy_version: int) -> None:
@@ -106,15 +108,22 @@ class RolloutRunner:
         except Exception:  # progress is best effort; never fail a rollout because Redis blinked
             log.exception("worker %s: progress report failed", self.worker_id)
 
-    def set_state(self, state: WorkerState) -> None:
-        self.state = state
-        self.report(force=True)
+    def set_state(self, state: WorkerState, only_from: WorkerState | None = None) -> bool:
+        """Move to `state` (and report it); with `only_from`, only if the worker is in that state now."""
+        with self._state_lock:
+            if only_from is not None and self.state != only_from:
+                return False
+            self.state = state
+            self.report(force=True)
+            return True
 
     # ----- rollouts -----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: list[dict], rl_step: int) -> list[dict]:
         """Generate one rollout per prompt; returns plain dicts (tokens, text, finish, counters)."""
         self.rl_step = rl_step
         self._generating = True
+        with self._install_lock:  # a swap being installed on the idle worker finishes first (milliseconds)
+            pass
         if self.stop_training():  # rollouts come first: a lease still running here is preempted now
             log.warning("worker %s: a drafter lease was still training when rollouts arrived; stopped it",
                         self.worker_id)
@@ -277,11 +286,24 @@ class RolloutRunner:
         return self.cfg.min_accepted_length <= 0 or self.draft_accepted_length >= self.cfg.min_accepted_length
 
     def swap_draft(self, version: int, published_at: float | None = None) -> None:
-        """Load `version` (this thread) and hand it to the drafter, which switches between steps."""
-        head, meta = self._head_and_meta(version)
-        self.draft_accepted_length = float(meta.extra.get("accepted_length") or 0.0) if meta else 0.0
-        self.drafter.request_swap(head, version)
-        self.swap_log.append({"version": version, "published_at": published_at, "loaded_at": time.time()})
+        """Load `version` (this thread) and hand it to the drafter. While generating, the engine switches
+        between two decode steps; an idle worker is SWAPPING while it loads and installs it here."""
+        received_at = time.time()
+        idle = not self._generating and self.set_state(WorkerState.SWAPPING, only_from=WorkerState.IDLE)
+        try:
+            head, meta = self._head_and_meta(version)
+            self.draft_accepted_length = float(meta.extra.get("accepted_length") or 0.0) if meta else 0.0
+            self.drafter.request_swap(head, version)
+            loaded_at = time.time()
+            if idle:
+                with self._install_lock:
+                    if not self._generating:  # else the rollout's engine installs it at its next step
+                        self.drafter.apply_pending_swap()
+        finally:
+            if idle:
+                self.set_state(WorkerState.IDLE, only_from=WorkerState.SWAPPING)
+        self.swap_log.append({"version": version, "published_at": published_at, "received_at": received_at,
+                              "loaded_at": loaded_at})
 
     def status(self) -> dict:
         rec = self.record()

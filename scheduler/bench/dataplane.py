@@ -66,6 +66,7 @@ def bench_dataplane(model: str = "smollm2-135m", num_workers: int = 4, num_steps
             served = DraftStore(client, f"{store_dir}/served", "bench")
             log(f"(2) hot swap, {swap_trials} trials")
             latencies, loss_fractions = [], []
+            parts: dict[str, list[float]] = {"delivery": [], "load": [], "install_wait": []}
             for trial in range(swap_trials):
                 before = ray.get([w.status.remote() for w in workers])
                 t0 = time.perf_counter()
@@ -78,10 +79,16 @@ def bench_dataplane(model: str = "smollm2-135m", num_workers: int = 4, num_steps
                 ray.get(runs)
                 gen_s = time.perf_counter() - t0
                 after = ray.get([w.status.remote() for w in workers])
-                for b, a in zip(before, after):
+                logs = ray.get([w.swap_log.remote() for w in workers])
+                for b, a, wlog in zip(before, after, logs):
                     applied = [t for v, t in a["swap_times"] if v == version]
+                    entry = next((e for e in wlog if e["version"] == version), None)
                     if applied:
                         latencies.append(applied[0] - published_at)
+                        if entry:  # publish -> message received -> loaded -> installed between two steps
+                            parts["delivery"].append(entry["received_at"] - published_at)
+                            parts["load"].append(entry["loaded_at"] - entry["received_at"])
+                            parts["install_wait"].append(applied[0] - entry["loaded_at"])
                     loss_fractions.append((a["swap_seconds"] - b["swap_seconds"]) / gen_s)
                 log(f"  trial {trial}: {len(latencies)} swaps so far")
             result["swap_p50_s"] = round(statistics.median(latencies), 3) if latencies else None
@@ -89,6 +96,8 @@ def bench_dataplane(model: str = "smollm2-135m", num_workers: int = 4, num_steps
             result["swap_count"] = len(latencies)
             result["swap_expected"] = swap_trials * len(workers)
             result["swap_decode_loss_fraction"] = round(statistics.mean(loss_fractions), 5)
+            result["swap_parts_p50_s"] = {k: round(statistics.median(v), 3) for k, v in parts.items() if v}
+            result["swap_parts_max_s"] = {k: round(max(v), 3) for k, v in parts.items() if v}
 
             log(f"(3) progress reporting overhead, {overhead_reps} alternations on one worker")
             w = workers[0]

@@ -1,10 +1,13 @@
 // tlt-scheduler status page: the job list and, for one job, the live per-GPU timeline.
-// Plain JS over the REST API (docs/api.md); no build step. Refreshes every REFRESH_MS.
+// Plain JS over the REST API (docs/api.md); no build step. Every REFRESH_MS: new events and the
+// worker table; every SLOW_EVERY-th refresh (and when the job changes): the job list, new step
+// records and the draft history, which change once per step or lease, not per second.
 "use strict";
 const REFRESH_MS = 2000;
+const SLOW_EVERY = 5;
 const STATES = ["ROLLING_OUT", "IDLE", "TRAINING", "SWAPPING", "FAILED"];
 let selected = new URLSearchParams(location.search).get("job");
-const seen = { job: null, events: [], steps: [] };  // events fetched so far for the selected job: later polls ask only for new ones
+const seen = { job: null, events: [], steps: [], jobRecord: null, drafts: null };  // events fetched so far for the selected job: later polls ask only for new ones
 
 async function get(path) {
   const r = await fetch(path, { headers: { Accept: "application/json" } });
@@ -137,25 +140,30 @@ function renderWorkers(workers) {
   }
 }
 
+let tick = 0;
 async function refresh() {
   const status = document.getElementById("status");
+  const slow = tick++ % SLOW_EVERY === 0;
   try {
-    renderJobs(await get("/v1/jobs?limit=50"));
+    if (slow || !selected) renderJobs(await get("/v1/jobs?limit=50"));
     if (selected) {
-      if (seen.job !== selected) Object.assign(seen, { job: selected, events: [], steps: [] });
+      const freshJob = seen.job !== selected;
+      if (freshJob) Object.assign(seen, { job: selected, events: [], steps: [], jobRecord: null, drafts: null });
       const last = seen.events.length ? `?after=${seen.events[seen.events.length - 1].id}` : "";
-      const [job, fresh, newSteps, drafts, workers] = await Promise.all([
-        get(`/v1/jobs/${selected}`), get(`/v1/jobs/${selected}/events${last}`), get(`/v1/jobs/${selected}/steps?start=${seen.steps.length}`),
-        get(`/v1/jobs/${selected}/drafts`), get(`/v1/jobs/${selected}/workers`)]);
+      const job = `/v1/jobs/${selected}`;
+      const [fresh, workers] = await Promise.all([get(`${job}/events${last}`), get(`${job}/workers`)]);
+      if (slow || freshJob || !seen.jobRecord) {
+        const [record, newSteps, drafts] = await Promise.all([
+          get(job), get(`${job}/steps?start=${seen.steps.length}`), get(`${job}/drafts`)]);
+        Object.assign(seen, { jobRecord: record, drafts });
+        seen.steps.push(...newSteps);
+      }
       seen.events.push(...fresh);
-      seen.steps.push(...newSteps);
-      const events = seen.events;
-      const steps = seen.steps;
       document.getElementById("job-section").hidden = false;
-      document.getElementById("job-id").textContent = job.job_id;
-      document.getElementById("job-state").textContent = job.state;
-      renderFigures(steps, drafts);
-      renderTimeline(events, steps, job);
+      document.getElementById("job-id").textContent = seen.jobRecord.job_id;
+      document.getElementById("job-state").textContent = seen.jobRecord.state;
+      renderFigures(seen.steps, seen.drafts);
+      renderTimeline(seen.events, seen.steps, seen.jobRecord);
       renderWorkers(workers);
     }
     status.textContent = `updated ${new Date().toLocaleTimeString()}`;

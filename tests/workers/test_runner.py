@@ -75,7 +75,8 @@ def test_a_second_lease_is_refused_while_one_runs(redis_client, tmp_path):
 def test_a_policy_update_never_drops_a_draft_version_waiting_to_be_served(redis_client, tmp_path):
     r = runner(redis_client, tmp_path, min_accepted_length=0.0)
     v1 = publish(r, 1.5)
-    r.swap_draft(v1)  # arrives between two steps: waits for the next decode step
+    head, _ = r._head_and_meta(v1)
+    r.drafter.request_swap(head, v1)  # as a rollout's last step leaves it: waiting for the next decode step
     r.load_policy({k: v.clone() for k, v in r.policy.state_dict().items()}, policy_version=1)
     r.generate(PROMPTS, GREEDY, rl_step=1)
     assert r.record().draft_version == v1 and r.record().policy_version == 1
@@ -100,3 +101,29 @@ def test_a_lease_yields_to_a_rollout_under_way_and_leaves_its_state_alone(redis_
     if still_generating:  # the lease ended mid-rollout: the worker still says what it does
         assert state == "ROLLING_OUT"
     assert r.state == "IDLE"
+
+
+def test_an_idle_worker_is_swapping_while_it_installs_a_new_version(redis_client, tmp_path):
+    from workers.protocol import read_events
+
+    r = runner(redis_client, tmp_path)
+    r.generate(PROMPTS, GREEDY, rl_step=0)
+    v1 = publish(r, 1.5)
+    r.swap_draft(v1, published_at=123.0)
+    # served at once (nothing is decoding), not at the next rollout
+    assert r.drafter.version == v1 and r.record().draft_version == v1 and r.state == "IDLE"
+    moves = [(e["from"], e["to"]) for e in read_events(redis_client, "job1", count=100)]
+    assert moves[-2:] == [("IDLE", "SWAPPING"), ("SWAPPING", "IDLE")]
+    entry = r.swap_log[-1]
+    assert entry["version"] == v1 and entry["published_at"] == 123.0
+    assert entry["received_at"] <= entry["loaded_at"]
+    # while generating, the swap leaves the state alone and the engine installs it between steps
+    v2 = publish(r, 1.5)
+    r._generating = True
+    r.state = "ROLLING_OUT"
+    r.swap_draft(v2)
+    assert r.state == "ROLLING_OUT" and r.drafter.version == v1  # waiting for the next decode step
+    r._generating = False
+    r.set_state("IDLE")
+    out = r.generate(PROMPTS, GREEDY, rl_step=1)
+    assert r.drafter.version == v2 and out[0]["draft_version"] == v2
