@@ -90,6 +90,22 @@ def head_from_config(config: dict, init: bool = False) -> EagleHead:
     return EagleHead(ModelConfig.from_dict(config["policy"]), EagleConfig(**config["eagle"]), init=init)
 
 
+def head_from_state(config: dict, state: dict[str, torch.Tensor]) -> EagleHead:
+    """The head a checkpoint describes, holding `state`'s tensors themselves (no copy): built on the
+    meta device, so no weight is allocated or initialised first (a hot swap's load path)."""
+    from drafter.model import Rotary
+
+    with torch.device("meta"):
+        head = head_from_config(config)
+    head.load_state_dict(state, assign=True)  # strict: every weight present, shapes checked
+    cfg = head.policy_cfg  # non-persistent buffers are not in a checkpoint: rebuild them (tables are cached)
+    head.rotary = Rotary(cfg.head_dim, 2 * cfg.max_position, cfg.rope_theta)
+    leftover = [name for name, t in [*head.named_parameters(), *head.named_buffers()] if t.is_meta]
+    if leftover:
+        raise ValueError(f"checkpoint leaves {leftover} unset")
+    return head
+
+
 @dataclass
 class Acceptance:
     k: int

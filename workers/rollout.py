@@ -26,7 +26,7 @@ from drafter.evaluate import expected_accepted_length
 from drafter.loading import load_model
 from drafter.sampling import SamplingParams
 from drafter.train import DraftTrainer, TrainConfig
-from drafter.warmstart import head_config, head_from_config, new_head
+from drafter.warmstart import head_config, head_from_state, new_head
 from workers.progress import ProgressReporter
 from workers.protocol import ProgressRecord, WorkerState
 from workers.store import DraftStore, job_stores
@@ -239,9 +239,7 @@ class RolloutRunner:
     def _load_head(self, store: DraftStore, version: int):
         """(head in the policy's dtype, meta) of a stored version (checksum-checked by the store)."""
         state, meta = store.load(version)
-        head = head_from_config(meta.head_config)
-        head.load_state_dict(state)
-        return head.to(self.policy.dtype), meta
+        return head_from_state(meta.head_config, state).to(self.policy.dtype), meta
 
     def evaluate_drafts(self, drafts: list[dict], k: int, greedy: bool, max_tokens: int = EVAL_TOKENS) -> dict:
         """Offline accepted length of each {"store": "served" | "copies", "version"} on this worker's most

@@ -30,7 +30,7 @@ from drafter.engine import Engine, Request
 from drafter.loading import default_cache_dir, encode_prompt, load_model
 from drafter.sampling import SamplingParams
 from drafter.train import DraftTrainer, TrainConfig
-from drafter.warmstart import HarvestConfig, harvest, head_from_config, measure, new_head, warm_start
+from drafter.warmstart import HarvestConfig, harvest, head_from_state, measure, new_head, warm_start
 from scheduler.bench.prompts import PROMPTS, synthetic_prompts
 
 
@@ -44,8 +44,7 @@ def warm_drafter(loaded, num_prompts: int, max_steps: int, draft_vocab: int):
     path = out / "draft-v000001.safetensors"
     if path.is_file():
         state, meta = load_draft(path)
-        head = head_from_config(meta.head_config)
-        head.load_state_dict(state)
+        head = head_from_state(meta.head_config, state)
         log(f"reusing the warm-started drafter {path}")
         return head.eval().requires_grad_(False), {"cached": True, "path": str(path), "train_steps": meta.num_steps}
     log(f"warm start: {num_prompts} prompts, {max_steps} training steps (cached afterwards in {out})")
