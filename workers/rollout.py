@@ -75,6 +75,7 @@ class RolloutRunner:
         self.trainer: DraftTrainer | None = None
         self.swap_log: list[dict] = []  # versions loaded: (version, published_at, loaded_at)
         self.report_progress = True  # benchmarks switch it off to measure its cost
+        self.report_seconds = 0.0  # time the decode loop spent in progress reports (their whole cost to it)
         self._generating = False  # a rollout is under way (leases yield to it)
         self.leases: dict[str, dict] = {}  # lease id -> outcome, the last MAX_LEASES_KEPT
         self._trainer_done = threading.Event()
@@ -142,7 +143,9 @@ class RolloutRunner:
                                  tokens_per_s=num_tokens / max(time.perf_counter() - start, 1e-9),
                                  mean_accepted_length=stats.mean_accepted_length)
             if self.report_progress:
+                t0 = time.perf_counter()
                 self.report()
+                self.report_seconds += time.perf_counter() - t0
 
         try:
             outs = self.engine.generate(reqs, k=k, drafter=self.drafter if k else None, record_hidden=self.cfg.tlt,
@@ -307,7 +310,7 @@ class RolloutRunner:
         rec = self.record()
         return {**rec.__dict__, "state": rec.state.value, "buffer_tokens": self.buffer.num_tokens,
                 "num_swaps": self.drafter.num_swaps, "swap_times": list(self.drafter.swap_times),
-                "swap_seconds": self.drafter.swap_seconds}
+                "swap_seconds": self.drafter.swap_seconds, "report_seconds": self.report_seconds}
 
 
 @ray.remote(num_cpus=0)
