@@ -96,6 +96,9 @@ class EagleDrafter(Drafter):
         self.version: int | None = None  # draft version serving, for progress reports
         self._next: tuple[EagleHead, int | None] | None = None
         self._lock = threading.Lock()
+        # held by every step of the decode loop that touches the draft state (begin, propose,
+        # observe, keep_rows) and by an install: a head switches between them, never inside one
+        self._serve_lock = threading.RLock()
         self.num_swaps = 0
         self.swap_times: list[tuple[int | None, float]] = []  # (version, wall time it began serving)
         self.swap_seconds = 0.0  # decode-loop time spent switching heads (re-feeding the history)
@@ -128,9 +131,11 @@ class EagleDrafter(Drafter):
                 self._next = (self.head, self.version)
 
     def apply_pending_swap(self) -> None:
-        """Switch to a requested head now; only between generations (the engine calls `_apply_swap`
-        between decode steps itself)."""
-        self._apply_swap()
+        """Switch to a requested head now. Thread-safe: a generation under way is between two of its
+        draft-state updates when this runs (while the policy verifies, typically), so the switch does
+        not wait for the next draft step; the engine's next `propose` re-feeds the history."""
+        with self._serve_lock:
+            self._apply_swap()
 
     def _apply_swap(self) -> None:
         with self._lock:
@@ -149,6 +154,10 @@ class EagleDrafter(Drafter):
 
 
     def begin(self, prompts, prefill_hidden) -> None:
+        with self._serve_lock:
+            self._begin(prompts, prefill_hidden)
+
+    def _begin(self, prompts, prefill_hidden) -> None:
         self.cache = None
         self.pending_hidden, self.pending_tokens = [], []
         for b, p in enumerate(prompts):
@@ -174,8 +183,12 @@ class EagleDrafter(Drafter):
             self.cache = grown
         return self.cache
 
-    @torch.inference_mode()
     def propose(self, contexts, caps, sampling: BatchSampling, uniforms) -> Proposal:
+        with self._serve_lock:
+            return self._propose(contexts, caps, sampling, uniforms)
+
+    @torch.inference_mode()
+    def _propose(self, contexts, caps, sampling: BatchSampling, uniforms) -> Proposal:
         self._apply_swap()
         B, device = len(contexts), self.policy.device
         num_pending = torch.tensor([len(t) for t in self.pending_tokens], dtype=torch.long, device=device)
@@ -217,6 +230,10 @@ class EagleDrafter(Drafter):
         return Proposal(tokens, lens, probs)
 
     def observe(self, new_tokens, hidden) -> None:
+        with self._serve_lock:
+            self._observe(new_tokens, hidden)
+
+    def _observe(self, new_tokens, hidden) -> None:
         for b, toks in enumerate(new_tokens):
             h = hidden[b, : len(toks)]
             self.pending_hidden[b] = torch.cat([self.pending_hidden[b], h])  # pairs not fed yet stay queued
@@ -225,6 +242,10 @@ class EagleDrafter(Drafter):
             self.history_tokens[b] += list(toks)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
+        with self._serve_lock:
+            self._keep_rows(rows)
+
+    def _keep_rows(self, rows: torch.Tensor) -> None:
         idx = rows.tolist()
         self.pending_hidden = [self.pending_hidden[i] for i in idx]
         self.pending_tokens = [self.pending_tokens[i] for i in idx]

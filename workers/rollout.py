@@ -81,7 +81,6 @@ class RolloutRunner:
         self._trainer_done = threading.Event()
         self._lock = threading.Lock()
         self._state_lock = threading.Lock()  # state changes come from the rollout, lease and swap threads
-        self._install_lock = threading.Lock()  # an idle worker's swap installs under it; rollouts wait for it
 
     # ----- policy -------------------------------------------------------------------------
     def load_policy(self, state: dict, policy_version: int) -> None:
@@ -123,8 +122,6 @@ class RolloutRunner:
         """Generate one rollout per prompt; returns plain dicts (tokens, text, finish, counters)."""
         self.rl_step = rl_step
         self._generating = True
-        with self._install_lock:  # a swap being installed on the idle worker finishes first (milliseconds)
-            pass
         if self.stop_training():  # rollouts come first: a lease still running here is preempted now
             log.warning("worker %s: a drafter lease was still training when rollouts arrived; stopped it",
                         self.worker_id)
@@ -287,8 +284,9 @@ class RolloutRunner:
         return self.cfg.min_accepted_length <= 0 or self.draft_accepted_length >= self.cfg.min_accepted_length
 
     def swap_draft(self, version: int, published_at: float | None = None) -> None:
-        """Load `version` (this thread) and hand it to the drafter. While generating, the engine switches
-        between two decode steps; an idle worker is SWAPPING while it loads and installs it here."""
+        """Load `version` and install it (this thread). A generating worker switches heads between two
+        of its decode loop's draft-state updates, without pausing it (EagleDrafter.apply_pending_swap);
+        an idle worker reports SWAPPING while it loads and installs."""
         received_at = time.time()
         idle = not self._generating and self.set_state(WorkerState.SWAPPING, only_from=WorkerState.IDLE)
         try:
@@ -296,10 +294,7 @@ class RolloutRunner:
             self.draft_accepted_length = float(meta.extra.get("accepted_length") or 0.0) if meta else 0.0
             self.drafter.request_swap(head, version)
             loaded_at = time.time()
-            if idle:
-                with self._install_lock:
-                    if not self._generating:  # else the rollout's engine installs it at its next step
-                        self.drafter.apply_pending_swap()
+            self.drafter.apply_pending_swap()
         finally:
             if idle:
                 self.set_state(WorkerState.IDLE, only_from=WorkerState.SWAPPING)

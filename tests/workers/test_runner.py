@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 from drafter.checkpoint import DraftMeta
+from drafter.engine import Request
+from drafter.sampling import SamplingParams
 from drafter.warmstart import head_config, new_head
 from workers.rollout import RolloutRunner, WorkerConfig
 
@@ -117,13 +119,40 @@ def test_an_idle_worker_is_swapping_while_it_installs_a_new_version(redis_client
     entry = r.swap_log[-1]
     assert entry["version"] == v1 and entry["published_at"] == 123.0
     assert entry["received_at"] <= entry["loaded_at"]
-    # while generating, the swap leaves the state alone and the engine installs it between steps
+    # while generating, the swap leaves the state alone (it installs between two decode-loop updates)
     v2 = publish(r, 1.5)
     r._generating = True
     r.state = "ROLLING_OUT"
     r.swap_draft(v2)
-    assert r.state == "ROLLING_OUT" and r.drafter.version == v1  # waiting for the next decode step
+    assert r.state == "ROLLING_OUT" and r.drafter.version == v2
+    assert moves == [(e["from"], e["to"]) for e in read_events(redis_client, "job1", count=100)]  # no event
     r._generating = False
     r.set_state("IDLE")
     out = r.generate(PROMPTS, GREEDY, rl_step=1)
-    assert r.drafter.version == v2 and out[0]["draft_version"] == v2
+    assert out[0]["draft_version"] == v2
+
+
+def test_a_swap_from_another_thread_mid_generation_stays_lossless(redis_client, tmp_path):
+    """The listener installs heads while the decode loop runs: outputs equal plain decoding, and the
+    switches happened during the rollout."""
+    import threading
+
+    r = runner(redis_client, tmp_path, min_accepted_length=0.0)
+    long = [{"max_new_tokens": 160, "temperature": 0.0, "ignore_eos": True}] * 2
+    plain = r.engine.generate([Request(p, SamplingParams(**kw)) for p, kw in zip(PROMPTS, long)])
+    versions = [publish(r, 1.5) for _ in range(4)]
+    done = threading.Event()
+
+    def swapper() -> None:
+        for v in versions:
+            while not r._generating and not done.is_set():
+                pass
+            r.swap_draft(v)
+
+    t = threading.Thread(target=swapper)
+    t.start()
+    out = r.generate(PROMPTS, long, rl_step=0)
+    done.set()
+    t.join()
+    assert [o["token_ids"] for o in out] == [p.token_ids for p in plain]
+    assert r.drafter.num_swaps >= len(versions)
