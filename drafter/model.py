@@ -98,8 +98,10 @@ class RMSNorm(nn.Module):
 def rotary_tables(head_dim: int, max_position: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin), (P, D) float32, shared by every module with these settings and never written:
     computing them is most of the cost of building a draft head (16k positions for SmolLM2's)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)  # (P, D/2)
+    # device="cpu" explicitly: a first call may come from a head built under torch.device("meta"),
+    # and the cached tables must be real
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
+    angles = torch.outer(torch.arange(max_position, dtype=torch.float64, device="cpu"), inv_freq)  # (P, D/2)
     angles = torch.cat([angles, angles], dim=-1)  # (P, D), HF "rotate_half" layout
     return angles.cos().float(), angles.sin().float()
 

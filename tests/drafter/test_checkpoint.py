@@ -264,3 +264,22 @@ def test_trainer_state_that_does_not_fit(tmp_path: Path) -> None:
     other = nn.Linear(6, 3)
     with pytest.raises(CheckpointError, match="does not fit"):
         load_trainer_state(path, other, torch.optim.AdamW(other.parameters()))
+
+
+def test_head_from_state_holds_the_checkpoint_and_real_rotary_tables(tmp_path: Path) -> None:
+    """The hot-swap load path builds on the meta device: the result must equal a head built the
+    plain way, even when the rotary tables are computed for the first time inside that build."""
+    from drafter.model import rotary_tables
+    from drafter.warmstart import head_config, head_from_state
+
+    head = EagleHead(TINY, EagleConfig(init_seed=3))
+    rotary_tables.cache_clear()
+    rebuilt = head_from_state(head_config(head), {k: v.clone() for k, v in head.state_dict().items()})
+    assert not any(t.is_meta for t in [*rebuilt.parameters(), *rebuilt.buffers()])
+    assert torch.equal(rebuilt.rotary.cos, head.rotary.cos) and torch.equal(rebuilt.rotary.sin, head.rotary.sin)
+    assert_same(rebuilt.state_dict(), head.state_dict())
+    feats, embeds = torch.randn(1, 4, TINY.hidden_size), torch.randn(1, 4, TINY.hidden_size)
+    positions = torch.arange(4)[None]
+    assert torch.equal(rebuilt(feats, embeds, positions, None), head(feats, embeds, positions, None))
+    with pytest.raises(RuntimeError, match="Missing key"):
+        head_from_state(head_config(head), {k: v for k, v in head.state_dict().items() if "fc" not in k})
