@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from drafter.drafters import Drafter, Proposal
-from drafter.model import CausalLM, DecoderLayer, KVCache, ModelConfig, RMSNorm, Rotary, attention_inputs
+from drafter.model import (CausalLM, DecoderLayer, KVCache, Linear, ModelConfig, PackedWeight, RMSNorm, Rotary,
+                           attention_inputs, linear)
 from drafter.sampling import BatchSampling, sample, token_probs
 
 
@@ -40,7 +41,7 @@ class EagleHead(nn.Module):
         self.cfg = cfg or EagleConfig()
         self.policy_cfg = policy_cfg
         d = policy_cfg.hidden_size
-        self.fc = nn.Linear(2 * d, d, bias=False)  # fuse [embedding(t_{i+1}); h_i]
+        self.fc = Linear(2 * d, d, bias=False)  # fuse [embedding(t_{i+1}); h_i]
         self.layers = nn.ModuleList(DecoderLayer(policy_cfg) for _ in range(self.cfg.num_layers))
         self.norm = RMSNorm(d, policy_cfg.rms_norm_eps)
         # drafting runs up to k positions past the policy's context: give the table room for it
@@ -64,10 +65,12 @@ class EagleHead(nn.Module):
         ids = counts.topk(n).indices.sort().values
         self.vocab_ids.copy_(ids)
 
-    def draft_logits(self, predicted: torch.Tensor, lm_weight: torch.Tensor) -> torch.Tensor:
+    def draft_logits(self, predicted: torch.Tensor, lm_weight: torch.Tensor,
+                     packed: PackedWeight | None = None) -> torch.Tensor:
         """(..., D) predicted features -> (..., V') logits over the draft vocabulary;
-        lm_weight is the policy's LM head restricted to vocab_ids: (V', D)."""
-        return nn.functional.linear(predicted, lm_weight)
+        lm_weight is the policy's LM head restricted to vocab_ids: (V', D). `packed`: its oneDNN
+        copy for CPU inference (see drafter.model.linear)."""
+        return linear(predicted, lm_weight, None, packed)
 
     def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
         c = self.policy_cfg
@@ -114,6 +117,7 @@ class EagleDrafter(Drafter):
         self.head = head.to(device=self.policy.device, dtype=self.policy.dtype).eval()
         self.vocab_ids = self.head.vocab_ids
         self.lm_weight = self.policy.lm_head.weight[self.vocab_ids].contiguous()  # (V', D), sliced once
+        self.lm_packed = PackedWeight()
 
     def request_swap(self, head: EagleHead, version: int | None = None) -> None:
         """Serve `head` from the next draft step on (thread-safe; never mid-forward). Its KV cache is
@@ -217,7 +221,7 @@ class EagleDrafter(Drafter):
         self.pending_tokens = [[] for _ in range(B)]
         # 2) draft autoregressively from the head's own predictions
         for j in range(K):
-            logits = self.head.draft_logits(pred, self.lm_weight)  # (B, 1, V')
+            logits = self.head.draft_logits(pred, self.lm_weight, self.lm_packed)  # (B, 1, V')
             if sampling.all_greedy:
                 x = self.vocab_ids[logits[:, 0].argmax(-1)]
             else:

@@ -9,6 +9,7 @@ beyond a row's length hold stale values that the mask never reads. Rolling a seq
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -84,6 +85,70 @@ def attention_mask(positions: torch.Tensor, num_slots: int) -> torch.Tensor:
     return slots.view(1, 1, 1, -1) <= positions[:, None, :, None]
 
 
+@functools.cache
+def onednn_linear_available() -> bool:
+    """Whether CPU float32 inference runs its linear layers on oneDNN with pre-packed weights.
+
+    On this project's reference CPU (AMD EPYC, MKL 2024) MKL's sgemm with 2-7 rows costs 2-3x one
+    row, so verifying k drafts cost up to 2.3x a plain decode step; oneDNN with packed weights is
+    flat from 1 to 6 rows and 1.6x faster at one row (docs/benchmarks.md, "Engine"). Set
+    TLT_CPU_LINEAR=mkl to turn it off."""
+    if os.environ.get("TLT_CPU_LINEAR", "onednn").lower() == "mkl":
+        return False
+    ops = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise"))
+
+
+class PackedWeight:
+    """A weight's oneDNN-packed copy, rebuilt whenever the weight is replaced or updated in place
+    (a policy weight sync, an optimizer step). Never pickled or copied: it is a cache."""
+
+    __slots__ = ("key", "packed")
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.packed: torch.Tensor | None = None
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor:
+        try:
+            version = weight._version
+        except RuntimeError:  # an inference tensor: it cannot be updated in place, so never stale
+            version = -1
+        key = (id(weight), weight.data_ptr(), version)
+        if key != self.key:
+            self.packed, self.key = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None), key
+        return self.packed
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None) -> torch.Tensor:
+    """F.linear, on oneDNN with `packed` weights for CPU float32 inference (no autograd involved);
+    every other case (training, GPUs, half precision) is plain F.linear."""
+    if (packed is None or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            or not onednn_linear_available()):
+        return F.linear(x, weight, bias)
+    shape = x.shape
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), packed.get(weight), bias, "none", [], "")
+    return out.view(*shape[:-1], weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose CPU float32 inference runs on oneDNN (see `linear`); same weights, same state_dict."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._packed = PackedWeight()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self._packed)
+
+    def __getstate__(self) -> dict:  # deepcopy and pickle: the packed copy is an opaque cache
+        state = self.__dict__.copy()
+        state["_packed"] = PackedWeight()
+        return state
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -129,8 +194,8 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.attention_bias)
+        self.o_proj = Linear(q_dim, cfg.hidden_size, bias=False)
         self.split = (q_dim, kv_dim, kv_dim)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None,
@@ -156,8 +221,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -200,7 +265,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(cfg.head_dim, cfg.max_position, cfg.rope_theta)

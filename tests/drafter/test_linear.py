@@ -1,0 +1,92 @@
+"""The oneDNN linear path (CPU float32 inference) against F.linear: same values, stale packs rebuilt,
+autograd left to F.linear, copies and pickles without the opaque packed tensor."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from drafter.drafters import NgramDrafter
+from drafter.engine import Engine, Request
+from drafter.model import Linear, PackedWeight, linear, onednn_linear_available
+from drafter.sampling import SamplingParams
+from tests.conftest import random_prompts, tiny_model
+
+needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN linear")
+
+
+@needs_onednn
+def test_packed_linear_matches_f_linear_for_every_row_count():
+    torch.manual_seed(0)
+    layer = Linear(48, 80, bias=True)
+    for rows in range(1, 9):
+        x = torch.randn(2, rows, 48)
+        with torch.inference_mode():
+            got = layer(x)
+        assert layer._packed.packed is not None  # the oneDNN path ran
+        torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_pack_is_rebuilt_after_an_in_place_update_or_a_new_weight():
+    torch.manual_seed(0)
+    layer = Linear(16, 8, bias=False)
+    x = torch.randn(3, 16)
+    with torch.inference_mode():
+        layer(x)
+    first = layer._packed.packed
+    with torch.no_grad():
+        layer.weight.mul_(2.0)  # an optimizer step or a weight sync
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+    assert layer._packed.packed is not first
+    layer.load_state_dict({"weight": torch.randn(8, 16)}, assign=True)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+
+
+def test_training_takes_the_autograd_path():
+    layer = Linear(16, 8)
+    x = torch.randn(4, 16)
+    layer(x).sum().backward()
+    assert layer.weight.grad is not None and layer._packed.packed is None
+
+
+def test_other_dtypes_and_no_cache_use_f_linear():
+    w = torch.randn(8, 16, dtype=torch.bfloat16)
+    x = torch.randn(2, 16, dtype=torch.bfloat16)
+    cache = PackedWeight()
+    with torch.inference_mode():
+        assert torch.equal(linear(x, w, None, cache), F.linear(x, w))
+        x32, w32 = x.float(), w.float()
+        assert torch.equal(linear(x32, w32, None, None), F.linear(x32, w32))
+    assert cache.packed is None
+
+
+def test_copies_and_pickles_drop_the_packed_tensor():
+    layer = Linear(16, 8)
+    with torch.inference_mode():
+        layer(torch.randn(2, 16))
+    for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert clone._packed.packed is None
+        assert torch.equal(clone.weight, layer.weight)
+
+
+def test_mkl_and_onednn_engines_agree_on_greedy_speculative_output(monkeypatch):
+    """Greedy output is the same with either CPU linear backend, plain or speculative."""
+    model = tiny_model(seed=3)
+    prompts = random_prompts([5, 9, 3, 12], model.cfg.vocab_size, seed=5)
+    reqs = [Request(p, SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)) for p in prompts]
+    outputs = {}
+    for backend in ("onednn", "mkl"):
+        monkeypatch.setenv("TLT_CPU_LINEAR", backend)
+        onednn_linear_available.cache_clear()
+        for k in (0, 3):
+            outs = Engine(model).generate(reqs, k=k, drafter=NgramDrafter() if k else None)
+            outputs[backend, k] = [o.token_ids for o in outs]
+    onednn_linear_available.cache_clear()
+    assert len({tuple(map(tuple, v)) for v in outputs.values()}) == 1
