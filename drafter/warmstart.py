@@ -113,21 +113,24 @@ class Acceptance:
     tokens_per_s: float
     acceptance_rate: float
     seconds: float
+    token_ids: list[list[int]] = field(default_factory=list)  # per prompt, what was generated
 
 
 def measure(engine: Engine, prompts: list[list[int]], k: int, drafter, temperature: float = 0.0,
             max_new_tokens: int = 96, seed: int = 0) -> Acceptance:
     """Batch-1 generation over `prompts` (one at a time, like a tail request); fixed length."""
     tokens = steps = drafted = accepted = 0
+    generated = []
     start = time.perf_counter()
     for i, p in enumerate(prompts):
         req = Request(p, SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, ignore_eos=True,
                                         seed=seed + i))
         out = engine.generate([req], k=k, drafter=drafter if k else None)[0]
         tokens, steps = tokens + len(out.token_ids), steps + out.num_steps
+        generated.append(out.token_ids)
         drafted, accepted = drafted + out.num_draft_tokens, accepted + out.num_accepted
     dt = time.perf_counter() - start
-    return Acceptance(k, tokens / max(steps, 1), tokens / dt, accepted / max(drafted, 1), dt)
+    return Acceptance(k, tokens / max(steps, 1), tokens / dt, accepted / max(drafted, 1), dt, generated)
 
 
 @dataclass

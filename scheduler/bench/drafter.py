@@ -59,8 +59,9 @@ def warm_drafter(loaded, num_prompts: int, max_steps: int, draft_vocab: int):
 def sweep(engine, prompts, ks, drafters: dict, new_tokens: int) -> dict:
     """Per temperature and k: plain decoding, then each drafter, side by side; each speed-up is
     against the plain run just before it (the machine's speed drifts over a long sweep). Every
-    configuration first generates a few tokens untimed, so no one pays for a first call."""
-    out = {}
+    configuration first generates a few tokens untimed, so no one pays for a first call. Greedy
+    speculative outputs are compared with plain decoding's, token for token (the lossless promise)."""
+    out: dict = {"greedy_identical": 0, "greedy_compared": 0}
     for temp in (0.0, 1.0):
         res: dict = {}
         plains = []
@@ -72,6 +73,9 @@ def sweep(engine, prompts, ks, drafters: dict, new_tokens: int) -> dict:
             for name, d in drafters.items():
                 measure(engine, prompts[:1], k, d, temp, 8)
                 a = measure(engine, prompts, k, d, temp, new_tokens)
+                if temp == 0.0:
+                    out["greedy_compared"] += len(prompts)
+                    out["greedy_identical"] += sum(x == y for x, y in zip(a.token_ids, plain.token_ids))
                 res[f"{name}_k{k}"] = {"mean_accepted_length": round(a.mean_accepted_length, 3),
                                        "tokens_per_s": round(a.tokens_per_s, 2),
                                        "speedup": round(a.tokens_per_s / plain.tokens_per_s, 3)}
@@ -151,7 +155,9 @@ def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_p
     result.update(best_k=best_k, best_mean_accepted_length=max(greedy[f"warm_k{k}"]["mean_accepted_length"]
                                                                for k in ks),
                   speedup_greedy=greedy[f"warm_k{best_k}"]["speedup"],
-                  speedup_sampled=temp1[f"warm_k{best_k}"]["speedup"])
+                  speedup_sampled=temp1[f"warm_k{best_k}"]["speedup"],
+                  greedy_identical_fraction=round(result["sweep"]["greedy_identical"]
+                                                  / max(result["sweep"]["greedy_compared"], 1), 4))
     log("(b) drift")
     before = measure(engine, eval_prompts, best_k, drafters["warm"], 0.0, new_tokens).mean_accepted_length
     new_policy = drift_policy(policy, tok, drift_steps, drift_lr)

@@ -157,6 +157,40 @@ def test_token_probs_top_k_top_p_and_greedy():
     assert p[3].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
 
 
+def _full_sort_reference(logits: torch.Tensor, bs: BatchSampling) -> torch.Tensor:
+    """Top-k then top-p by sorting the whole vocabulary: what the candidate shortcut must equal."""
+    B, T, V = logits.shape
+    logits = logits / bs.temperature.view(B, 1, 1)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(V).view(1, 1, V)
+    k = torch.where(bs.top_k > 0, bs.top_k, torch.full_like(bs.top_k, V)).view(B, 1, 1)
+    drop = rank >= k
+    sp = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    drop = drop | ((sp.cumsum(-1) - sp) >= bs.top_p.view(B, 1, 1))
+    drop[..., 0] = False
+    return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf"))).softmax(-1)
+
+
+@pytest.mark.parametrize("wide_k", [10, 500])  # 500: a top-k past the candidates forces the full sort
+@pytest.mark.parametrize("scale", [0.05, 1.0, 8.0])  # flat and typical: nuclei past 64 tokens; peaked
+def test_top_k_top_p_shortcut_equals_a_full_sort(scale, wide_k, monkeypatch):
+    monkeypatch.setattr(sampling, "TRUNCATION_CANDIDATES", 64)
+    sorts = []
+    real_sort = torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort", lambda self, *a, **kw: sorts.append(1) or real_sort(self, *a, **kw))
+    g = torch.Generator().manual_seed(int(scale * 100))
+    V = 3000
+    logits = torch.randn(6, 3, V, generator=g) * scale
+    bs = BatchSampling(torch.tensor([1.0, 0.7, 1.3, 1.0, 1.0, 0.9]), torch.tensor([0, 0, 50, 64, wide_k, 10]),
+                       torch.tensor([0.9, 0.95, 0.8, 1.0, 0.99, 0.5]))
+    got = token_probs(logits, bs)
+    sorted_everything = bool(sorts)
+    torch.testing.assert_close(got, _full_sort_reference(logits, bs), rtol=1e-5, atol=1e-6)
+    kept = (got > 0).sum(-1)
+    assert int(kept.max()) > 1 and int(kept.min()) >= 1
+    assert sorted_everything == (scale < 8 or wide_k == 500)  # the shortcut served the peaked batches
+
+
 def test_greedy_verify_counts_the_matching_prefix():
     V = 5
     target = torch.full((2, 4, V), -1.0)
