@@ -32,7 +32,8 @@ def _bench_drafter(args: argparse.Namespace) -> int:
     ks = tuple(int(k) for k in args.k.split(",") if k.strip())
     result = bench_drafter(model_spec=args.model, threads=args.threads, num_eval_prompts=args.prompts,
                            new_tokens=args.new_tokens, ks=ks, warm_prompts=args.warm_prompts,
-                           warm_steps=args.warm_steps, adapt_seconds=args.adapt_seconds, stop_trials=args.stop_trials)
+                           warm_steps=args.warm_steps, adapt_seconds=args.adapt_seconds, adapt_lr=args.adapt_lr,
+                           adapt_prompts=args.adapt_prompts, stop_trials=args.stop_trials)
     print(json.dumps(result))
     return 0
 
@@ -253,9 +254,11 @@ def build_parser() -> argparse.ArgumentParser:
     drf.add_argument("--new-tokens", type=int, default=96)
     drf.add_argument("--k", default="2,3,4,6")
     drf.add_argument("--threads", type=int, default=2)
-    drf.add_argument("--warm-prompts", type=int, default=768)
-    drf.add_argument("--warm-steps", type=int, default=1500)
-    drf.add_argument("--adapt-seconds", type=float, default=60.0)
+    drf.add_argument("--warm-prompts", type=int, default=1024)
+    drf.add_argument("--warm-steps", type=int, default=2000)
+    drf.add_argument("--adapt-seconds", type=float, default=60.0, help="online training budget after the drift")
+    drf.add_argument("--adapt-lr", type=float, default=1e-3, help="peak learning rate of the online adaptation")
+    drf.add_argument("--adapt-prompts", type=int, default=128, help="new-policy rollouts the adaptation trains on")
     drf.add_argument("--stop-trials", type=int, default=20)
     drf.add_argument("--json", action="store_true", help="accepted for symmetry; the JSON object is always last")
     drf.set_defaults(func=_bench_drafter)
