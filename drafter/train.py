@@ -43,6 +43,7 @@ class TrainConfig:
     unroll_decay: float = 0.8  # weight of unroll step s is decay**s: early drafts matter most
     hidden_loss_weight: float = 0.1  # EAGLE-3 drops it; a little regression steadies early training
     max_tokens_per_row: int = 256  # pairs per packed row; short rows keep micro-steps (and stops) fast
+    varlen_attention: bool = True  # flash-attn's varlen kernel for unroll step 0, when installed on a GPU
     num_rows: int = 4
     seed: int = 0
 
@@ -66,10 +67,78 @@ def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([torch.zeros_like(x[:, :n]), x[:, :-n]], dim=1)
 
 
+@dataclass
+class VarlenLayout:
+    """Packed rows flattened for a variable-length attention kernel: the real slots, segment by segment."""
+
+    index: torch.Tensor  # (N,) flat slot index into (R*T) of every real pair, in segment order
+    cu_seqlens: torch.Tensor  # (S+1,) int32 cumulative segment lengths
+    max_len: int
+
+
+def varlen_layout(seq_ids: torch.Tensor) -> VarlenLayout:
+    """Segments are contiguous runs of one seq id within a row (ids are unique across the batch) and
+    their slots are in position order, so flat slot order is segment order."""
+    flat = seq_ids.reshape(-1)
+    index = (flat >= 0).nonzero().squeeze(1)
+    _, counts = torch.unique_consecutive(flat[index], return_counts=True)
+    cu = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=seq_ids.device)
+    cu[1:] = counts.cumsum(0)
+    return VarlenLayout(index, cu, int(counts.max()) if counts.numel() else 0)
+
+
+def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True):
+    """flash_attn_varlen_func's contract in plain torch, (N, H, D) in and out: the CPU counterpart
+    the GPU kernel is tested against, and the fallback when flash-attn is absent."""
+    if not torch.equal(cu_seqlens_q, cu_seqlens_k):
+        raise ValueError("the reference kernel needs the same segments for queries and keys")
+    out = torch.empty_like(q)
+    bounds = cu_seqlens_q.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        out[a:b] = F.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=causal,
+            enable_gqa=q.shape[1] != k.shape[1]).transpose(0, 1)
+    return out
+
+
+def flash_varlen_kernel():
+    """flash-attn's varlen kernel when it is installed and a GPU is present, else None."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def varlen_step0_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: VarlenLayout,
+                           kernel) -> torch.Tensor:
+    """Unroll step 0 is plain causal attention within each packed segment: run it as a varlen kernel
+    over the real slots only. q (R, H, T, D), k/v (R, Hkv, T, D) -> (R, H, T, D); padding slots get
+    zeros (their outputs are never in a loss, and later steps only let them attend to themselves)."""
+    R, H, T, D = q.shape
+
+    def flat(x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2).reshape(R * T, x.shape[1], D)[layout.index]
+
+    qf, kf, vf = flat(q), flat(k), flat(v)
+    half = q.dtype if q.dtype in (torch.float16, torch.bfloat16) or kernel is varlen_attention_reference \
+        else torch.bfloat16  # flash-attn takes half precision only
+    out = kernel(qf.to(half), kf.to(half), vf.to(half), layout.cu_seqlens, layout.cu_seqlens, layout.max_len,
+                 layout.max_len, causal=True).to(q.dtype)
+    full = torch.zeros(R * T, H, D, dtype=q.dtype, device=q.device).index_copy(0, layout.index, out)
+    return full.view(R, T, H, D).transpose(1, 2)
+
+
 def unrolled_predictions(head: EagleHead, embed: torch.nn.Embedding, batch: PackedBatch,
-                         num_unroll: int, check_stop: Callable[[], None] | None = None) -> list[torch.Tensor]:
-    """Predicted features for unroll steps 0..num_unroll-1, each (R, T, D)."""
+                         num_unroll: int, check_stop: Callable[[], None] | None = None,
+                         varlen_kernel=None) -> list[torch.Tensor]:
+    """Predicted features for unroll steps 0..num_unroll-1, each (R, T, D). With `varlen_kernel`
+    (flash-attn's on a GPU) step 0 runs it over the packed segments; later steps need keys from
+    other steps on the diagonal, which no varlen kernel expresses, so they stay on masked SDPA."""
     feats, positions, seq = batch.feats, batch.positions, batch.seq_ids
+    layout = varlen_layout(seq) if varlen_kernel is not None else None
     R, T, _ = feats.shape
     emb = embed(batch.tokens)  # (R, T, D), frozen
     rope = head.rotary(positions, feats.dtype)
@@ -100,8 +169,11 @@ def unrolled_predictions(head: EagleHead, embed: torch.nn.Embedding, batch: Pack
                                            for t in range(1, s + 1)]
             vs = [layer_keys[li][0][1]] + [_shift_right(layer_keys[li][t][1].transpose(1, 2), s - t).transpose(1, 2)
                                            for t in range(1, s + 1)]
-            out = F.scaled_dot_product_attention(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), attn_mask=mask,
-                                                 enable_gqa=attn.num_heads != attn.num_kv_heads)  # (R, H, T, D)
+            if s == 0 and layout is not None:
+                out = varlen_step0_attention(q, k, v, layout, varlen_kernel)
+            else:
+                out = F.scaled_dot_product_attention(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), attn_mask=mask,
+                                                     enable_gqa=attn.num_heads != attn.num_kv_heads)  # (R, H, T, D)
             x = x + attn.o_proj(out.transpose(1, 2).reshape(R, T, -1))
             x = x + layer.mlp(layer.post_attn_norm(x))
         pred = head.norm(x)
@@ -116,7 +188,8 @@ def draft_loss(head: EagleHead, policy: CausalLM, batch: PackedBatch, cfg: Train
     target_feats = batch.feats[:, 1:]  # (R, T-1, D): h_{j+1} for pair j
     with torch.no_grad():
         target_logp = F.log_softmax(F.linear(target_feats, lm_weight).float(), dim=-1)  # (R, T-1, V')
-    preds = unrolled_predictions(head, policy.embed_tokens, batch, cfg.num_unroll, check_stop)
+    kernel = flash_varlen_kernel() if cfg.varlen_attention and batch.feats.is_cuda else None
+    preds = unrolled_predictions(head, policy.embed_tokens, batch, cfg.num_unroll, check_stop, kernel)
     total, stats = 0.0, {}
     for s, pred in enumerate(preds):
         valid = batch.target_mask[:, :-1] & (batch.positions[:, :-1] >= s)  # (R, T-1)
