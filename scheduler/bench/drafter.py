@@ -159,10 +159,11 @@ def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_p
     result["sweep"] = sweep(engine, eval_prompts, ks, drafters, new_tokens)
     greedy, temp1 = result["sweep"]["greedy"], result["sweep"]["temp1"]
     best_k = max(ks, key=lambda k: greedy[f"warm_k{k}"]["speedup"])
+    best_k_sampled = max(ks, key=lambda k: temp1[f"warm_k{k}"]["speedup"])  # sampling accepts less: its own k
     result.update(best_k=best_k, best_mean_accepted_length=max(greedy[f"warm_k{k}"]["mean_accepted_length"]
                                                                for k in ks),
                   speedup_greedy=greedy[f"warm_k{best_k}"]["speedup"],
-                  speedup_sampled=temp1[f"warm_k{best_k}"]["speedup"],
+                  best_k_sampled=best_k_sampled, speedup_sampled=temp1[f"warm_k{best_k_sampled}"]["speedup"],
                   greedy_identical_fraction=round(result["sweep"]["greedy_identical"]
                                                   / max(result["sweep"]["greedy_compared"], 1), 4))
     log("(b) drift")
