@@ -131,6 +131,13 @@ def varlen_step0_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la
     return full.view(R, T, H, D).transpose(1, 2)
 
 
+def _stop_in_backward(x: torch.Tensor, check_stop: Callable[[], None] | None) -> None:
+    """Check for a stop when backward reaches `x` too: the backward pass is most of a micro-step, and
+    an exception raised in a gradient hook aborts it (the trainer then drops the partial gradients)."""
+    if check_stop is not None and x.requires_grad:
+        x.register_hook(lambda grad: check_stop())
+
+
 def unrolled_predictions(head: EagleHead, embed: torch.nn.Embedding, batch: PackedBatch,
                          num_unroll: int, check_stop: Callable[[], None] | None = None,
                          varlen_kernel=None) -> list[torch.Tensor]:
@@ -175,7 +182,9 @@ def unrolled_predictions(head: EagleHead, embed: torch.nn.Embedding, batch: Pack
                 out = F.scaled_dot_product_attention(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), attn_mask=mask,
                                                      enable_gqa=attn.num_heads != attn.num_kv_heads)  # (R, H, T, D)
             x = x + attn.o_proj(out.transpose(1, 2).reshape(R, T, -1))
+            _stop_in_backward(x, check_stop)
             x = x + layer.mlp(layer.post_attn_norm(x))
+            _stop_in_backward(x, check_stop)
         pred = head.norm(x)
         preds.append(pred)
         x_feats = _shift_right(pred, 1)  # slot j's next input is this step's prediction at slot j-1

@@ -14,7 +14,7 @@ from drafter.eagle import EagleConfig, EagleDrafter, EagleHead
 from drafter.engine import Engine, Request
 from drafter.evaluate import expected_accepted_length
 from drafter.sampling import SamplingParams
-from drafter.train import DraftTrainer, TrainConfig, unrolled_predictions
+from drafter.train import DraftTrainer, StopRequestedError, TrainConfig, unrolled_predictions
 from drafter.warmstart import HarvestConfig, harvest, measure
 from tests.conftest import pattern_corpus, random_prompts, structured_model, tiny_model
 
@@ -111,6 +111,36 @@ def test_stop_request_is_honoured_mid_epoch(structured):
     assert report.stopped and report.num_steps >= 1
     assert saved and saved[-1] == trainer.step  # checkpointed at the stop, with every applied step
     assert latency < 5.0  # one micro-step on a tiny model; the benchmark measures the real p99
+
+
+def test_a_stop_during_backward_aborts_the_micro_step_unapplied(structured):
+    """The stop arrives once backward has begun: backward is cut short by a gradient hook and the
+    optimizer step never runs."""
+    model, _, buffer, _ = structured
+    head = EagleHead(model.cfg)
+    trainer = DraftTrainer(model, head, TrainConfig())
+    batch = trainer.next_batch(buffer)
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    real_backward = torch.Tensor.backward
+
+    def backward_then_stop(self, *args, **kwargs):
+        trainer.request_stop()  # as if the request came in just as backward started
+        return real_backward(self, *args, **kwargs)
+
+    calls = []
+    trainer._check_stop_orig = trainer._check_stop
+    trainer._check_stop = lambda: calls.append(1) or trainer._check_stop_orig()
+    try:
+        torch.Tensor.backward = backward_then_stop
+        with pytest.raises(StopRequestedError):
+            trainer.micro_step(batch)
+    finally:
+        torch.Tensor.backward = real_backward
+    # one check per unrolled step, one before backward, then the first gradient hook raised (the
+    # check after backward would have made one more)
+    assert len(calls) == trainer.cfg.num_unroll + 2
+    assert trainer.step == 0
+    assert all(torch.equal(v, before[k]) for k, v in head.state_dict().items())
 
 
 def test_train_needs_a_budget_and_data(structured):
