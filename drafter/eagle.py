@@ -16,8 +16,18 @@ import torch
 from torch import nn
 
 from drafter.drafters import Drafter, Proposal
-from drafter.model import (CausalLM, DecoderLayer, KVCache, Linear, ModelConfig, PackedWeight, RMSNorm, Rotary,
-                           attention_inputs, linear)
+from drafter.model import (
+    CausalLM,
+    DecoderLayer,
+    KVCache,
+    Linear,
+    ModelConfig,
+    PackedWeight,
+    RMSNorm,
+    Rotary,
+    attention_inputs,
+    linear,
+)
 from drafter.sampling import BatchSampling, sample, token_probs
 
 

@@ -121,7 +121,8 @@ class PackedWeight:
         return self.packed
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: PackedWeight | None) -> torch.Tensor:
     """F.linear, on oneDNN with `packed` weights for CPU float32 inference (no autograd involved);
     every other case (training, GPUs, half precision) is plain F.linear."""
     if (packed is None or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32

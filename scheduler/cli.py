@@ -33,7 +33,7 @@ def _bench_drafter(args: argparse.Namespace) -> int:
     result = bench_drafter(model_spec=args.model, threads=args.threads, num_eval_prompts=args.prompts,
                            new_tokens=args.new_tokens, ks=ks, warm_prompts=args.warm_prompts,
                            warm_steps=args.warm_steps, adapt_seconds=args.adapt_seconds, adapt_lr=args.adapt_lr,
-                           adapt_prompts=args.adapt_prompts, stop_trials=args.stop_trials)
+                           adapt_prompts=args.adapt_prompts, stop_trials=args.stop_trials, parts=args.parts)
     print(json.dumps(result))
     return 0
 
@@ -256,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     drf.add_argument("--threads", type=int, default=2)
     drf.add_argument("--warm-prompts", type=int, default=1024)
     drf.add_argument("--warm-steps", type=int, default=2000)
+    drf.add_argument("--parts", default="abc", help="a: acceptance sweep, b: drift, c: training throughput and stops")
     drf.add_argument("--adapt-seconds", type=float, default=60.0, help="online training budget after the drift")
     drf.add_argument("--adapt-lr", type=float, default=3e-4, help="peak learning rate of the online adaptation")
     drf.add_argument("--adapt-prompts", type=int, default=256, help="new-policy rollouts the adaptation trains on")

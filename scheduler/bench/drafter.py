@@ -116,35 +116,33 @@ def adapt_config(lr: float) -> TrainConfig:
     return TrainConfig(lr=lr, warmup_steps=5, total_steps=10_000)
 
 
-def stop_latencies(policy, head, buffer, trials: int) -> tuple[list[float], float]:
+def stop_latencies(policy, head, buffer, trials: int) -> list[float]:
     """Seconds from request_stop() to train() returning, with the stop at a random moment."""
     head = copy.deepcopy(head)
     trainer = DraftTrainer(policy, head, TrainConfig())
     rng = random.Random(0)
-    latencies, tokens, seconds = [], 0, 0.0
+    latencies = []
     for _ in range(trials):
         trainer.stop_event.clear()
-        result: dict = {}
-
-        def run(result: dict = result) -> None:
-            result["r"] = trainer.train(buffer, max_seconds=60)
-
-        thread = threading.Thread(target=run)
+        thread = threading.Thread(target=trainer.train, args=(buffer,), kwargs={"max_seconds": 60})
         thread.start()
         time.sleep(rng.uniform(0.3, 1.5))
         t0 = time.perf_counter()
         trainer.request_stop()
         thread.join()
         latencies.append(time.perf_counter() - t0)
-        tokens, seconds = tokens + result["r"].num_tokens, seconds + result["r"].seconds
-    return latencies, tokens / max(seconds, 1e-9)
+    return latencies
 
 
 def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_prompts: int = 6,
                   new_tokens: int = 96, ks: tuple[int, ...] = (2, 3, 4, 6), warm_prompts: int = 1024,
                   warm_steps: int = 2000, draft_vocab: int = 8192, drift_steps: int = 40, drift_lr: float = 1e-4,
                   adapt_seconds: float = 60.0, adapt_lr: float = 3e-4, adapt_prompts: int = 256,
-                  stop_trials: int = 20) -> dict:
+                  stop_trials: int = 20, parts: str = "abc") -> dict:
+    """parts: any of "a" (sweep), "b" (drift), "c" (throughput, stops). Without (a), the drift is
+    measured at k=4; without (b), (c) trains the warm-started head on 64 fresh rollouts."""
+    if not parts or set(parts) - set("abc"):
+        raise ValueError(f"parts must be made of a, b and c, got {parts!r}")
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     loaded = load_model(model_spec)
@@ -154,6 +152,30 @@ def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_p
     head, warm_info = warm_drafter(loaded, warm_prompts, warm_steps, draft_vocab)
     result: dict = {"model": loaded.name, "threads": threads, "new_tokens": new_tokens, "ks": list(ks),
                     "num_eval_prompts": len(eval_prompts), "warm_start": warm_info}
+    result["parts"] = parts
+    best_k = _sweep_part(result, engine, eval_prompts, ks, policy, head, new_tokens) if "a" in parts else 4
+    train_policy, train_head, buffer = policy, head, None
+    if "b" in parts:
+        train_policy, train_head, buffer = _drift_part(result, policy, tok, engine, eval_prompts, head, best_k,
+                                                       new_tokens, drift_steps, drift_lr, adapt_prompts, adapt_lr,
+                                                       adapt_seconds)
+    if "c" in parts:
+        log("(c) training throughput and stop latency")
+        if buffer is None:
+            buffer = RolloutBuffer(max_bytes=1 << 30)
+            harvest(engine, [encode_prompt(tok, t) for t in synthetic_prompts(64, seed=9)], buffer, 0,
+                    HarvestConfig(max_new_tokens=96))
+        rep = DraftTrainer(train_policy, copy.deepcopy(train_head), TrainConfig()).train(buffer, max_seconds=30)
+        latencies = sorted(stop_latencies(train_policy, train_head, buffer, stop_trials))
+        result.update(train_tokens_per_s=round(rep.tokens_per_s, 1),
+                      train_steps_per_s=round(rep.num_steps / max(rep.seconds, 1e-9), 3),
+                      stop_p50_s=round(statistics.median(latencies), 3),
+                      stop_p99_s=round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 3),
+                      stop_trials=len(latencies))
+    return result
+
+
+def _sweep_part(result, engine, eval_prompts, ks, policy, head, new_tokens) -> int:
     log("(a) acceptance and speed-up, batch 1")
     drafters = {"warm": EagleDrafter(policy, head), "untrained": EagleDrafter(policy, new_head(policy, None, None)),
                 "ngram": NgramDrafter()}
@@ -167,8 +189,13 @@ def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_p
                   best_k_sampled=best_k_sampled, speedup_sampled=temp1[f"warm_k{best_k_sampled}"]["speedup"],
                   greedy_identical_fraction=round(result["sweep"]["greedy_identical"]
                                                   / max(result["sweep"]["greedy_compared"], 1), 4))
-    log("(b) drift")
-    before = measure(engine, eval_prompts, best_k, drafters["warm"], 0.0, new_tokens).mean_accepted_length
+    return best_k
+
+
+def _drift_part(result, policy, tok, engine, eval_prompts, head, best_k, new_tokens, drift_steps, drift_lr,
+                adapt_prompts, adapt_lr, adapt_seconds):
+    log(f"(b) drift, measured at k={best_k}")
+    before = measure(engine, eval_prompts, best_k, EagleDrafter(policy, head), 0.0, new_tokens).mean_accepted_length
     new_policy = drift_policy(policy, tok, drift_steps, drift_lr)
     new_engine = Engine(new_policy, tok)
     frozen = measure(new_engine, eval_prompts, best_k, EagleDrafter(new_policy, head), 0.0, new_tokens)
@@ -188,10 +215,4 @@ def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_p
                                                  / loss, 3) if loss > 0 else None)
     log(f"drift: before {before:.2f}, frozen {frozen.mean_accepted_length:.2f}, "
         f"adapted {adapted.mean_accepted_length:.2f}")
-    log("(c) training throughput and stop latency")
-    latencies, tps = stop_latencies(new_policy, adapted_head, buffer, stop_trials)
-    latencies.sort()
-    result.update(train_tokens_per_s=round(tps, 1), stop_p50_s=round(statistics.median(latencies), 3),
-                  stop_p99_s=round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 3),
-                  stop_trials=len(latencies))
-    return result
+    return new_policy, adapted_head, buffer

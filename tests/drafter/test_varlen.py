@@ -16,7 +16,7 @@ def packed_batch(model, lengths):
     """Rollouts of the given lengths packed into short rows: several segments per row, padding, and
     a long sequence cut into chunks."""
     buffer = RolloutBuffer(max_bytes=1 << 24, hidden_dtype=torch.float32)
-    for i, seq in enumerate(random_prompts(lengths, model.cfg.vocab_size, seed=7)):
+    for seq in random_prompts(lengths, model.cfg.vocab_size, seed=7):
         L = len(seq)
         _, hidden = model(torch.tensor([seq]), torch.arange(L)[None], model.new_cache(1, L), logits_for="none")
         buffer.add(torch.tensor(seq), hidden[0, :-1], policy_version=0)
