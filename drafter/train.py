@@ -89,7 +89,7 @@ def varlen_layout(seq_ids: torch.Tensor) -> VarlenLayout:
 
 def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True):
     """flash_attn_varlen_func's contract in plain torch, (N, H, D) in and out: the CPU counterpart
-    the GPU kernel is tested against, and the fallback when flash-attn is absent."""
+    the GPU kernel is tested against (training without flash-attn stays on masked SDPA, not this)."""
     if not torch.equal(cu_seqlens_q, cu_seqlens_k):
         raise ValueError("the reference kernel needs the same segments for queries and keys")
     out = torch.empty_like(q)
