@@ -7,13 +7,18 @@ h_{j+1} and x_{j+2}, so the last pair of a sequence has none.
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import threading
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # float32 for exact tests; bf16/fp16 halve the bytes
 TOKEN_DTYPE = torch.int32  # every vocabulary fits; half the bytes of int64
@@ -112,6 +117,45 @@ class RolloutBuffer:
             for r in made:  # all share one D, so a mismatch raises at the first, before anything is added
                 self._insert(r)
         return sum(r.num_pairs for r in made)
+
+    def save(self, path: str | Path) -> None:
+        """Write every rollout to one safetensors file (atomically: temp file, fsync, rename), e.g. to
+        keep a warm start's harvest: generating it costs far more than training on it."""
+        rollouts = self.rollouts
+        if not rollouts:
+            raise ValueError("the buffer is empty: nothing to save")
+        index = [[r.tokens.numel(), r.policy_version, r.num_prompt] for r in rollouts]
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tensors = {"tokens": torch.cat([r.tokens for r in rollouts]), "hidden": torch.cat([r.hidden for r in rollouts])}
+        save_file(tensors, str(tmp), metadata={"kind": "rollouts", "index": json.dumps(index)})
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def load(self, path: str | Path) -> int:
+        """Add the rollouts of a file written by save() (oldest first, evicting as add() does); returns
+        how many were read. A file that is not such a file raises ValueError and adds nothing."""
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                meta = f.metadata() or {}
+                if meta.get("kind") != "rollouts":
+                    raise ValueError(f"{path}: not a saved rollout buffer")
+                tokens, hidden = f.get_tensor("tokens"), f.get_tensor("hidden")
+            index = json.loads(meta["index"])
+        except (SafetensorError, OSError, KeyError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: unreadable rollout file ({e})") from e
+        if sum(n for n, _, _ in index) != tokens.numel() or sum(n - 1 for n, _, _ in index) != hidden.shape[0]:
+            raise ValueError(f"{path}: its index does not match its tensors (truncated or edited?)")
+        made, t, h = [], 0, 0
+        for n, version, num_prompt in index:
+            made.append(self._make(tokens[t : t + n], hidden[h : h + n - 1], version, num_prompt, self.hidden_size))
+            t, h = t + n, h + n - 1
+        with self._lock:
+            for r in made:
+                self._insert(r)
+        return len(made)
 
     def drop_policy_versions_below(self, version: int) -> None:
         with self._lock:

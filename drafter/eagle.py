@@ -38,6 +38,15 @@ class EagleConfig:
     # a fifth of SmolLM2's weights, and each draft step would otherwise pay for all of it.
     draft_vocab_size: int | None = None  # None = the policy's full vocabulary
     init_seed: int = 0
+    # Sampled rows draft from the job's sampling distribution over logits / draft_temperature (0: the
+    # argmax). Rejection sampling stays exact for any draft distribution; what it accepts, sum min(p, q),
+    # is highest for q = p, and a small head's q is flatter than p where p is peaked, so a sharper q
+    # usually accepts more. 1.0 until calibrated on held-out rollouts (drafter.evaluate).
+    draft_temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.draft_temperature, (int, float)) or not 0 <= self.draft_temperature <= 10:
+            raise ValueError(f"draft_temperature must be in [0, 10], got {self.draft_temperature!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -95,6 +104,14 @@ class EagleHead(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, cache, i, positions, mask, num_slots)
         return self.norm(x)
+
+
+def draft_probs(logits: torch.Tensor, sampling: BatchSampling, draft_temperature: float) -> torch.Tensor:
+    """(B, T, V') draft logits -> the draft distribution q: the rows' sampling distribution over
+    logits / draft_temperature, or a one-hot on the argmax when draft_temperature is 0."""
+    if draft_temperature == 0:
+        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return token_probs(logits if draft_temperature == 1 else logits / draft_temperature, sampling)
 
 
 class EagleDrafter(Drafter):
@@ -235,7 +252,7 @@ class EagleDrafter(Drafter):
             if sampling.all_greedy:
                 x = self.vocab_ids[logits[:, 0].argmax(-1)]
             else:
-                p = token_probs(logits, sampling)[:, 0]  # (B, V') draft distribution
+                p = draft_probs(logits, sampling, self.head.cfg.draft_temperature)[:, 0]  # (B, V')
                 x = self.vocab_ids[sample(p, uniforms[:, j])]
                 probs[:, j].index_copy_(1, self.vocab_ids, p)  # scattered onto the policy vocabulary
             tokens[:, j] = x

@@ -9,7 +9,8 @@ there (the policy's LM head on the recorded hidden state).
 
 Per draft step the acceptance probability alpha is
   greedy:   1 if the draft's argmax is the policy's argmax, else 0;
-  sampled:  sum_x min(p(x), q(x)), the rejection-sampling acceptance rate for draft q, target p.
+  sampled:  sum_x min(p(x), q(x)), the rejection-sampling acceptance rate for draft q, target p
+            (p at temperature 1; q over the head's logits / draft_temperature, or its argmax at 0).
 A chain starting at position i then yields 1 + sum_{m=1..k} prod_{s<m} alpha_s(i+s) tokens per step,
 averaged over every chain start whose k targets are in the sequence. Online decoding visits only the
 chain starts its own acceptances lead to, so the two agree in expectation, not token for token.
@@ -29,10 +30,35 @@ ROW_TOKENS = 256  # pairs per packed row: long responses are cut into chunks of 
 NUM_ROWS = 4  # rows per batch: bounds the (rows * tokens * vocab) logits held at once
 
 
-@torch.no_grad()
+# Draft temperatures calibrate_draft_temperature tries: from the head's own distribution to its argmax.
+DRAFT_TEMPERATURES = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.0)
+
+
 def expected_accepted_length(head: EagleHead, policy: CausalLM, rollouts: list[Rollout], k: int,
-                             greedy: bool = True) -> float:
-    """Mean tokens per verify step the head would give with k drafts on these rollouts."""
+                             greedy: bool = True, draft_temperature: float | None = None) -> float:
+    """Mean tokens per verify step the head would give with k drafts on these rollouts (sampled: with
+    draft_temperature, by default the head's own)."""
+    tau = head.cfg.draft_temperature if draft_temperature is None else draft_temperature
+    return expected_accepted_lengths(head, policy, rollouts, k, greedy, (tau,))[0]
+
+
+def calibrate_draft_temperature(head: EagleHead, policy: CausalLM, rollouts: list[Rollout], k: int,
+                                candidates: tuple[float, ...] = DRAFT_TEMPERATURES) -> tuple[float, dict[float, float]]:
+    """The draft temperature with the most expected tokens per verify step when sampling at temperature
+    1 on these (held-out) rollouts, and every candidate's score. Ties keep the earlier candidate."""
+    scores = expected_accepted_lengths(head, policy, rollouts, k, False, candidates)
+    best = max(range(len(candidates)), key=lambda i: (scores[i], -i))
+    return candidates[best], dict(zip(candidates, scores))
+
+
+@torch.no_grad()
+def expected_accepted_lengths(head: EagleHead, policy: CausalLM, rollouts: list[Rollout], k: int,
+                              greedy: bool = True, draft_temperatures: tuple[float, ...] = (1.0,)) -> list[float]:
+    """expected_accepted_length for each draft temperature (sampled; greedy ignores them), in one pass."""
+    if any(t < 0 for t in draft_temperatures) or not draft_temperatures:
+        raise ValueError(f"draft_temperatures must be >= 0 and not empty, got {draft_temperatures!r}")
+    if greedy:
+        draft_temperatures = draft_temperatures[:1]
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     if not rollouts:
@@ -42,7 +68,8 @@ def expected_accepted_length(head: EagleHead, policy: CausalLM, rollouts: list[R
     dtype = head.fc.weight.dtype
     lm_full = policy.lm_head.weight.to(dtype)  # (V, D)
     vocab_ids = head.vocab_ids
-    total, count = 0.0, 0
+    n = len(draft_temperatures)
+    total, count = [0.0] * n, 0
     try:
         for batch in iter_batches(rollouts, ROW_TOKENS, NUM_ROWS, shuffle=False):
             feats = batch.feats.to(dtype)
@@ -50,28 +77,31 @@ def expected_accepted_length(head: EagleHead, policy: CausalLM, rollouts: list[R
             preds = unrolled_predictions(head, policy.embed_tokens, batch, k)
             target_logits = F.linear(feats[:, 1:], lm_full).float()  # (R, T-1, V): the policy at slot j
             R, T1 = target_logits.shape[:2]
-            alphas, valid = [], []
+            alphas, valid = [[] for _ in range(n)], []
             if greedy:
                 target_top = target_logits.argmax(-1)
             else:
                 p_draft_vocab = target_logits.softmax(-1)[..., vocab_ids]  # (R, T-1, V')
             for s, pred in enumerate(preds):
                 draft_logits = head.draft_logits(pred[:, :-1], lm_full[vocab_ids]).float()  # (R, T-1, V')
-                if greedy:
-                    alpha = (vocab_ids[draft_logits.argmax(-1)] == target_top).float()
-                else:
-                    alpha = torch.minimum(p_draft_vocab, draft_logits.softmax(-1)).sum(-1)
+                for i, tau in enumerate(draft_temperatures):
+                    if greedy:
+                        alpha = (vocab_ids[draft_logits.argmax(-1)] == target_top).float()
+                    elif tau == 0:  # the argmax is proposed: accepted with the policy's probability of it
+                        alpha = p_draft_vocab.gather(-1, draft_logits.argmax(-1, keepdim=True)).squeeze(-1)
+                    else:
+                        alpha = torch.minimum(p_draft_vocab, (draft_logits / tau).softmax(-1)).sum(-1)
+                    # re-index by chain start i = j - s
+                    alphas[i].append(torch.cat([alpha[:, s:], alpha.new_zeros(R, s)], dim=1))
                 ok = batch.target_mask[:, :-1] & (batch.positions[:, :-1] >= s)
-                # re-index by chain start i = j - s
-                alphas.append(torch.cat([alpha[:, s:], alpha.new_zeros(R, s)], dim=1))
                 valid.append(torch.cat([ok[:, s:], ok.new_zeros(R, s)], dim=1))
             chain_ok = torch.stack(valid).all(0)  # (R, T-1): every draft step of the chain has its target
-            survive = torch.stack(alphas).cumprod(0)  # (k, R, T-1): the first m drafts all accepted
-            tokens = 1.0 + survive.sum(0)
-            total += float(tokens[chain_ok].sum())
+            for i in range(n):
+                survive = torch.stack(alphas[i]).cumprod(0)  # (k, R, T-1): the first m drafts all accepted
+                total[i] += float((1.0 + survive.sum(0))[chain_ok].sum())
             count += int(chain_ok.sum())
     finally:
         head.train(was_training)
     if count == 0:
         raise ValueError(f"the rollouts are too short to score {k} draft steps")
-    return total / count
+    return [t / count for t in total]

@@ -14,6 +14,7 @@ from drafter.buffer import RolloutBuffer
 from drafter.checkpoint import DraftMeta, draft_path, save_draft
 from drafter.eagle import EagleConfig, EagleDrafter, EagleHead
 from drafter.engine import Engine, Request
+from drafter.evaluate import calibrate_draft_temperature
 from drafter.model import CausalLM
 from drafter.sampling import SamplingParams
 from drafter.train import DraftTrainer, TrainConfig
@@ -144,14 +145,19 @@ class WarmStartReport:
     final_loss: float = 0.0
     path: str = ""
     acceptance: dict = field(default_factory=dict)  # k -> mean accepted length on held-out prompts
+    draft_temperature: float = 1.0  # calibrated on held-out prompts when there are some
+    draft_temperature_scores: dict = field(default_factory=dict)  # candidate -> expected tokens per step
 
 
 def warm_start(policy: CausalLM, tokenizer, prompts: list[list[int]], out_dir: str | Path,
                train_cfg: TrainConfig | None = None, harvest_cfg: HarvestConfig | None = None,
                max_steps: int | None = None, max_seconds: float | None = None, draft_vocab_size: int | None = 8192,
                eval_prompts: list[list[int]] | None = None, eval_ks: tuple[int, ...] = (2, 3, 4),
-               progress: Progress | None = stderr_progress) -> tuple[EagleHead, WarmStartReport]:
-    """Train draft version 1 from scratch on the policy's own rollouts and save it in out_dir."""
+               progress: Progress | None = stderr_progress,
+               harvest_file: str | Path | None = None) -> tuple[EagleHead, WarmStartReport]:
+    """Train draft version 1 from scratch on the policy's own rollouts and save it in out_dir.
+    With harvest_file: the rollouts are read from it when it exists (written by an earlier run with the
+    same prompts and harvest settings: the caller keys it), else harvested and saved there."""
     if not prompts:
         raise ValueError("prompts must not be empty")
     out_dir = Path(out_dir)
@@ -160,7 +166,15 @@ def warm_start(policy: CausalLM, tokenizer, prompts: list[list[int]], out_dir: s
     report = WarmStartReport(num_prompts=len(prompts))
     buffer = RolloutBuffer(max_bytes=4 << 30)
     t0 = time.perf_counter()
-    report.num_harvested_tokens = harvest(engine, prompts, buffer, 0, harvest_cfg, progress)
+    if harvest_file is not None and Path(harvest_file).is_file():
+        buffer.load(harvest_file)
+        report.num_harvested_tokens = sum(r.num_pairs - r.num_prompt + 1 for r in buffer.rollouts)
+        if progress:
+            progress(f"harvest: {len(buffer)} rollouts read from {harvest_file}")
+    else:
+        report.num_harvested_tokens = harvest(engine, prompts, buffer, 0, harvest_cfg, progress)
+        if harvest_file is not None:
+            buffer.save(harvest_file)
     report.harvest_seconds = time.perf_counter() - t0
     head = new_head(policy, buffer, draft_vocab_size)
     trainer = DraftTrainer(policy, head, train_cfg or TrainConfig(total_steps=max_steps or 1000))
@@ -176,6 +190,18 @@ def warm_start(policy: CausalLM, tokenizer, prompts: list[list[int]], out_dir: s
     report.train_steps, report.train_seconds = rep.num_steps, rep.seconds
     report.train_tokens_per_s, report.final_loss = rep.tokens_per_s, rep.losses[-1] if rep.losses else 0.0
     head.eval().requires_grad_(False)
+    if eval_prompts:
+        # held-out rollouts, sampled at temperature 1 as RL samples: pick the draft temperature on them
+        held_out = RolloutBuffer(max_bytes=1 << 30)
+        hcfg = harvest_cfg or HarvestConfig()
+        harvest(engine, eval_prompts, held_out, 0, HarvestConfig(batch_size=hcfg.batch_size, temperature=1.0,
+                                                                 top_p=1.0, max_new_tokens=hcfg.max_new_tokens))
+        tau, scores = calibrate_draft_temperature(head, policy, held_out.rollouts, max(eval_ks))
+        head.cfg.draft_temperature = report.draft_temperature = tau
+        report.draft_temperature_scores = {str(t): round(v, 3) for t, v in scores.items()}
+        if progress:
+            progress(f"draft temperature {tau} (expected tokens per step at T=1, k={max(eval_ks)}: "
+                     f"{scores[tau]:.2f}; at 1.0: {scores.get(1.0, float('nan')):.2f})")
     meta = DraftMeta(version=1, parent_version=0, policy_version=0, num_steps=rep.num_steps,
                      total_steps=rep.num_steps, num_tokens=rep.num_tokens, head_config=head_config(head),
                      created_at=time.time(), extra={"warm_start": True, "num_prompts": len(prompts)})

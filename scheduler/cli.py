@@ -32,7 +32,8 @@ def _bench_drafter(args: argparse.Namespace) -> int:
     ks = tuple(int(k) for k in args.k.split(",") if k.strip())
     result = bench_drafter(model_spec=args.model, threads=args.threads, num_eval_prompts=args.prompts,
                            new_tokens=args.new_tokens, ks=ks, warm_prompts=args.warm_prompts,
-                           warm_steps=args.warm_steps, adapt_seconds=args.adapt_seconds, adapt_lr=args.adapt_lr,
+                           warm_steps=args.warm_steps, warm_unroll=args.warm_unroll,
+                           adapt_seconds=args.adapt_seconds, adapt_lr=args.adapt_lr,
                            adapt_prompts=args.adapt_prompts, stop_trials=args.stop_trials, parts=args.parts)
     print(json.dumps(result))
     return 0
@@ -254,8 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     drf.add_argument("--new-tokens", type=int, default=96)
     drf.add_argument("--k", default="2,3,4,6")
     drf.add_argument("--threads", type=int, default=2)
-    drf.add_argument("--warm-prompts", type=int, default=1024)
+    drf.add_argument("--warm-prompts", type=int, default=1536)
     drf.add_argument("--warm-steps", type=int, default=2000)
+    drf.add_argument("--warm-unroll", type=int, default=4, help="draft positions the warm start trains")
     drf.add_argument("--parts", default="abc", help="a: acceptance sweep, b: drift, c: training throughput and stops")
     drf.add_argument("--adapt-seconds", type=float, default=60.0, help="online training budget after the drift")
     drf.add_argument("--adapt-lr", type=float, default=3e-4, help="peak learning rate of the online adaptation")

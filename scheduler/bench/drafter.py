@@ -11,6 +11,7 @@ The warm-started drafter is cached under $TLT_CACHE_DIR/drafters/ (keyed by mode
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import random
@@ -27,6 +28,7 @@ from drafter.checkpoint import load_draft
 from drafter.drafters import NgramDrafter
 from drafter.eagle import EagleDrafter
 from drafter.engine import Engine, Request
+from drafter.evaluate import calibrate_draft_temperature
 from drafter.loading import default_cache_dir, encode_prompt, load_model
 from drafter.sampling import SamplingParams
 from drafter.train import DraftTrainer, TrainConfig
@@ -38,9 +40,21 @@ def log(msg: str) -> None:
     print(f"[bench drafter] {msg}", file=sys.stderr, flush=True)
 
 
-def warm_drafter(loaded, num_prompts: int, max_steps: int, draft_vocab: int):
-    key = hashlib.sha256(json.dumps([loaded.name, num_prompts, max_steps, draft_vocab, 3]).encode()).hexdigest()[:12]
-    out = default_cache_dir().parent / "drafters" / key
+def warm_train_config(max_steps: int, num_unroll: int) -> TrainConfig:
+    """The warm start's recipe: TrainConfig's defaults, with the cosine horizon at the step budget and
+    `num_unroll` trained draft positions (4: the bench's best k is 4, and k=6 drafts past what 3 trained)."""
+    return TrainConfig(total_steps=max_steps, num_unroll=num_unroll)
+
+
+def _key(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:12]
+
+
+def warm_drafter(loaded, num_prompts: int, max_steps: int, draft_vocab: int, num_unroll: int = 4):
+    cache = default_cache_dir().parent
+    out = cache / "drafters" / _key(loaded.name, num_prompts, max_steps, draft_vocab, num_unroll, 4)
+    # the harvest does not depend on the training recipe: kept apart, a new recipe reuses it
+    harvest_file = cache / "harvests" / f"{_key(loaded.name, num_prompts, 1, vars(HarvestConfig()))}.safetensors"
     path = out / "draft-v000001.safetensors"
     if path.is_file():
         state, meta = load_draft(path)
@@ -50,13 +64,27 @@ def warm_drafter(loaded, num_prompts: int, max_steps: int, draft_vocab: int):
     log(f"warm start: {num_prompts} prompts, {max_steps} training steps (cached afterwards in {out})")
     prompts = [encode_prompt(loaded.tokenizer, t) for t in synthetic_prompts(num_prompts, seed=1)]
     head, rep = warm_start(loaded.model, loaded.tokenizer, prompts, out, max_steps=max_steps,
-                           draft_vocab_size=draft_vocab, progress=log)
+                           train_cfg=warm_train_config(max_steps, num_unroll), draft_vocab_size=draft_vocab,
+                           progress=log, harvest_file=harvest_file)
     return head, {"cached": False, "path": rep.path, "train_steps": rep.train_steps,
                   "harvested_tokens": rep.num_harvested_tokens, "harvest_s": round(rep.harvest_seconds, 1),
                   "train_s": round(rep.train_seconds, 1), "train_tokens_per_s": round(rep.train_tokens_per_s, 1)}
 
 
-def sweep(engine, prompts, ks, drafters: dict, new_tokens: int) -> dict:
+def calibrate(engine, policy, tok, head, k: int = 4, num_prompts: int = 32) -> dict:
+    """Pick the head's draft temperature on fresh held-out rollouts sampled at temperature 1 (other
+    templated prompts than the warm start's and the adaptation's)."""
+    held_out = RolloutBuffer(max_bytes=1 << 30)
+    harvest(engine, [encode_prompt(tok, t) for t in synthetic_prompts(num_prompts, seed=11)], held_out, 0,
+            HarvestConfig(temperature=1.0, top_p=1.0, max_new_tokens=96))
+    tau, scores = calibrate_draft_temperature(head, policy, held_out.rollouts, k)
+    head.cfg.draft_temperature = tau
+    log(f"draft temperature {tau}: expected tokens per step at T=1, k={k}: "
+        + ", ".join(f"{t}: {v:.2f}" for t, v in scores.items()))
+    return {"draft_temperature": tau, "draft_temperature_scores": {str(t): round(v, 3) for t, v in scores.items()}}
+
+
+def sweep(engine, prompts, ks, drafters: dict, new_tokens: int, sampled_only: tuple[str, ...] = ()) -> dict:
     """Per temperature and k: plain decoding, then each drafter, side by side; each speed-up is
     against the plain run just before it (the machine's speed drifts over a long sweep). Every
     configuration first generates a few tokens untimed, so no one pays for a first call. Greedy
@@ -71,6 +99,8 @@ def sweep(engine, prompts, ks, drafters: dict, new_tokens: int) -> dict:
             plains.append(plain.tokens_per_s)
             res[f"plain_k{k}_tokens_per_s"] = round(plain.tokens_per_s, 2)
             for name, d in drafters.items():
+                if temp == 0.0 and name in sampled_only:
+                    continue
                 measure(engine, prompts[:1], k, d, temp, 8)
                 a = measure(engine, prompts, k, d, temp, new_tokens)
                 if temp == 0.0:
@@ -135,8 +165,9 @@ def stop_latencies(policy, head, buffer, trials: int) -> list[float]:
 
 
 def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_prompts: int = 6,
-                  new_tokens: int = 96, ks: tuple[int, ...] = (2, 3, 4, 6), warm_prompts: int = 1024,
-                  warm_steps: int = 2000, draft_vocab: int = 8192, drift_steps: int = 40, drift_lr: float = 1e-4,
+                  new_tokens: int = 96, ks: tuple[int, ...] = (2, 3, 4, 6), warm_prompts: int = 1536,
+                  warm_steps: int = 2000, warm_unroll: int = 4, draft_vocab: int = 8192, drift_steps: int = 40,
+                  drift_lr: float = 1e-4,
                   adapt_seconds: float = 60.0, adapt_lr: float = 3e-4, adapt_prompts: int = 256,
                   stop_trials: int = 20, parts: str = "abc") -> dict:
     """parts: any of "a" (sweep), "b" (drift), "c" (throughput, stops). Without (a), the drift is
@@ -149,10 +180,12 @@ def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_p
     policy, tok = loaded.model, loaded.tokenizer
     engine = Engine(policy, tok)
     eval_prompts = [encode_prompt(tok, t) for t in PROMPTS[:num_eval_prompts]]  # held out: not templated
-    head, warm_info = warm_drafter(loaded, warm_prompts, warm_steps, draft_vocab)
+    head, warm_info = warm_drafter(loaded, warm_prompts, warm_steps, draft_vocab, warm_unroll)
     result: dict = {"model": loaded.name, "threads": threads, "new_tokens": new_tokens, "ks": list(ks),
                     "num_eval_prompts": len(eval_prompts), "warm_start": warm_info}
     result["parts"] = parts
+    if "a" in parts:
+        result.update(calibrate(engine, policy, tok, head))
     best_k = _sweep_part(result, engine, eval_prompts, ks, policy, head, new_tokens) if "a" in parts else 4
     train_policy, train_head, buffer = policy, head, None
     if "b" in parts:
@@ -179,7 +212,12 @@ def _sweep_part(result, engine, eval_prompts, ks, policy, head, new_tokens) -> i
     log("(a) acceptance and speed-up, batch 1")
     drafters = {"warm": EagleDrafter(policy, head), "untrained": EagleDrafter(policy, new_head(policy, None, None)),
                 "ngram": NgramDrafter()}
-    result["sweep"] = sweep(engine, eval_prompts, ks, drafters, new_tokens)
+    sampled_only: tuple[str, ...] = ()
+    if head.cfg.draft_temperature != 1.0:  # side by side: what the calibration bought at T=1
+        own = copy.copy(head)  # shares the weights
+        own.cfg = dataclasses.replace(head.cfg, draft_temperature=1.0)
+        drafters["warm_draft_t1"], sampled_only = EagleDrafter(policy, own), ("warm_draft_t1",)
+    result["sweep"] = sweep(engine, eval_prompts, ks, drafters, new_tokens, sampled_only)
     greedy, temp1 = result["sweep"]["greedy"], result["sweep"]["temp1"]
     best_k = max(ks, key=lambda k: greedy[f"warm_k{k}"]["speedup"])
     best_k_sampled = max(ks, key=lambda k: temp1[f"warm_k{k}"]["speedup"])  # sampling accepts less: its own k

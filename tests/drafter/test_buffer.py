@@ -248,3 +248,34 @@ def test_mask_isolates_packed_sequences_under_sdpa():
         alone = x[r : r + 1, :, s:e]
         expected = F.scaled_dot_product_attention(alone, alone, alone, is_causal=True)
         torch.testing.assert_close(out[r : r + 1, :, s:e], expected)
+
+
+def test_save_and_load_round_trip(tmp_path):
+    buf = RolloutBuffer(max_bytes=1 << 20)
+    numbered(buf, [5, 3, 9], version=2)
+    buf.add(list(range(4)), torch.randn(3, D), policy_version=3, num_prompt=2)
+    path = tmp_path / "harvest.safetensors"
+    buf.save(path)
+    back = RolloutBuffer(max_bytes=1 << 20)
+    assert back.load(path) == 4
+    assert len(back) == 4 and back.num_bytes == buf.num_bytes and back.policy_versions == [2, 3]
+    for a, b in zip(buf.rollouts, back.rollouts):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.hidden, b.hidden)
+        assert (a.policy_version, a.num_prompt) == (b.policy_version, b.num_prompt)
+    with pytest.raises(ValueError, match="empty"):
+        RolloutBuffer(max_bytes=1 << 20).save(tmp_path / "empty.safetensors")
+
+
+def test_load_rejects_a_broken_file_and_adds_nothing(tmp_path):
+    buf = RolloutBuffer(max_bytes=1 << 20)
+    numbered(buf, [5, 6])
+    path = tmp_path / "harvest.safetensors"
+    buf.save(path)
+    data = path.read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) - 10])
+    (tmp_path / "junk.safetensors").write_bytes(b"not a file at all")
+    for name in ("cut", "junk"):
+        target = RolloutBuffer(max_bytes=1 << 20)
+        with pytest.raises(ValueError, match=name):
+            target.load(tmp_path / f"{name}.safetensors")
+        assert len(target) == 0

@@ -18,7 +18,7 @@ from scipy.stats import chisquare
 import drafter.engine as engine_mod
 from drafter import sampling
 from drafter.drafters import Drafter, NgramDrafter, Proposal
-from drafter.eagle import EagleDrafter, EagleHead
+from drafter.eagle import EagleConfig, EagleDrafter, EagleHead
 from drafter.engine import Engine, Request
 from drafter.sampling import BatchSampling, SamplingParams, Verdict, token_probs
 from tests.conftest import tiny_model
@@ -104,8 +104,9 @@ class NoisyPolicyDrafter(Drafter):
 def make_drafter(name, model):
     if name == "ngram":
         return NgramDrafter()
-    if name == "eagle":
-        return EagleDrafter(model, EagleHead(model.cfg))
+    if name.startswith("eagle"):  # eagle-T: draft temperature T (0: the argmax is proposed)
+        tau = float(name.partition("-")[2] or 1.0)
+        return EagleDrafter(model, EagleHead(model.cfg, EagleConfig(draft_temperature=tau, init_seed=1)))
     return NoisyPolicyDrafter(model)
 
 
@@ -121,6 +122,11 @@ def test_plain_sampling_matches_policy(model, exact):
 @pytest.mark.parametrize("drafter_name", ["ngram", "eagle", "noisy-policy"])
 def test_speculative_sampling_matches_policy(model, exact, k, drafter_name):
     assert sample_pvalue(model, exact, k, make_drafter(drafter_name, model)) > ALPHA
+
+
+@pytest.mark.parametrize("drafter_name", ["eagle-0.5", "eagle-0"])
+def test_sharpened_draft_distributions_stay_lossless(model, exact, drafter_name):
+    assert sample_pvalue(model, exact, 2, make_drafter(drafter_name, model)) > ALPHA
 
 
 def accept_always(target_logits, draft_tokens, draft_lens, draft_probs, sampling_, uniforms):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import threading
 import time
 
@@ -12,7 +14,7 @@ from drafter.buffer import PackedBatch, RolloutBuffer
 from drafter.checkpoint import DraftMeta
 from drafter.eagle import EagleConfig, EagleDrafter, EagleHead
 from drafter.engine import Engine, Request
-from drafter.evaluate import expected_accepted_length
+from drafter.evaluate import DRAFT_TEMPERATURES, calibrate_draft_temperature, expected_accepted_length
 from drafter.sampling import SamplingParams
 from drafter.train import DraftTrainer, StopRequestedError, TrainConfig, unrolled_predictions
 from drafter.warmstart import HarvestConfig, harvest, measure
@@ -219,3 +221,27 @@ def test_offline_acceptance_tracks_online_decoding(structured):
         expected_accepted_length(head, model, greedy_rollouts.rollouts, 0)
     with pytest.raises(ValueError, match="no rollouts"):
         expected_accepted_length(head, model, [], 3)
+
+
+def test_calibrated_draft_temperature_scores_best_offline_and_online(structured):
+    """calibrate_draft_temperature picks the candidate with the most expected tokens per step under
+    sampling; the offline score of a draft temperature tracks what sampled decoding measures with it."""
+    model, engine, buffer, held_out = structured
+    head = EagleHead(model.cfg)
+    DraftTrainer(model, head, TrainConfig(total_steps=150)).train(buffer, max_steps=150)
+    sampled_rollouts = RolloutBuffer(max_bytes=16 << 20, hidden_dtype=torch.float32)
+    harvest(engine, held_out, sampled_rollouts, cfg=HarvestConfig(batch_size=8, max_new_tokens=32, temperature=1.0,
+                                                                 top_p=1.0))
+    tau, scores = calibrate_draft_temperature(head, model, sampled_rollouts.rollouts, 3)
+    assert set(scores) == set(DRAFT_TEMPERATURES) and scores[tau] == max(scores.values())
+    for t in (1.0, 0.0):
+        assert scores[t] == pytest.approx(expected_accepted_length(head, model, sampled_rollouts.rollouts, 3,
+                                                                   greedy=False, draft_temperature=t))
+    for t in {1.0, tau, 0.0}:
+        h = copy.copy(head)
+        h.cfg = dataclasses.replace(head.cfg, draft_temperature=t)
+        online = measure(engine, held_out * 4, 3, EagleDrafter(model, h), temperature=1.0,
+                         max_new_tokens=32).mean_accepted_length
+        assert online == pytest.approx(scores[t], rel=0.2), (t, online, scores[t])
+    with pytest.raises(ValueError, match="draft_temperature"):
+        EagleConfig(draft_temperature=-1)
