@@ -98,7 +98,7 @@ def _drafter_train(args: argparse.Namespace) -> int:
                            train_cfg=TrainConfig(total_steps=args.steps or 1000, num_unroll=args.unroll),
                            harvest_cfg=HarvestConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size),
                            max_steps=args.steps, max_seconds=args.seconds, draft_vocab_size=args.draft_vocab,
-                           eval_prompts=eval_prompts)
+                           eval_prompts=eval_prompts, harvest_file=args.harvest_file)
     print(json.dumps(report.__dict__))
     return 0
 
@@ -297,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (most frequent tokens)")
     tr.add_argument("--unroll", type=int, default=3, help="training-time unrolled draft positions")
     tr.add_argument("--threads", type=int, default=2)
+    tr.add_argument("--harvest-file", default=None,
+                    help="keep the harvest here (safetensors); an existing file is read instead of generating")
     tr.set_defaults(func=_drafter_train)
 
     gen = sub.add_parser("generate", help="generate from prompts with the built-in engine")

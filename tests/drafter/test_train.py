@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from drafter.buffer import PackedBatch, RolloutBuffer
-from drafter.checkpoint import DraftMeta
+from drafter.checkpoint import DraftMeta, load_draft
 from drafter.eagle import EagleConfig, EagleDrafter, EagleHead
 from drafter.engine import Engine, Request
 from drafter.evaluate import DRAFT_TEMPERATURES, calibrate_draft_temperature, expected_accepted_length
 from drafter.sampling import SamplingParams
 from drafter.train import DraftTrainer, StopRequestedError, TrainConfig, unrolled_predictions
-from drafter.warmstart import HarvestConfig, harvest, measure
+from drafter.warmstart import HarvestConfig, harvest, measure, warm_start
 from tests.conftest import pattern_corpus, random_prompts, structured_model, tiny_model
 
 
@@ -245,3 +245,28 @@ def test_calibrated_draft_temperature_scores_best_offline_and_online(structured)
         assert online == pytest.approx(scores[t], rel=0.2), (t, online, scores[t])
     with pytest.raises(ValueError, match="draft_temperature"):
         EagleConfig(draft_temperature=-1)
+
+
+def test_warm_start_keeps_its_harvest_and_saves_a_calibrated_head(structured, tmp_path):
+    """The offline warm start: harvest (kept in a file a second run reads instead of generating),
+    train, calibrate the draft temperature on the held-out prompts, save draft v1, report acceptance."""
+    model, _, _, held_out = structured
+    prompts = [p[:6].tolist() for p in pattern_corpus(24, seed=20_000)]
+    harvest_file = tmp_path / "harvest.safetensors"
+    messages: list[str] = []
+    head, report = warm_start(model, None, prompts, tmp_path / "a", max_steps=40, draft_vocab_size=None,
+                              harvest_cfg=HarvestConfig(batch_size=12, max_new_tokens=24, temperature=1.0),
+                              eval_prompts=held_out, eval_ks=(2,), progress=messages.append,
+                              harvest_file=harvest_file)
+    assert harvest_file.is_file() and 0 < report.num_harvested_tokens <= 24 * 24 and report.train_steps == 40
+    assert report.draft_temperature in DRAFT_TEMPERATURES and head.cfg.draft_temperature == report.draft_temperature
+    scores = report.draft_temperature_scores
+    assert scores[str(report.draft_temperature)] == max(scores.values())
+    _, meta = load_draft(report.path)
+    assert meta.head_config["eagle"]["draft_temperature"] == report.draft_temperature and meta.num_steps == 40
+    assert float(report.acceptance["2"]) > 1.0
+    messages.clear()
+    _, again = warm_start(model, None, prompts[:1], tmp_path / "b", max_steps=2, draft_vocab_size=None,
+                          progress=messages.append, harvest_file=harvest_file)
+    assert again.num_harvested_tokens == report.num_harvested_tokens
+    assert any("read from" in m for m in messages) and not any(m.startswith("harvest [") for m in messages)
