@@ -85,32 +85,42 @@ def calibrate(engine, policy, tok, head, k: int = 4, num_prompts: int = 32) -> d
 
 
 def sweep(engine, prompts, ks, drafters: dict, new_tokens: int, sampled_only: tuple[str, ...] = ()) -> dict:
-    """Per temperature and k: plain decoding, then each drafter, side by side; each speed-up is
-    against the plain run just before it (the machine's speed drifts over a long sweep). Every
-    configuration first generates a few tokens untimed, so no one pays for a first call. Greedy
-    speculative outputs are compared with plain decoding's, token for token (the lossless promise)."""
+    """Per temperature and k: plain decoding and each drafter, interleaved prompt by prompt (plain,
+    then the drafters in an order that rotates per prompt), so every configuration runs in the same
+    windows of time: on a shared machine whose speed drifts by 10-20% over minutes, a plain run
+    measured once before the drafters made single speed-ups off by as much. Every configuration first
+    generates a few tokens untimed, so no one pays for a first call. Greedy speculative outputs are
+    compared with plain decoding's, token for token (the lossless promise)."""
     out: dict = {"greedy_identical": 0, "greedy_compared": 0}
     for temp in (0.0, 1.0):
         res: dict = {}
         plains = []
         for k in ks:
-            measure(engine, prompts[:1], 0, None, temp, 8)
-            plain = measure(engine, prompts, 0, None, temp, new_tokens)
-            plains.append(plain.tokens_per_s)
-            res[f"plain_k{k}_tokens_per_s"] = round(plain.tokens_per_s, 2)
-            for name, d in drafters.items():
-                if temp == 0.0 and name in sampled_only:
-                    continue
-                measure(engine, prompts[:1], k, d, temp, 8)
-                a = measure(engine, prompts, k, d, temp, new_tokens)
+            names = [n for n in drafters if not (temp == 0.0 and n in sampled_only)]
+            configs = [("plain", 0, None)] + [(n, k, drafters[n]) for n in names]
+            for _, kk, d in configs:
+                measure(engine, prompts[:1], kk, d, temp, 8)
+            runs: dict = {name: [] for name, _, _ in configs}
+            for i, p in enumerate(prompts):
+                rot = i % max(len(names), 1)
+                for name, kk, d in configs[:1] + configs[1:][rot:] + configs[1:][:rot]:
+                    runs[name].append(measure(engine, [p], kk, d, temp, new_tokens, seed=i))
+            tokens = {n: sum(len(a.token_ids[0]) for a in r) for n, r in runs.items()}
+            seconds = {n: sum(a.seconds for a in r) for n, r in runs.items()}
+            plain_tps = tokens["plain"] / seconds["plain"]
+            plains.append(plain_tps)
+            res[f"plain_k{k}_tokens_per_s"] = round(plain_tps, 2)
+            for name in names:
+                steps = sum(len(a.token_ids[0]) / a.mean_accepted_length for a in runs[name])
+                acc, tps = tokens[name] / steps, tokens[name] / seconds[name]
                 if temp == 0.0:
                     out["greedy_compared"] += len(prompts)
-                    out["greedy_identical"] += sum(x == y for x, y in zip(a.token_ids, plain.token_ids))
-                res[f"{name}_k{k}"] = {"mean_accepted_length": round(a.mean_accepted_length, 3),
-                                       "tokens_per_s": round(a.tokens_per_s, 2),
-                                       "speedup": round(a.tokens_per_s / plain.tokens_per_s, 3)}
-                log(f"T={temp} {name} k={k}: accepted length {a.mean_accepted_length:.2f}, "
-                    f"{a.tokens_per_s / plain.tokens_per_s:.2f}x plain ({plain.tokens_per_s:.1f} tok/s)")
+                    same = (a.token_ids == b.token_ids for a, b in zip(runs[name], runs["plain"]))
+                    out["greedy_identical"] += sum(same)
+                res[f"{name}_k{k}"] = {"mean_accepted_length": round(acc, 3), "tokens_per_s": round(tps, 2),
+                                       "speedup": round(tps / plain_tps, 3)}
+                log(f"T={temp} {name} k={k}: accepted length {acc:.2f}, {tps / plain_tps:.2f}x plain "
+                    f"({plain_tps:.1f} tok/s)")
         res["plain_tokens_per_s"] = round(statistics.mean(plains), 2)
         out["greedy" if temp == 0 else "temp1"] = res
     return out
