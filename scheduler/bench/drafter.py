@@ -72,8 +72,8 @@ def warm_drafter(loaded, num_prompts: int, max_steps: int, draft_vocab: int, num
 
 
 def calibrate(engine, policy, tok, head, k: int = 4, num_prompts: int = 32) -> dict:
-    """Pick the head's draft temperature on fresh held-out rollouts sampled at temperature 1 (other
-    templated prompts than the warm start's and the adaptation's)."""
+    """Pick the head's draft temperature on fresh rollouts sampled at temperature 1, of templated
+    prompts drawn with a seed of their own (the warm start's are seed 1, the adaptation's seed 9)."""
     held_out = RolloutBuffer(max_bytes=1 << 30)
     harvest(engine, [encode_prompt(tok, t) for t in synthetic_prompts(num_prompts, seed=11)], held_out, 0,
             HarvestConfig(temperature=1.0, top_p=1.0, max_new_tokens=96))
