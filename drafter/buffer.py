@@ -8,7 +8,6 @@ h_{j+1} and x_{j+2}, so the last pair of a sequence has none.
 from __future__ import annotations
 
 import json
-import os
 import random
 import threading
 from collections import deque
@@ -18,7 +17,8 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+
+from drafter.checkpoint import save_file_atomic
 
 HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # float32 for exact tests; bf16/fp16 halve the bytes
 TOKEN_DTYPE = torch.int32  # every vocabulary fits; half the bytes of int64
@@ -119,20 +119,14 @@ class RolloutBuffer:
         return sum(r.num_pairs for r in made)
 
     def save(self, path: str | Path) -> None:
-        """Write every rollout to one safetensors file (atomically: temp file, fsync, rename), e.g. to
-        keep a warm start's harvest: generating it costs far more than training on it."""
+        """Write every rollout to one safetensors file (atomically, as checkpoints are), e.g. to keep a
+        warm start's harvest: generating it costs far more than training on it."""
         rollouts = self.rollouts
         if not rollouts:
             raise ValueError("the buffer is empty: nothing to save")
         index = [[r.tokens.numel(), r.policy_version, r.num_prompt] for r in rollouts]
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
         tensors = {"tokens": torch.cat([r.tokens for r in rollouts]), "hidden": torch.cat([r.hidden for r in rollouts])}
-        save_file(tensors, str(tmp), metadata={"kind": "rollouts", "index": json.dumps(index)})
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        save_file_atomic(path, tensors, {"kind": "rollouts", "index": json.dumps(index)})
 
     def load(self, path: str | Path) -> int:
         """Add the rollouts of a file written by save() (oldest first, evicting as add() does); returns

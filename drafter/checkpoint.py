@@ -106,11 +106,19 @@ def _write(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[st
         seen.add(t.untyped_storage().data_ptr())
         out[name] = t
     metadata = {**metadata, "sha256": _digest(out, metadata)}
+    save_file_atomic(path, out, metadata)
+    return metadata["sha256"]
+
+
+def save_file_atomic(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """safetensors' save_file made durable: temp file in the same directory, fsync, rename over
+    `path`, fsync the directory. A crash leaves the old file or the new one, never a torn one."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.close(fd)
-        save_file(out, tmp, metadata=metadata)  # writes and closes; what is left is to make it durable
+        save_file(tensors, tmp, metadata=metadata)  # writes and closes; what is left is to make it durable
         os.chmod(tmp, 0o644)  # mkstemp makes it 0600; weights are not secret and other readers need them
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -123,7 +131,6 @@ def _write(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[st
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    return metadata["sha256"]
 
 
 def _read(path: str | Path, kind: str) -> tuple[dict[str, torch.Tensor], dict[str, str], DraftMeta]:
