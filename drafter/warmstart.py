@@ -107,6 +107,19 @@ def head_from_state(config: dict, state: dict[str, torch.Tensor]) -> EagleHead:
     return head
 
 
+def calibrate_on_prompts(engine: Engine, head: EagleHead, prompts: list[list[int]], k: int,
+                         max_new_tokens: int, batch_size: int = 16) -> tuple[float, dict[float, float]]:
+    """Sample held-out rollouts of `prompts` at temperature 1 (as RL samples), pick the draft
+    temperature with the most expected tokens per step on them at k, and set it on the head.
+    Returns it and every candidate's score."""
+    held_out = RolloutBuffer(max_bytes=1 << 30)
+    harvest(engine, prompts, held_out, 0, HarvestConfig(batch_size=batch_size, temperature=1.0, top_p=1.0,
+                                                        max_new_tokens=max_new_tokens))
+    tau, scores = calibrate_draft_temperature(head, engine.model, held_out.rollouts, k)
+    head.cfg.draft_temperature = tau
+    return tau, scores
+
+
 @dataclass
 class Acceptance:
     k: int
@@ -191,13 +204,10 @@ def warm_start(policy: CausalLM, tokenizer, prompts: list[list[int]], out_dir: s
     report.train_tokens_per_s, report.final_loss = rep.tokens_per_s, rep.losses[-1] if rep.losses else 0.0
     head.eval().requires_grad_(False)
     if eval_prompts:
-        # held-out rollouts, sampled at temperature 1 as RL samples: pick the draft temperature on them
-        held_out = RolloutBuffer(max_bytes=1 << 30)
         hcfg = harvest_cfg or HarvestConfig()
-        harvest(engine, eval_prompts, held_out, 0, HarvestConfig(batch_size=hcfg.batch_size, temperature=1.0,
-                                                                 top_p=1.0, max_new_tokens=hcfg.max_new_tokens))
-        tau, scores = calibrate_draft_temperature(head, policy, held_out.rollouts, max(eval_ks))
-        head.cfg.draft_temperature = report.draft_temperature = tau
+        tau, scores = calibrate_on_prompts(engine, head, eval_prompts, max(eval_ks), hcfg.max_new_tokens,
+                                           hcfg.batch_size)
+        report.draft_temperature = tau
         report.draft_temperature_scores = {str(t): round(v, 3) for t, v in scores.items()}
         if progress:
             progress(f"draft temperature {tau} (expected tokens per step at T=1, k={max(eval_ks)}: "

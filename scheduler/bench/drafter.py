@@ -28,11 +28,18 @@ from drafter.checkpoint import load_draft
 from drafter.drafters import NgramDrafter
 from drafter.eagle import EagleDrafter
 from drafter.engine import Engine, Request
-from drafter.evaluate import calibrate_draft_temperature
 from drafter.loading import default_cache_dir, encode_prompt, load_model
 from drafter.sampling import SamplingParams
 from drafter.train import DraftTrainer, TrainConfig
-from drafter.warmstart import HarvestConfig, harvest, head_from_state, measure, new_head, warm_start
+from drafter.warmstart import (
+    HarvestConfig,
+    calibrate_on_prompts,
+    harvest,
+    head_from_state,
+    measure,
+    new_head,
+    warm_start,
+)
 from scheduler.bench.prompts import PROMPTS, synthetic_prompts
 
 
@@ -71,14 +78,11 @@ def warm_drafter(loaded, num_prompts: int, max_steps: int, draft_vocab: int, num
                   "train_s": round(rep.train_seconds, 1), "train_tokens_per_s": round(rep.train_tokens_per_s, 1)}
 
 
-def calibrate(engine, policy, tok, head, k: int = 4, num_prompts: int = 32) -> dict:
+def calibrate(engine, tok, head, k: int = 4, num_prompts: int = 32) -> dict:
     """Pick the head's draft temperature on fresh rollouts sampled at temperature 1, of templated
     prompts drawn with a seed of their own (the warm start's are seed 1, the adaptation's seed 9)."""
-    held_out = RolloutBuffer(max_bytes=1 << 30)
-    harvest(engine, [encode_prompt(tok, t) for t in synthetic_prompts(num_prompts, seed=11)], held_out, 0,
-            HarvestConfig(temperature=1.0, top_p=1.0, max_new_tokens=96))
-    tau, scores = calibrate_draft_temperature(head, policy, held_out.rollouts, k)
-    head.cfg.draft_temperature = tau
+    prompts = [encode_prompt(tok, t) for t in synthetic_prompts(num_prompts, seed=11)]
+    tau, scores = calibrate_on_prompts(engine, head, prompts, k, max_new_tokens=96)
     log(f"draft temperature {tau}: expected tokens per step at T=1, k={k}: "
         + ", ".join(f"{t}: {v:.2f}" for t, v in scores.items()))
     return {"draft_temperature": tau, "draft_temperature_scores": {str(t): round(v, 3) for t, v in scores.items()}}
@@ -198,7 +202,7 @@ def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_p
                     "num_eval_prompts": len(eval_prompts), "warm_start": warm_info}
     result["parts"] = parts
     if "a" in parts:
-        result.update(calibrate(engine, policy, tok, head))
+        result.update(calibrate(engine, tok, head))
     best_k = _sweep_part(result, engine, eval_prompts, ks, policy, head, new_tokens) if "a" in parts else 4
     train_policy, train_head, buffer = policy, head, None
     if "b" in parts:
