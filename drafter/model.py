@@ -157,6 +157,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight.dtype:  # bf16 activations under autocast: normalise in float32
+            return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 

@@ -46,6 +46,14 @@ class TrainConfig:
     varlen_attention: bool = True  # flash-attn's varlen kernel for unroll step 0, when installed on a GPU
     num_rows: int = 4
     seed: int = 0
+    # Anneal within each train() call: the cosine runs from the end of warmup to the call's own budget
+    # (max_seconds or max_steps, whichever ends first) instead of total_steps. An online lease knows its
+    # deadline, and a head that ends at a low rate carries less of its last steps' gradient noise.
+    anneal_to_budget: bool = False
+    # bf16 autocast for the forward pass (weights, gradients and optimizer state stay float32): twice
+    # the micro-steps per second on a Zen 4 CPU (docs/benchmarks.md). None: on where the device has
+    # fast bf16 matmuls (fast_bf16). Off by default so that a recipe's numerics never depend on the box.
+    bf16_autocast: bool | None = False
 
     def __post_init__(self) -> None:
         if self.num_unroll < 1:
@@ -54,6 +62,20 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.max_tokens_per_row < 2 or self.num_rows < 1:
             raise ValueError("max_tokens_per_row must be >= 2 and num_rows >= 1")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+def fast_bf16(device: torch.device | str) -> bool:
+    """Whether bf16 matmuls run natively on `device`: a CUDA GPU with bf16, or a CPU with AVX512-BF16
+    or AMX tiles (elsewhere torch emulates them, slower than float32)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private in torch 2.x: probe gently
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
 
 
 class StopRequestedError(Exception):
@@ -237,17 +259,24 @@ class DraftTrainer:
         params = [p for p in head.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=self.cfg.lr, betas=self.cfg.betas,
                                            weight_decay=self.cfg.weight_decay)
+        auto = self.cfg.bf16_autocast is None
+        self.bf16_autocast = fast_bf16(head.fc.weight.device) if auto else bool(self.cfg.bf16_autocast)
         self.step = 0  # optimizer steps taken by this trainer (drives the schedule)
         self.num_tokens = 0
         self.stop_event = threading.Event()
         self._epoch = 0
         self._batches: Iterator[PackedBatch] | None = None
 
-    def lr_at(self, step: int) -> float:
+    def lr_at(self, step: int, budget_progress: float | None = None) -> float:
+        """The rate at optimizer step `step`: linear warmup, then cosine decay to lr * min_lr_ratio at
+        total_steps or, given `budget_progress` (the spent fraction of a train() budget), at its end."""
         c = self.cfg
         if step < c.warmup_steps:
             return c.lr * (step + 1) / c.warmup_steps
-        progress = min(1.0, (step - c.warmup_steps) / max(1, c.total_steps - c.warmup_steps))
+        if budget_progress is not None:
+            progress = min(1.0, max(0.0, budget_progress))
+        else:
+            progress = min(1.0, (step - c.warmup_steps) / max(1, c.total_steps - c.warmup_steps))
         cosine = 0.5 * (1 + torch.cos(torch.tensor(progress * torch.pi)).item())
         return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * cosine)
 
@@ -273,15 +302,18 @@ class DraftTrainer:
             self._batches = None
         raise ValueError("the rollout buffer yields no batches")
 
-    def micro_step(self, batch: PackedBatch) -> dict:
-        """One optimizer step; raises StopRequestedError (with nothing applied) if a stop arrives mid-way."""
+    def micro_step(self, batch: PackedBatch, budget_progress: float | None = None) -> dict:
+        """One optimizer step; raises StopRequestedError (with nothing applied) if a stop arrives mid-way.
+        budget_progress: how much of the train() call's budget is spent (anneal_to_budget only)."""
         dtype = self.head.fc.weight.dtype
         batch = PackedBatch(batch.feats.to(dtype), batch.tokens, batch.positions, batch.seq_ids, batch.target_mask,
                             batch.num_tokens, batch.num_sequences)
+        lr = self.lr_at(self.step, budget_progress)
         for g in self.optimizer.param_groups:
-            g["lr"] = self.lr_at(self.step)
+            g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
-        loss, stats = draft_loss(self.head, self.policy, batch, self.cfg, self._check_stop)
+        with torch.autocast(batch.feats.device.type, dtype=torch.bfloat16, enabled=self.bf16_autocast):
+            loss, stats = draft_loss(self.head, self.policy, batch, self.cfg, self._check_stop)
         self._check_stop()
         loss.backward()
         self._check_stop()
@@ -289,7 +321,7 @@ class DraftTrainer:
         self.optimizer.step()
         self.step += 1
         self.num_tokens += batch.num_tokens
-        stats.update(loss=float(loss.detach()), grad_norm=float(grad_norm), lr=self.lr_at(self.step - 1))
+        stats.update(loss=float(loss.detach()), grad_norm=float(grad_norm), lr=lr)
         return stats
 
     def train(self, buffer: RolloutBuffer, max_steps: int | None = None, max_seconds: float | None = None,
@@ -309,8 +341,14 @@ class DraftTrainer:
                 if max_seconds is not None and time.perf_counter() - start >= max_seconds:
                     break
                 batch = self.next_batch(buffer)
+                progress = None
+                if self.cfg.anneal_to_budget:
+                    spent = [report.num_steps / max_steps] if max_steps else []
+                    if max_seconds:
+                        spent.append((time.perf_counter() - start) / max_seconds)
+                    progress = max(spent, default=1.0)
                 try:
-                    stats = self.micro_step(batch)
+                    stats = self.micro_step(batch, progress)
                 except StopRequestedError:
                     self.optimizer.zero_grad(set_to_none=True)
                     break

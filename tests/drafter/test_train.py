@@ -16,7 +16,7 @@ from drafter.eagle import EagleConfig, EagleDrafter, EagleHead
 from drafter.engine import Engine, Request
 from drafter.evaluate import DRAFT_TEMPERATURES, calibrate_draft_temperature, expected_accepted_length
 from drafter.sampling import SamplingParams
-from drafter.train import DraftTrainer, StopRequestedError, TrainConfig, unrolled_predictions
+from drafter.train import DraftTrainer, StopRequestedError, TrainConfig, fast_bf16, unrolled_predictions
 from drafter.warmstart import HarvestConfig, harvest, measure, warm_start
 from tests.conftest import pattern_corpus, random_prompts, structured_model, tiny_model
 
@@ -154,6 +154,58 @@ def test_train_needs_a_budget_and_data(structured):
         trainer.train(RolloutBuffer(max_bytes=1 << 20), max_steps=1)
     with pytest.raises(ValueError, match="num_unroll"):
         TrainConfig(num_unroll=0)
+
+
+def test_anneal_to_budget_ends_each_call_at_the_floor_rate(structured):
+    """With anneal_to_budget the cosine spans the train() call's own budget: a lease's last steps run
+    near lr * min_lr_ratio whatever total_steps says; without it they stay near the peak."""
+    model, _, buffer, _ = structured
+    cfg = TrainConfig(lr=1e-3, warmup_steps=2, total_steps=10_000, min_lr_ratio=0.0, anneal_to_budget=True)
+    trainer = DraftTrainer(model, EagleHead(model.cfg), cfg)
+    lrs = []
+    trainer.train(buffer, max_steps=12, on_step=lambda step, stats: lrs.append(stats["lr"]))
+    assert lrs[:2] == pytest.approx([5e-4, 1e-3])  # warmup
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))  # then decays monotonically ...
+    assert lrs[-1] < 0.05 * 1e-3  # ... to the floor at the end of this call's 12 steps
+    lrs.clear()  # a second call (the next lease) anneals over its own budget again, by time here
+    trainer.train(buffer, max_seconds=1.0, on_step=lambda step, stats: lrs.append(stats["lr"]))
+    assert lrs[0] > 0.9 * 1e-3 and lrs[-1] < 0.3 * 1e-3
+    flat = DraftTrainer(model, EagleHead(model.cfg), dataclasses.replace(cfg, anneal_to_budget=False))
+    lrs.clear()
+    flat.train(buffer, max_steps=12, on_step=lambda step, stats: lrs.append(stats["lr"]))
+    assert lrs[-1] > 0.99 * 1e-3
+    with pytest.raises(ValueError, match="min_lr_ratio"):
+        TrainConfig(min_lr_ratio=1.5)
+
+
+def test_bf16_autocast_trains_like_float32_and_keeps_float32_weights(structured):
+    model, _, buffer, _ = structured
+    batch = DraftTrainer(model, EagleHead(model.cfg)).next_batch(buffer)
+    losses = {}
+    for bf16 in (False, True):
+        head = EagleHead(model.cfg)
+        trainer = DraftTrainer(model, head, TrainConfig(warmup_steps=1, bf16_autocast=bf16))
+        losses[bf16] = [trainer.micro_step(batch)["loss"] for _ in range(31)]
+        assert all(p.dtype == torch.float32 for p in head.parameters())
+        assert all(s.dtype == torch.float32 for st in trainer.optimizer.state.values() for s in st.values()
+                   if torch.is_tensor(s) and s.is_floating_point())
+    assert losses[True][0] == pytest.approx(losses[False][0], rel=0.02)  # same loss, to bf16 rounding
+    assert losses[True][-1] < 0.5 * losses[True][0]  # and it learns as float32 does
+    assert losses[True][-1] < 1.5 * losses[False][-1]
+    # None: on where the device has native bf16 matmuls
+    assert DraftTrainer(model, EagleHead(model.cfg), TrainConfig(bf16_autocast=None)).bf16_autocast == fast_bf16("cpu")
+
+
+def test_rms_norm_of_bf16_activations_with_float32_weights():
+    """Under autocast the head's norms see bf16 activations and float32 weights: normalised in float32."""
+    from drafter.model import RMSNorm
+    norm = RMSNorm(16, 1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(4, 16)
+    out = norm(x.bfloat16())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), norm(x), atol=0.05, rtol=0.02)
 
 
 def test_killed_trainer_resumes_from_its_last_checkpoint(structured, tmp_path):
