@@ -43,6 +43,8 @@ class DrafterSpec(BaseModel):
     num_unroll: int = Field(3, ge=1, le=16, description="draft positions trained per pair")
     max_tokens_per_row: int = Field(256, ge=2, le=65_536, description="pairs per packed row")
     num_rows: int = Field(4, ge=1, le=1024, description="rows per micro-step; smaller micro-steps stop sooner")
+    anneal_to_budget: bool = Field(True, description="decay the rate to its floor by each lease's deadline")
+    bf16_autocast: bool | None = Field(None, description="bf16 autocast in lease training; null: where native")
 
 
 class JobSpec(BaseModel):

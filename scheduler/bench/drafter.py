@@ -154,13 +154,15 @@ def drift_policy(policy, tokenizer, steps: int, lr: float, seed: int = 0):
 
 
 def adapt_config(lr: float) -> TrainConfig:
-    """Online adaptation of a trained head: a short warmup, then a flat rate (the schedule's horizon
-    is far past what fits in the budget), in small micro-steps (2 rows of 256 pairs, 2 unrolled
-    positions: three times the optimizer steps per second). Measured on SmolLM2 (docs/benchmarks.md):
-    1e-3 and 3e-3 made the head worse than frozen within 60 s, 1e-4 moved too little; recovery grows
-    with the number of steps (0.35 of the loss in 60 s with 4 x 256 pairs and 3 positions, 0.47 in
-    180 s), and the smaller steps reached 0.41 in 60 s."""
-    return TrainConfig(lr=lr, warmup_steps=5, total_steps=10_000, num_rows=2, num_unroll=2)
+    """Online adaptation of a trained head, as a lease runs it: a short warmup, then a cosine that
+    reaches zero at the end of the time budget (anneal_to_budget), in small micro-steps (2 rows of 256
+    pairs, 2 unrolled positions) under bf16 autocast where the machine has native bf16. Measured on
+    SmolLM2 (docs/benchmarks.md, session 6 side runs, 60 s each): a flat 3e-4 in float32 recovered
+    0.29 of the drift's loss; bf16 doubled the steps (0.38); annealing to the budget took it to 0.51
+    (twice, two shuffles). Peaks of 2e-4 to 3e-4 did alike; 6e-4 recovered 0.42, 4 rows 0.46, and one
+    unrolled position 0.32, though it took the most steps."""
+    return TrainConfig(lr=lr, warmup_steps=5, total_steps=10_000, num_rows=2, num_unroll=2,
+                       anneal_to_budget=True, min_lr_ratio=0.0, bf16_autocast=None)
 
 
 def stop_latencies(policy, head, buffer, trials: int) -> list[float]:
@@ -262,13 +264,15 @@ def _drift_part(result, policy, tok, engine, eval_prompts, head, best_k, new_tok
     new_rollouts = [encode_prompt(tok, t) for t in synthetic_prompts(adapt_prompts, seed=9)]
     harvest(new_engine, new_rollouts, buffer, 1, HarvestConfig(max_new_tokens=96))
     adapted_head = copy.deepcopy(head)
-    rep = DraftTrainer(new_policy, adapted_head, adapt_config(adapt_lr)).train(buffer, max_seconds=adapt_seconds)
+    trainer = DraftTrainer(new_policy, adapted_head, adapt_config(adapt_lr))
+    rep = trainer.train(buffer, max_seconds=adapt_seconds)
     adapted = measure(new_engine, eval_prompts, best_k, EagleDrafter(new_policy, adapted_head), 0.0, new_tokens)
     loss = before - frozen.mean_accepted_length
     result.update(drift_before_accepted_length=round(before, 3),
                   drift_frozen_accepted_length=round(frozen.mean_accepted_length, 3),
                   drift_adapted_accepted_length=round(adapted.mean_accepted_length, 3),
                   drift_adapt_train_seconds=round(rep.seconds, 1), drift_adapt_steps=rep.num_steps,
+                  drift_adapt_bf16_autocast=trainer.bf16_autocast,
                   drift_recovered_fraction=round((adapted.mean_accepted_length - frozen.mean_accepted_length)
                                                  / loss, 3) if loss > 0 else None)
     log(f"drift: before {before:.2f}, frozen {frozen.mean_accepted_length:.2f}, "
