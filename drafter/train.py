@@ -46,9 +46,10 @@ class TrainConfig:
     varlen_attention: bool = True  # flash-attn's varlen kernel for unroll step 0, when installed on a GPU
     num_rows: int = 4
     seed: int = 0
-    # Anneal within each train() call: the cosine runs from the end of warmup to the call's own budget
-    # (max_seconds or max_steps, whichever ends first) instead of total_steps. An online lease knows its
-    # deadline, and a head that ends at a low rate carries less of its last steps' gradient noise.
+    # Anneal within each train() call: the cosine's progress is the spent fraction of the call's own
+    # budget (max_seconds or max_steps, whichever runs out first) instead of step / total_steps, so it
+    # reaches the floor as the budget ends; each call starts again from the peak. An online lease knows
+    # its deadline, and a head that ends at a low rate carries less of its last steps' gradient noise.
     anneal_to_budget: bool = False
     # bf16 autocast for the forward pass (weights, gradients and optimizer state stay float32): twice
     # the micro-steps per second on a Zen 4 CPU (docs/benchmarks.md). None: on where the device has
