@@ -8,6 +8,7 @@ the policy (not copied), so the head's own weights are one layer plus a projecti
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -26,6 +27,7 @@ from drafter.model import (
     RMSNorm,
     Rotary,
     attention_inputs,
+    fast_bf16,
     linear,
 )
 from drafter.sampling import BatchSampling, sample, token_probs
@@ -115,15 +117,34 @@ def draft_probs(logits: torch.Tensor, sampling: BatchSampling, draft_temperature
     return token_probs(logits if draft_temperature == 1 else logits / draft_temperature, sampling)
 
 
+def serving_dtype(policy: CausalLM, dtype: torch.dtype | str | None) -> torch.dtype:
+    """The dtype a draft head serves in. None: the policy's. "auto": bfloat16 for a float32 policy on a
+    device with native bf16 matmuls (fast_bf16), else the policy's. Drafting at batch 1 is bound by
+    reading the head's weights (and, on a CPU, they are evicted by the policy's every step): bf16
+    halves that. Verification keeps the output exact whatever the draft's precision."""
+    if dtype is None:
+        return policy.dtype
+    if dtype == "auto":
+        return torch.bfloat16 if policy.dtype == torch.float32 and fast_bf16(policy.device) else policy.dtype
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    resolved = names.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if resolved not in names.values():
+        raise ValueError(f"draft dtype must be None, 'auto' or one of {sorted(names)}, got {dtype!r}")
+    return resolved
+
+
 class EagleDrafter(Drafter):
     """Runs an EagleHead autoregressively for k steps per verify, one KV cache row per sequence."""
 
     needs_hidden = True
     name = "eagle"
 
-    def __init__(self, policy: CausalLM, head: EagleHead) -> None:
+    def __init__(self, policy: CausalLM, head: EagleHead, dtype: torch.dtype | str | None = None) -> None:
+        """dtype: the precision the head drafts in (see serving_dtype); the head passed in is never
+        converted in place: a head in another dtype is served from a converted copy."""
         self.policy = policy
-        self._install(head)
+        self.dtype = serving_dtype(policy, dtype)
+        self._install(self._prepare(head))
         self.version: int | None = None  # draft version serving, for progress reports
         self._next: tuple[EagleHead, int | None] | None = None
         self._lock = threading.Lock()
@@ -139,19 +160,27 @@ class EagleDrafter(Drafter):
         self.history_hidden: list[list[torch.Tensor]] = []  # per row: every true pair so far, to re-feed a new head
         self.history_tokens: list[list[int]] = []
 
-    def _install(self, head: EagleHead) -> None:
+    def _prepare(self, head: EagleHead) -> EagleHead:
+        """`head` on the policy's device in the serving dtype: itself if it already is, else a copy."""
         if head.policy_cfg.hidden_size != self.policy.cfg.hidden_size:
             raise ValueError("draft head hidden_size does not match the policy's")
-        self.head = head.to(device=self.policy.device, dtype=self.policy.dtype).eval()
+        weight = head.fc.weight
+        if weight.device != self.policy.device or weight.dtype != self.dtype:
+            head = copy.deepcopy(head).to(device=self.policy.device, dtype=self.dtype)
+        return head.eval()
+
+    def _install(self, head: EagleHead) -> None:
+        self.head = head
         self.vocab_ids = self.head.vocab_ids
-        self.lm_weight = self.policy.lm_head.weight[self.vocab_ids].contiguous()  # (V', D), sliced once
+        # (V', D), sliced once, in the head's dtype
+        self.lm_weight = self.policy.lm_head.weight[self.vocab_ids].to(self.dtype).contiguous()
         self.lm_packed = PackedWeight()
 
     def request_swap(self, head: EagleHead, version: int | None = None) -> None:
         """Serve `head` from the next draft step on (thread-safe; never mid-forward). Its KV cache is
-        rebuilt from the true pairs seen so far, so the swap costs one head pass over the history."""
-        if head.policy_cfg.hidden_size != self.policy.cfg.hidden_size:
-            raise ValueError("draft head hidden_size does not match the policy's")
+        rebuilt from the true pairs seen so far, so the swap costs one head pass over the history. A
+        dtype conversion happens here, in the caller's thread, not in the decode loop."""
+        head = self._prepare(head)
         with self._lock:
             self._next = (head, version)
 
@@ -205,9 +234,9 @@ class EagleDrafter(Drafter):
 
     def ensure_cache(self, batch_size: int, needed: int) -> KVCache:
         if self.cache is None:
-            self.cache = self.head.new_cache(batch_size, max(needed, 64), self.policy.dtype, self.policy.device)
+            self.cache = self.head.new_cache(batch_size, max(needed, 64), self.dtype, self.policy.device)
         elif needed > self.cache.max_len:  # grow geometrically; old slots keep their values
-            grown = self.head.new_cache(batch_size, max(needed, 2 * self.cache.max_len), self.policy.dtype,
+            grown = self.head.new_cache(batch_size, max(needed, 2 * self.cache.max_len), self.dtype,
                                         self.policy.device)
             grown.k[:, :, : self.cache.max_len] = self.cache.k
             grown.v[:, :, : self.cache.max_len] = self.cache.v
@@ -233,14 +262,14 @@ class EagleDrafter(Drafter):
         if P == 0 or K == 0:
             return Proposal(tokens, torch.zeros_like(lens), probs)
         # 1) feed every row's pending true pairs (ragged, right-padded): (B, P, D)
-        feats = torch.zeros(B, P, self.policy.cfg.hidden_size, dtype=self.policy.dtype, device=device)
+        feats = torch.zeros(B, P, self.policy.cfg.hidden_size, dtype=self.dtype, device=device)
         toks = torch.zeros(B, P, dtype=torch.long, device=device)
         for b in range(B):
             n = len(self.pending_tokens[b])
             feats[b, :n] = self.pending_hidden[b]
             toks[b, :n] = torch.tensor(self.pending_tokens[b], dtype=torch.long)
         positions = cache.lens.unsqueeze(1) + torch.arange(P, device=device)  # (B, P)
-        out = self.head(feats, self.policy.embed_tokens(toks), positions, cache)  # (B, P, D)
+        out = self.head(feats, self.policy.embed_tokens(toks).to(self.dtype), positions, cache)  # (B, P, D)
         last = (num_pending - 1).clamp(min=0)
         pred = out[torch.arange(B, device=device), last].unsqueeze(1)  # (B, 1, D)
         cache.lens = cache.lens + num_pending
@@ -258,7 +287,7 @@ class EagleDrafter(Drafter):
                 probs[:, j].index_copy_(1, self.vocab_ids, p)  # scattered onto the policy vocabulary
             tokens[:, j] = x
             if j + 1 < K:
-                pred = self.head(pred, self.policy.embed_tokens(x.unsqueeze(1)), pos + j, cache)
+                pred = self.head(pred, self.policy.embed_tokens(x.unsqueeze(1)).to(self.dtype), pos + j, cache)
         return Proposal(tokens, lens, probs)
 
     def observe(self, new_tokens, hidden) -> None:

@@ -100,6 +100,24 @@ def onednn_linear_available() -> bool:
             and hasattr(ops, "_linear_pointwise"))
 
 
+def fast_bf16(device: torch.device | str) -> bool:
+    """Whether bf16 matmuls run natively on `device`: a CUDA GPU with bf16, or a CPU with AVX512-BF16
+    or AMX tiles (elsewhere torch emulates them, slower than float32)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private in torch 2.x: probe gently
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
+@functools.cache
+def native_cpu_bf16() -> bool:
+    """fast_bf16("cpu"), asked once: oneDNN packs bf16 weights only where the CPU has bf16 units."""
+    return fast_bf16("cpu")
+
+
 class PackedWeight:
     """A weight's oneDNN-packed copy, rebuilt whenever the weight is replaced or updated in place
     (a policy weight sync, an optimizer step). Never pickled or copied: it is a cache."""
@@ -123,9 +141,10 @@ class PackedWeight:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: PackedWeight | None) -> torch.Tensor:
-    """F.linear, on oneDNN with `packed` weights for CPU float32 inference (no autograd involved);
-    every other case (training, GPUs, half precision) is plain F.linear."""
-    if (packed is None or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
+    """F.linear, on oneDNN with `packed` weights for CPU inference in float32 or bfloat16 (no autograd
+    involved); every other case (training, GPUs, float16, mixed dtypes) is plain F.linear."""
+    if (packed is None or x.device.type != "cpu" or x.dtype != weight.dtype
+            or not (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and native_cpu_bf16()))
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             or not onednn_linear_available()):
         return F.linear(x, weight, bias)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from drafter.buffer import PackedBatch, RolloutBuffer, iter_batches
 from drafter.checkpoint import DraftMeta, load_trainer_state, save_trainer_state
 from drafter.eagle import EagleHead
-from drafter.model import CausalLM, apply_rotary
+from drafter.model import CausalLM, apply_rotary, fast_bf16
 
 
 @dataclass
@@ -65,18 +65,6 @@ class TrainConfig:
             raise ValueError("max_tokens_per_row must be >= 2 and num_rows >= 1")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-
-
-def fast_bf16(device: torch.device | str) -> bool:
-    """Whether bf16 matmuls run natively on `device`: a CUDA GPU with bf16, or a CPU with AVX512-BF16
-    or AMX tiles (elsewhere torch emulates them, slower than float32)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    if device.type != "cpu":
-        return False
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private in torch 2.x: probe gently
-    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
 
 
 class StopRequestedError(Exception):

@@ -104,8 +104,8 @@ class Launcher:
                         reward=spec.reward, num_steps=spec.num_steps, num_prompts_per_step=spec.num_prompts_per_step,
                         max_new_tokens=spec.max_new_tokens, temperature=spec.temperature, num_workers=spec.num_gpus,
                         seed=spec.seed, store_dir=f"{self.settings.store_dir}/{job_id}",
-                        worker=WorkerConfig(model=spec.model, k=spec.draft_k, tlt=spec.tlt,
-                                            min_accepted_length=spec.min_accepted_length,
+                        worker=WorkerConfig(model=spec.model, k=spec.draft_k, draft_dtype=spec.draft_dtype,
+                                            tlt=spec.tlt, min_accepted_length=spec.min_accepted_length,
                                             train=TrainConfig(**spec.drafter.model_dump())),
                         grpo=GRPOConfig(group_size=spec.group_size, lr=spec.lr, clip_eps=spec.clip_eps,
                                         kl_coef=spec.kl_coef))

@@ -34,7 +34,8 @@ def _bench_drafter(args: argparse.Namespace) -> int:
                            new_tokens=args.new_tokens, ks=ks, warm_prompts=args.warm_prompts,
                            warm_steps=args.warm_steps, warm_unroll=args.warm_unroll,
                            adapt_seconds=args.adapt_seconds, adapt_lr=args.adapt_lr,
-                           adapt_prompts=args.adapt_prompts, stop_trials=args.stop_trials, parts=args.parts)
+                           adapt_prompts=args.adapt_prompts, stop_trials=args.stop_trials, parts=args.parts,
+                           draft_dtype=None if args.draft_dtype == "policy" else args.draft_dtype)
     print(json.dumps(result))
     return 0
 
@@ -263,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     drf.add_argument("--adapt-lr", type=float, default=3e-4, help="peak learning rate of the online adaptation")
     drf.add_argument("--adapt-prompts", type=int, default=256, help="new-policy rollouts the adaptation trains on")
     drf.add_argument("--stop-trials", type=int, default=20)
+    drf.add_argument("--draft-dtype", default="auto", choices=("auto", "policy", "float32", "bfloat16"),
+                     help="precision the heads draft in; auto: bf16 where the device has bf16 units")
     drf.add_argument("--json", action="store_true", help="accepted for symmetry; the JSON object is always last")
     drf.set_defaults(func=_bench_drafter)
 

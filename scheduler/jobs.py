@@ -67,6 +67,8 @@ class JobSpec(BaseModel):
     num_gpus: int = Field(2, ge=1, le=4096, description="rollout workers, one GPU each")
     tlt: bool = Field(True, description="speculative rollouts with idle-time drafter training")
     draft_k: int = Field(2, ge=1, le=16)
+    draft_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="precision the draft head serves in; auto: bf16 where the device has bf16 units")
     min_accepted_length: float = Field(1.2, ge=0, le=17, description=(
         "speculate only with a draft measured (at publish) to give at least this many tokens per verify step; "
         "drafting and verifying k tokens cost ~1.1-1.2x a plain step on CPU. 0: always speculate"))

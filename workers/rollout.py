@@ -41,6 +41,9 @@ class WorkerConfig:
     model: str = "tiny"
     k: int = 3  # draft length when speculating
     draft_vocab_size: int | None = 8192
+    # precision the draft head serves in (drafter.eagle.serving_dtype): "auto" is bf16 where the policy
+    # is float32 and the device has bf16 units (drafting is bound by reading the head's weights)
+    draft_dtype: str | None = "auto"
     buffer_bytes: int = 256 << 20  # harvested (token, hidden) pairs kept for drafter training
     num_threads: int = 1  # torch threads per worker: several workers share a CPU box
     tlt: bool = True  # speculative decoding with the trained drafter, and harvesting for it
@@ -64,7 +67,7 @@ class RolloutRunner:
         self.served, self.copies = job_stores(redis, store_dir, namespace)
         self.reporter = ProgressReporter(redis, job_id, worker_id)
         self.buffer = RolloutBuffer(max_bytes=cfg.buffer_bytes)
-        self.drafter = EagleDrafter(self.policy, new_head(self.policy, None, cfg.draft_vocab_size))
+        self.drafter = EagleDrafter(self.policy, new_head(self.policy, None, cfg.draft_vocab_size), cfg.draft_dtype)
         self.drafter.version = 0
         self.draft_accepted_length = 0.0  # of the newest version loaded, as measured when it was published
         self.policy_version = 0

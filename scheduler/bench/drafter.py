@@ -88,19 +88,22 @@ def calibrate(engine, tok, head, k: int = 4, num_prompts: int = 32) -> dict:
     return {"draft_temperature": tau, "draft_temperature_scores": {str(t): round(v, 3) for t, v in scores.items()}}
 
 
-def sweep(engine, prompts, ks, drafters: dict, new_tokens: int, sampled_only: tuple[str, ...] = ()) -> dict:
+def sweep(engine, prompts, ks, drafters: dict, new_tokens: int, sampled_only: tuple[str, ...] = (),
+          only_ks: dict[str, tuple[int, ...]] | None = None) -> dict:
     """Per temperature and k: plain decoding and each drafter, interleaved prompt by prompt (plain,
     then the drafters in an order that rotates per prompt), so every configuration runs in the same
     windows of time: on a shared machine whose speed drifts by 10-20% over minutes, a plain run
     measured once before the drafters made single speed-ups off by as much. Every configuration first
     generates a few tokens untimed, so no one pays for a first call. Greedy speculative outputs are
-    compared with plain decoding's, token for token (the lossless promise)."""
+    compared with plain decoding's, token for token (the lossless promise). only_ks: drafters measured
+    at those k only (side-by-side controls)."""
+    only_ks = only_ks or {}
     out: dict = {"greedy_identical": 0, "greedy_compared": 0}
     for temp in (0.0, 1.0):
         res: dict = {}
         plains = []
         for k in ks:
-            names = [n for n in drafters if not (temp == 0.0 and n in sampled_only)]
+            names = [n for n in drafters if not (temp == 0.0 and n in sampled_only) and k in only_ks.get(n, ks)]
             configs = [("plain", 0, None)] + [(n, k, drafters[n]) for n in names]
             for _, kk, d in configs:
                 measure(engine, prompts[:1], kk, d, temp, 8)
@@ -188,9 +191,11 @@ def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_p
                   warm_steps: int = 2000, warm_unroll: int = 4, draft_vocab: int = 8192, drift_steps: int = 40,
                   drift_lr: float = 1e-4,
                   adapt_seconds: float = 60.0, adapt_lr: float = 3e-4, adapt_prompts: int = 256,
-                  stop_trials: int = 20, parts: str = "abc", drift_eval_prompts: int = 16) -> dict:
+                  stop_trials: int = 20, parts: str = "abc", drift_eval_prompts: int = 16,
+                  draft_dtype: str | None = "auto") -> dict:
     """parts: any of "a" (sweep), "b" (drift), "c" (throughput, stops). Without (a), the drift is
-    measured at k=4; without (b), (c) trains the warm-started head on 64 fresh rollouts."""
+    measured at k=4; without (b), (c) trains the warm-started head on 64 fresh rollouts. draft_dtype:
+    the precision the heads draft in (drafter.eagle.serving_dtype), as the rollout workers serve them."""
     if not parts or set(parts) - set("abc"):
         raise ValueError(f"parts must be made of a, b and c, got {parts!r}")
     torch.set_num_threads(threads)
@@ -205,7 +210,8 @@ def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_p
     result["parts"] = parts
     if "a" in parts:
         result.update(calibrate(engine, tok, head))
-    best_k = _sweep_part(result, engine, eval_prompts, ks, policy, head, new_tokens) if "a" in parts else 4
+    best_k = (_sweep_part(result, engine, eval_prompts, ks, policy, head, new_tokens, draft_dtype)
+              if "a" in parts else 4)
     train_policy, train_head, buffer = policy, head, None
     if "b" in parts:
         # the loss is a difference of two accepted lengths: measured on all the fixed prompts, not (a)'s 6
@@ -213,7 +219,7 @@ def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_p
         result["drift_eval_prompts"] = len(drift_eval)
         train_policy, train_head, buffer = _drift_part(result, policy, tok, engine, drift_eval, head, best_k,
                                                        new_tokens, drift_steps, drift_lr, adapt_prompts, adapt_lr,
-                                                       adapt_seconds)
+                                                       adapt_seconds, draft_dtype)
     if "c" in parts:
         log("(c) training throughput and stop latency")
         if buffer is None:
@@ -230,16 +236,21 @@ def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_p
     return result
 
 
-def _sweep_part(result, engine, eval_prompts, ks, policy, head, new_tokens) -> int:
+def _sweep_part(result, engine, eval_prompts, ks, policy, head, new_tokens, draft_dtype) -> int:
     log("(a) acceptance and speed-up, batch 1")
-    drafters = {"warm": EagleDrafter(policy, head), "untrained": EagleDrafter(policy, new_head(policy, None, None)),
-                "ngram": NgramDrafter()}
+    drafters = {"warm": EagleDrafter(policy, head, draft_dtype),
+                "untrained": EagleDrafter(policy, new_head(policy, None, None), draft_dtype), "ngram": NgramDrafter()}
+    result["draft_dtype"] = str(drafters["warm"].dtype).removeprefix("torch.")
     sampled_only: tuple[str, ...] = ()
+    only_ks: dict[str, tuple[int, ...]] = {}
     if head.cfg.draft_temperature != 1.0:  # side by side: what the calibration bought at T=1
         own = copy.copy(head)  # shares the weights
         own.cfg = dataclasses.replace(head.cfg, draft_temperature=1.0)
-        drafters["warm_draft_t1"], sampled_only = EagleDrafter(policy, own), ("warm_draft_t1",)
-    result["sweep"] = sweep(engine, eval_prompts, ks, drafters, new_tokens, sampled_only)
+        drafters["warm_draft_t1"], sampled_only = EagleDrafter(policy, own, draft_dtype), ("warm_draft_t1",)
+    if drafters["warm"].dtype != policy.dtype:  # side by side: what serving the head in bf16 bought
+        drafters["warm_policy_dtype"] = EagleDrafter(policy, head)
+        only_ks["warm_policy_dtype"] = tuple(k for k in ks if k in (2, 3, 4))
+    result["sweep"] = sweep(engine, eval_prompts, ks, drafters, new_tokens, sampled_only, only_ks)
     greedy, temp1 = result["sweep"]["greedy"], result["sweep"]["temp1"]
     best_k = max(ks, key=lambda k: greedy[f"warm_k{k}"]["speedup"])
     best_k_sampled = max(ks, key=lambda k: temp1[f"warm_k{k}"]["speedup"])  # sampling accepts less: its own k
@@ -253,12 +264,13 @@ def _sweep_part(result, engine, eval_prompts, ks, policy, head, new_tokens) -> i
 
 
 def _drift_part(result, policy, tok, engine, eval_prompts, head, best_k, new_tokens, drift_steps, drift_lr,
-                adapt_prompts, adapt_lr, adapt_seconds):
+                adapt_prompts, adapt_lr, adapt_seconds, draft_dtype):
     log(f"(b) drift, measured at k={best_k} on {len(eval_prompts)} prompts")
-    before = measure(engine, eval_prompts, best_k, EagleDrafter(policy, head), 0.0, new_tokens).mean_accepted_length
+    before = measure(engine, eval_prompts, best_k, EagleDrafter(policy, head, draft_dtype), 0.0,
+                     new_tokens).mean_accepted_length
     new_policy = drift_policy(policy, tok, drift_steps, drift_lr)
     new_engine = Engine(new_policy, tok)
-    frozen = measure(new_engine, eval_prompts, best_k, EagleDrafter(new_policy, head), 0.0, new_tokens)
+    frozen = measure(new_engine, eval_prompts, best_k, EagleDrafter(new_policy, head, draft_dtype), 0.0, new_tokens)
     buffer = RolloutBuffer(max_bytes=1 << 30)
     # the new policy's rollouts on the job's prompts (generated by RL anyway: not in the budget)
     new_rollouts = [encode_prompt(tok, t) for t in synthetic_prompts(adapt_prompts, seed=9)]
@@ -266,7 +278,8 @@ def _drift_part(result, policy, tok, engine, eval_prompts, head, best_k, new_tok
     adapted_head = copy.deepcopy(head)
     trainer = DraftTrainer(new_policy, adapted_head, adapt_config(adapt_lr))
     rep = trainer.train(buffer, max_seconds=adapt_seconds)
-    adapted = measure(new_engine, eval_prompts, best_k, EagleDrafter(new_policy, adapted_head), 0.0, new_tokens)
+    adapted = measure(new_engine, eval_prompts, best_k, EagleDrafter(new_policy, adapted_head, draft_dtype), 0.0,
+                      new_tokens)
     loss = before - frozen.mean_accepted_length
     result.update(drift_before_accepted_length=round(before, 3),
                   drift_frozen_accepted_length=round(frozen.mean_accepted_length, 3),

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from drafter.drafters import NgramDrafter
-from drafter.eagle import EagleDrafter, EagleHead
+from drafter.eagle import EagleDrafter, EagleHead, serving_dtype
 from drafter.engine import Engine, Request
-from drafter.model import CausalLM
+from drafter.model import CausalLM, fast_bf16
 from drafter.sampling import SamplingParams
 from tests.conftest import random_prompts, tiny_model
 
@@ -18,14 +18,14 @@ LENGTHS_8 = [1, 3, 5, 9, 2, 17, 4, 33]
 def make_drafter(name: str, model: CausalLM):
     if name == "ngram":
         return NgramDrafter()
-    return EagleDrafter(model, EagleHead(model.cfg))
+    return EagleDrafter(model, EagleHead(model.cfg), "bfloat16" if name == "eagle-bf16" else None)
 
 
 def greedy_requests(prompts, max_new_tokens=48):
     return [Request(p, SamplingParams(max_new_tokens=max_new_tokens)) for p in prompts]
 
 
-@pytest.mark.parametrize("drafter_name", ["ngram", "eagle"])
+@pytest.mark.parametrize("drafter_name", ["ngram", "eagle", "eagle-bf16"])
 @pytest.mark.parametrize("k", [1, 2, 4, 7])
 @pytest.mark.parametrize("lengths", [[6], LENGTHS_8], ids=["batch1", "batch8"])
 def test_greedy_speculative_equals_plain(tiny, drafter_name, k, lengths):
@@ -37,6 +37,16 @@ def test_greedy_speculative_equals_plain(tiny, drafter_name, k, lengths):
         assert b.token_ids == a.token_ids
         assert b.finish_reason == a.finish_reason
         assert b.num_steps <= a.num_steps
+
+
+def test_serving_dtype_resolves_and_rejects_unknown_names(tiny):
+    assert serving_dtype(tiny, None) == tiny.dtype == torch.float32
+    assert serving_dtype(tiny, "auto") == (torch.bfloat16 if fast_bf16("cpu") else torch.float32)
+    assert serving_dtype(tiny, "bfloat16") == serving_dtype(tiny, torch.bfloat16) == torch.bfloat16
+    with pytest.raises(ValueError, match="draft dtype"):
+        serving_dtype(tiny, "bf17")
+    with pytest.raises(ValueError, match="draft dtype"):
+        EagleDrafter(tiny, EagleHead(tiny.cfg), torch.int8)
 
 
 def test_ngram_drafts_are_accepted_and_save_forwards(tiny):

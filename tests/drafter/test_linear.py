@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from drafter.drafters import NgramDrafter
 from drafter.engine import Engine, Request
-from drafter.model import Linear, PackedWeight, linear, onednn_linear_available
+from drafter.model import Linear, PackedWeight, linear, native_cpu_bf16, onednn_linear_available
 from drafter.sampling import SamplingParams
 from tests.conftest import random_prompts, tiny_model
 
@@ -29,6 +29,26 @@ def test_packed_linear_matches_f_linear_for_every_row_count():
             got = layer(x)
         assert layer._packed.packed is not None  # the oneDNN path ran
         torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not (onednn_linear_available() and native_cpu_bf16()), reason="no native bf16 on this CPU")
+def test_packed_bf16_linear_matches_f_linear():
+    """A draft head served in bf16 (drafter.eagle.serving_dtype) runs its linears on packed bf16 weights."""
+    torch.manual_seed(0)
+    layer = Linear(64, 96, bias=False).to(torch.bfloat16)
+    for rows in (1, 3, 7):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            got = layer(x)
+        assert got.dtype == torch.bfloat16 and layer._packed.packed is not None
+        torch.testing.assert_close(got.float(), F.linear(x.float(), layer.weight.float()), rtol=2e-2, atol=2e-2)
+
+
+def test_mixed_dtypes_fall_back_to_f_linear():
+    layer = Linear(8, 4, bias=False).to(torch.bfloat16)
+    with torch.inference_mode(), pytest.raises(RuntimeError):
+        layer(torch.randn(2, 8))  # float32 input, bf16 weight: F.linear's own error, not a wrong answer
+    assert layer._packed.packed is None
 
 
 @needs_onednn

@@ -105,8 +105,9 @@ def make_drafter(name, model):
     if name == "ngram":
         return NgramDrafter()
     if name.startswith("eagle"):  # eagle-T: draft temperature T (0: the argmax is proposed)
-        tau = float(name.partition("-")[2] or 1.0)
-        return EagleDrafter(model, EagleHead(model.cfg, EagleConfig(draft_temperature=tau, init_seed=1)))
+        dtype = "bfloat16" if name.endswith("-bf16") else None  # eagle-bf16: drafts in bf16
+        tau = float(name.removesuffix("-bf16").partition("-")[2] or 1.0)
+        return EagleDrafter(model, EagleHead(model.cfg, EagleConfig(draft_temperature=tau, init_seed=1)), dtype)
     return NoisyPolicyDrafter(model)
 
 
@@ -124,8 +125,8 @@ def test_speculative_sampling_matches_policy(model, exact, k, drafter_name):
     assert sample_pvalue(model, exact, k, make_drafter(drafter_name, model)) > ALPHA
 
 
-@pytest.mark.parametrize("drafter_name", ["eagle-0.5", "eagle-0"])
-def test_sharpened_draft_distributions_stay_lossless(model, exact, drafter_name):
+@pytest.mark.parametrize("drafter_name", ["eagle-0.5", "eagle-0", "eagle-bf16"])
+def test_sharpened_or_bf16_drafts_stay_lossless(model, exact, drafter_name):
     assert sample_pvalue(model, exact, 2, make_drafter(drafter_name, model)) > ALPHA
 
 

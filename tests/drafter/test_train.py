@@ -90,6 +90,13 @@ def test_trained_drafter_beats_untrained_on_held_out_rollouts(structured):
     plain = engine.generate(reqs)
     spec = engine.generate(reqs, k=3, drafter=EagleDrafter(model, head))
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    # served in bf16 (a copy: the trained head stays float32), it drafts nearly as well and stays lossless
+    bf16 = EagleDrafter(model, head, "bfloat16")
+    assert bf16.head.fc.weight.dtype == torch.bfloat16 and head.fc.weight.dtype == torch.float32
+    assert bf16.lm_weight.dtype == torch.bfloat16
+    half = measure(engine, held_out, 3, bf16, max_new_tokens=32)
+    assert half.mean_accepted_length > trained.mean_accepted_length - 0.15
+    assert [o.token_ids for o in engine.generate(reqs, k=3, drafter=bf16)] == [o.token_ids for o in plain]
 
 
 def test_stop_request_is_honoured_mid_epoch(structured):
@@ -247,6 +254,12 @@ def test_head_swap_mid_generation_is_lossless_and_takes_effect(structured):
     assert drafter.num_swaps == 1 and drafter.version == 7
     untrained = engine.generate(reqs, k=3, drafter=EagleDrafter(model, EagleHead(model.cfg)))
     assert sum(o.num_accepted for o in swapped) > sum(o.num_accepted for o in untrained) + 20
+    # a bf16 drafter takes a float32 head: converted when requested, the published head left as it was
+    half = EagleDrafter(model, EagleHead(model.cfg), "bfloat16")
+    half.request_swap(trained, version=8)
+    assert [o.token_ids for o in engine.generate(reqs, k=3, drafter=half)] == [o.token_ids for o in plain]
+    assert half.version == 8 and half.head.fc.weight.dtype == torch.bfloat16
+    assert trained.fc.weight.dtype == torch.float32 and half.head is not trained
 
 
 def test_offline_acceptance_tracks_online_decoding(structured):
