@@ -295,7 +295,8 @@ class RolloutRunner:
         try:
             head, meta = self._head_and_meta(version)
             self.draft_accepted_length = float(meta.extra.get("accepted_length") or 0.0) if meta else 0.0
-            self.drafter.request_swap(head, version)
+            # freshly loaded, so converted in place: request_swap then has no copy to make
+            self.drafter.request_swap(head.to(self.drafter.dtype), version)
             loaded_at = time.time()
             self.drafter.apply_pending_swap()
         finally:
