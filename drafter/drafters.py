@@ -2,7 +2,8 @@
 
 A drafter keeps per-row state for the live batch. The engine calls, in order:
   begin(prompts, prefill_hidden)            once per batch
-  propose(contexts, caps, sampling, u)      before each verify forward
+  propose(contexts, caps, sampling, u)      before each verify forward (a chain of drafts), or
+  propose_tree(contexts, caps, sampling, u, tree)   when tree_for(k) gave a draft tree
   observe(new_tokens, hidden, num_new)      after it, with what the policy accepted
   keep_rows(rows)                           when finished rows leave the batch
 """
@@ -23,6 +24,8 @@ class Proposal:
     tokens: torch.Tensor  # (B, K) long, padded with 0 past each row's length
     lens: torch.Tensor  # (B,) long, number of real draft tokens per row (<= caps)
     probs: torch.Tensor | None  # (B, K, V) draft distribution, None for deterministic drafters
+    # draft trees (drafter.tree): tokens[:, j - 1] is node j's; valid (B, N) marks the nodes row b proposed
+    valid: torch.Tensor | None = None
 
 
 class Drafter(ABC):
@@ -37,6 +40,16 @@ class Drafter(ABC):
     def propose(self, contexts: list[list[int]], caps: list[int], sampling: BatchSampling,
                 uniforms: torch.Tensor | None) -> Proposal:
         """Draft up to caps[b] tokens after contexts[b]; uniforms (B, k) drive sampled drafts."""
+
+    def tree_for(self, k: int):
+        """The draft tree (drafter.tree.Tree) this drafter proposes for draft depth k, or None for a
+        chain of k tokens through `propose`."""
+        return None
+
+    def propose_tree(self, contexts: list[list[int]], caps: list[int], sampling: BatchSampling,
+                     uniforms: torch.Tensor | None, tree) -> Proposal:
+        """Draft `tree`'s nodes after each context, none deeper than caps[b]; uniforms (B, N)."""
+        raise NotImplementedError(f"{type(self).__name__} drafts chains only")
 
     def observe(self, new_tokens: list[list[int]], hidden: torch.Tensor | None) -> None:
         """new_tokens[b]: tokens the policy emitted this step; hidden (B, T, D): its hidden states

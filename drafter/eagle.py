@@ -26,11 +26,12 @@ from drafter.model import (
     PackedWeight,
     RMSNorm,
     Rotary,
-    attention_inputs,
     fast_bf16,
     linear,
+    tree_inputs,
 )
 from drafter.sampling import BatchSampling, sample, token_probs
+from drafter.tree import Tree, parse_widths, tree_attention
 
 
 @dataclass
@@ -99,13 +100,14 @@ class EagleHead(nn.Module):
         return KVCache(self.cfg.num_layers, batch_size, max_len, c.num_kv_heads, c.head_dim, dtype, device)
 
     def forward(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
-                cache: KVCache) -> torch.Tensor:
-        """features, token_embeds: (B, T, D); positions (B, T). Returns predicted features (B, T, D)."""
+                cache: KVCache, tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """features, token_embeds: (B, T, D); positions (B, T). Returns predicted features (B, T, D).
+        tree: (slots, mask) of a draft tree's nodes, as in CausalLM.forward."""
         x = self.fc(torch.cat([token_embeds, features], dim=-1))  # (B, T, 2D) -> (B, T, D)
         rope = self.rotary(positions, x.dtype)
-        mask, num_slots = attention_inputs(positions, cache)
+        slots, mask, num_slots = tree_inputs(positions, cache, tree)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, cache, i, positions, mask, num_slots)
+            x = layer(x, rope, cache, i, slots, mask, num_slots)
         return self.norm(x)
 
 
@@ -139,11 +141,18 @@ class EagleDrafter(Drafter):
     needs_hidden = True
     name = "eagle"
 
-    def __init__(self, policy: CausalLM, head: EagleHead, dtype: torch.dtype | str | None = None) -> None:
+    def __init__(self, policy: CausalLM, head: EagleHead, dtype: torch.dtype | str | None = None,
+                 tree: str | tuple[int, ...] | None = None, tree_side_depth: int = 1) -> None:
         """dtype: the precision the head drafts in (see serving_dtype); the head passed in is never
-        converted in place: a head in another dtype is served from a converted copy."""
+        converted in place: a head in another dtype is served from a converted copy. tree: candidates
+        at the first draft depths ("3,2": three at the first, two at the second; None or "": a chain),
+        each extra candidate heading a chain of tree_side_depth nodes (drafter.tree.Tree.for_k)."""
         self.policy = policy
         self.dtype = serving_dtype(policy, dtype)
+        self.tree_widths = parse_widths(tree)
+        self.tree_side_depth = tree_side_depth
+        if tree_side_depth < 1:
+            raise ValueError(f"tree_side_depth must be >= 1, got {tree_side_depth}")
         self._install(self._prepare(head))
         self.version: int | None = None  # draft version serving, for progress reports
         self._next: tuple[EagleHead, int | None] | None = None
@@ -244,24 +253,29 @@ class EagleDrafter(Drafter):
             self.cache = grown
         return self.cache
 
+    def tree_for(self, k: int) -> Tree | None:
+        if k < 1 or not any(w > 1 for w in self.tree_widths):
+            return None
+        return Tree.for_k(k, self.tree_widths, self.tree_side_depth)
+
     def propose(self, contexts, caps, sampling: BatchSampling, uniforms) -> Proposal:
         with self._serve_lock:
             return self._propose(contexts, caps, sampling, uniforms)
 
-    @torch.inference_mode()
-    def _propose(self, contexts, caps, sampling: BatchSampling, uniforms) -> Proposal:
-        self._apply_swap()
-        B, device = len(contexts), self.policy.device
+    def propose_tree(self, contexts, caps, sampling: BatchSampling, uniforms, tree: Tree) -> Proposal:
+        with self._serve_lock:
+            return self._propose(contexts, caps, sampling, uniforms, tree)
+
+    def _feed_pending(self, B: int, extra: int) -> tuple[torch.Tensor, torch.Tensor, KVCache] | None:
+        """Run every row's pending true pairs through the head (ragged, right-padded). Returns the
+        head's prediction after each row's last pair (B, 1, D), the number fed per row and the cache,
+        with room for `extra` speculative slots; None when no row has anything pending."""
+        device = self.policy.device
         num_pending = torch.tensor([len(t) for t in self.pending_tokens], dtype=torch.long, device=device)
-        P, K = int(num_pending.max()), max(caps)
-        cache = self.ensure_cache(B, int(self.cache.lens.max() if self.cache is not None else 0) + P + K + 1)
-        lens = torch.tensor([min(c, K) if n > 0 else 0 for c, n in zip(caps, num_pending.tolist())],
-                            dtype=torch.long, device=device)
-        tokens = torch.zeros(B, K, dtype=torch.long, device=device)
-        probs = None if sampling.all_greedy else torch.zeros(B, K, self.policy.cfg.vocab_size, device=device)
-        if P == 0 or K == 0:
-            return Proposal(tokens, torch.zeros_like(lens), probs)
-        # 1) feed every row's pending true pairs (ragged, right-padded): (B, P, D)
+        P = int(num_pending.max())
+        cache = self.ensure_cache(B, int(self.cache.lens.max() if self.cache is not None else 0) + P + extra + 1)
+        if P == 0:
+            return None
         feats = torch.zeros(B, P, self.policy.cfg.hidden_size, dtype=self.dtype, device=device)
         toks = torch.zeros(B, P, dtype=torch.long, device=device)
         for b in range(B):
@@ -273,9 +287,25 @@ class EagleDrafter(Drafter):
         last = (num_pending - 1).clamp(min=0)
         pred = out[torch.arange(B, device=device), last].unsqueeze(1)  # (B, 1, D)
         cache.lens = cache.lens + num_pending
-        pos = cache.lens.unsqueeze(1)  # (B, 1): next speculative slot
         self.pending_hidden = [self._empty() for _ in range(B)]
         self.pending_tokens = [[] for _ in range(B)]
+        return pred, num_pending, cache
+
+    @torch.inference_mode()
+    def _propose(self, contexts, caps, sampling: BatchSampling, uniforms, tree: Tree | None = None) -> Proposal:
+        self._apply_swap()
+        if tree is not None:
+            return self._propose_tree(contexts, caps, sampling, uniforms, tree)
+        B, device = len(contexts), self.policy.device
+        K = max(caps)
+        tokens = torch.zeros(B, K, dtype=torch.long, device=device)
+        probs = None if sampling.all_greedy else torch.zeros(B, K, self.policy.cfg.vocab_size, device=device)
+        fed = self._feed_pending(B, K) if K > 0 else None  # 1) the true pairs
+        if fed is None:
+            return Proposal(tokens, torch.zeros(B, dtype=torch.long, device=device), probs)
+        pred, num_pending, cache = fed
+        lens = torch.where(num_pending > 0, torch.tensor(caps, device=device).clamp(max=K), 0)
+        pos = cache.lens.unsqueeze(1)  # (B, 1): next speculative slot
         # 2) draft autoregressively from the head's own predictions
         for j in range(K):
             logits = self.head.draft_logits(pred, self.lm_weight, self.lm_packed)  # (B, 1, V')
@@ -289,6 +319,69 @@ class EagleDrafter(Drafter):
             if j + 1 < K:
                 pred = self.head(pred, self.policy.embed_tokens(x.unsqueeze(1)).to(self.dtype), pos + j, cache)
         return Proposal(tokens, lens, probs)
+
+    def _propose_tree(self, contexts, caps, sampling: BatchSampling, uniforms, tree: Tree) -> Proposal:
+        """Draft `tree` depth by depth: at each node with children, its candidates in rank order (greedy
+        rows and a draft temperature of 0: the best logits, as one-hots; sampled rows: drawn without
+        replacement from the draft distribution, whose remainder each next candidate is drawn from),
+        then one head pass over the depth's nodes that have children, under the tree mask."""
+        B, device, N = len(contexts), self.policy.device, tree.num_nodes
+        V = self.policy.cfg.vocab_size
+        tokens = torch.zeros(B, N, dtype=torch.long, device=device)
+        probs = None if sampling.all_greedy else torch.zeros(B, N, V, device=device)
+        fed = self._feed_pending(B, N)
+        if fed is None:
+            return Proposal(tokens, torch.zeros(B, dtype=torch.long, device=device), probs,
+                            torch.zeros(B, N, dtype=torch.bool, device=device))
+        pred, num_pending, cache = fed
+        depth = tree.depth[1:].to(device)
+        cap = torch.where(num_pending > 0, torch.tensor(caps, device=device), 0)
+        valid = depth.view(1, N) <= cap.view(B, 1)  # (B, N)
+        node_pred = torch.zeros(B, N + 1, pred.shape[-1], dtype=pred.dtype, device=device)
+        node_pred[:, 0] = pred[:, 0]
+        base = cache.lens  # (B,): node j's slot is base + j - 1, its position base + depth - 1
+        num_slots = int(base.max()) + N
+        rows = torch.arange(B, device=device)
+        deterministic = sampling.all_greedy or self.head.cfg.draft_temperature == 0
+        parents = tree.parent[1:].tolist()
+        for d in range(1, tree.max_depth + 1):
+            at_d = [j for j in range(1, N + 1) if int(tree.depth[j]) == d]
+            for par in sorted({parents[j - 1] for j in at_d}):
+                kids = [int(c) for c in tree.children[par] if c > 0]
+                logits = self.head.draft_logits(node_pred[:, par], self.lm_weight, self.lm_packed).float()  # (B, V')
+                if deterministic:
+                    best = logits.topk(len(kids), dim=-1).indices  # (B, m)
+                    for i, j in enumerate(kids):
+                        tokens[:, j - 1] = self.vocab_ids[best[:, i]]
+                        if probs is not None:
+                            probs[rows, j - 1, tokens[:, j - 1]] = 1.0
+                    continue
+                p = draft_probs(logits.unsqueeze(1), sampling, self.head.cfg.draft_temperature)[:, 0]  # (B, V')
+                taken = torch.zeros_like(p, dtype=torch.bool)
+                for j in kids:
+                    mass = p.sum(-1)
+                    spent = mass <= 1e-6  # a one-hot (greedy row) or an exhausted draft: next best, as a one-hot
+                    x = torch.where(spent, logits.masked_fill(taken, float("-inf")).argmax(-1),
+                                    sample(p / mass.clamp(min=1e-30).unsqueeze(1), uniforms[:, j - 1]))
+                    q = torch.where(spent.unsqueeze(1), torch.zeros_like(p).scatter_(1, x.unsqueeze(1), 1.0),
+                                    p / mass.clamp(min=1e-30).unsqueeze(1))
+                    tokens[:, j - 1] = self.vocab_ids[x]
+                    probs[:, j - 1].index_copy_(1, self.vocab_ids, q)
+                    taken[rows, x] = True
+                    p = p.masked_fill(taken, 0.0)
+            if d == tree.max_depth:
+                break
+            grow = [j for j in at_d if bool(tree.has_children[j])]
+            if not grow:
+                continue
+            nodes = torch.tensor(grow, dtype=torch.long, device=device)
+            feats = node_pred[:, tree.parent[nodes].to(device)]  # (B, T, D)
+            embeds = self.policy.embed_tokens(tokens[:, nodes - 1]).to(self.dtype)
+            positions = base.view(B, 1) + (d - 1)
+            slots = base.view(B, 1) + nodes.view(1, -1) - 1
+            mask = tree_attention(base, nodes, tree, 1, num_slots)
+            node_pred[:, nodes] = self.head(feats, embeds, positions.expand(B, len(grow)), cache, (slots, mask))
+        return Proposal(tokens, valid.sum(1), probs, valid)
 
     def observe(self, new_tokens, hidden) -> None:
         with self._serve_lock:

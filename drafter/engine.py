@@ -18,7 +18,8 @@ import torch
 
 from drafter.drafters import Drafter
 from drafter.model import CausalLM
-from drafter.sampling import BatchSampling, SamplingParams, verify
+from drafter.sampling import BatchSampling, SamplingParams, Verdict, verify
+from drafter.tree import Tree, compact_path, tree_attention, verify_tree
 
 
 @dataclass
@@ -145,7 +146,8 @@ class Engine:
         rows = [_Row(r, model.cfg.eos_token_ids, lim, record_hidden) for r, lim in zip(requests, limits)]
         order = list(range(len(rows)))  # live position -> index in `rows`
         sampling = BatchSampling.from_params([r.params for r in requests], device)
-        cache = model.new_cache(len(rows), max(limits))
+        tree = drafter.tree_for(k) if drafter is not None else None
+        cache = model.new_cache(len(rows), max(limits), extra=tree.num_nodes if tree is not None else 0)
         needs_hidden = drafter is not None and drafter.needs_hidden
         prefill_hidden = self._prefill(rows, cache, needs_hidden or record_hidden)
         if record_hidden:
@@ -157,28 +159,12 @@ class Engine:
             drafter.begin([r.tokens for r in rows], prefill_hidden)
         while order:
             live = [rows[i] for i in order]
-            uniforms = None if sampling.all_greedy else self._uniforms(live, k)
-            if drafter is not None:
-                caps = [r.cap(k) for r in live]
-                prop = drafter.propose([r.tokens for r in live], caps, sampling,
-                                       None if uniforms is None else uniforms[:, k + 1 :])
-                K = int(prop.lens.max()) if len(live) else 0
-                draft_tokens, draft_lens = prop.tokens[:, :K].to(device), prop.lens.to(device)
-                draft_probs = None if prop.probs is None else prop.probs[:, :K]
+            if tree is not None:
+                uniforms = None if sampling.all_greedy else self._uniforms(live, tree.num_uniforms + tree.num_nodes)
+                self._tree_step(live, cache, tree, drafter, sampling, uniforms, k)
             else:
-                K, draft_tokens, draft_lens, draft_probs = 0, None, None, None
-            last = torch.tensor([[r.tokens[-1]] for r in live], dtype=torch.long, device=device)  # (B, 1)
-            input_ids = last if K == 0 else torch.cat([last, draft_tokens], dim=1)  # (B, K+1)
-            positions = cache.lens.unsqueeze(1) + torch.arange(K + 1, device=device)  # (B, K+1)
-            # rows drafting fewer than K tokens are padded; their pad slots lie past every real one
-            positions = positions.clamp_(max=cache.max_len - 1)
-            logits, hidden = model(input_ids, positions, cache, logits_for="all")
-            if K == 0:
-                draft_tokens = torch.zeros(len(live), 0, dtype=torch.long, device=device)
-                draft_lens = torch.zeros(len(live), dtype=torch.long, device=device)
-            verify_u = None if uniforms is None else torch.cat([uniforms[:, :K], uniforms[:, k : k + 1]], dim=1)
-            verdict = verify(logits, draft_tokens, draft_lens, draft_probs, sampling, verify_u)
-            self._advance(live, cache, verdict, draft_tokens, draft_lens, hidden, drafter)
+                uniforms = None if sampling.all_greedy else self._uniforms(live, 2 * k + 1)
+                self._chain_step(live, cache, drafter, sampling, uniforms, k)
             done = [j for j, r in enumerate(live) if r.finish_reason]
             if on_step is not None:
                 on_step(len(rows) - len(order) + len(done), sum(len(r.tokens) - r.num_prompt for r in rows))
@@ -191,10 +177,61 @@ class Engine:
                     drafter.keep_rows(keep)
         return [self._output(r) for r in rows]
 
-    def _uniforms(self, live: list[_Row], k: int) -> torch.Tensor:
-        """(B, 2k+1): k acceptance tests, one final draw, k for sampled drafts; drawn per row, so a row's
+    def _chain_step(self, live, cache, drafter, sampling, uniforms, k) -> None:
+        """One verify forward of [last, d_1..d_K] per row (K = 0: plain decoding)."""
+        model, device = self.model, self.model.device
+        if drafter is not None:
+            caps = [r.cap(k) for r in live]
+            prop = drafter.propose([r.tokens for r in live], caps, sampling,
+                                   None if uniforms is None else uniforms[:, k + 1 :])
+            K = int(prop.lens.max()) if len(live) else 0
+            draft_tokens, draft_lens = prop.tokens[:, :K].to(device), prop.lens.to(device)
+            draft_probs = None if prop.probs is None else prop.probs[:, :K]
+        else:
+            K, draft_tokens, draft_lens, draft_probs = 0, None, None, None
+        last = torch.tensor([[r.tokens[-1]] for r in live], dtype=torch.long, device=device)  # (B, 1)
+        input_ids = last if K == 0 else torch.cat([last, draft_tokens], dim=1)  # (B, K+1)
+        positions = cache.lens.unsqueeze(1) + torch.arange(K + 1, device=device)  # (B, K+1)
+        # rows drafting fewer than K tokens are padded; their pad slots lie past every real one
+        positions = positions.clamp_(max=cache.max_len - 1)
+        logits, hidden = model(input_ids, positions, cache, logits_for="all")
+        if K == 0:
+            draft_tokens = torch.zeros(len(live), 0, dtype=torch.long, device=device)
+            draft_lens = torch.zeros(len(live), dtype=torch.long, device=device)
+        verify_u = None if uniforms is None else torch.cat([uniforms[:, :K], uniforms[:, k : k + 1]], dim=1)
+        verdict = verify(logits, draft_tokens, draft_lens, draft_probs, sampling, verify_u)
+        self._advance(live, cache, verdict, draft_tokens, draft_lens, hidden, drafter)
+
+    def _tree_step(self, live, cache, tree: Tree, drafter, sampling, uniforms, k) -> None:
+        """One verify forward of [last, tree nodes] per row under the tree mask (drafter.tree), then
+        the accepted path's K/V moved to consecutive slots and its hidden states handed on in order."""
+        model, device = self.model, self.model.device
+        B, N = len(live), tree.num_nodes
+        prop = drafter.propose_tree([r.tokens for r in live], [r.cap(k) for r in live], sampling,
+                                    None if uniforms is None else uniforms[:, tree.num_uniforms :], tree)
+        tokens, valid = prop.tokens.to(device), prop.valid.to(device)
+        last = torch.tensor([[r.tokens[-1]] for r in live], dtype=torch.long, device=device)
+        base = cache.lens
+        # a node deeper than its row's cap is never accepted; its position only has to exist
+        positions = (base.view(B, 1) + tree.depth.to(device).view(1, -1)).clamp_(max=model.cfg.max_position - 1)
+        slots = base.view(B, 1) + torch.arange(N + 1, device=device).view(1, -1)
+        mask = tree_attention(base, torch.arange(N + 1, device=device), tree, 0, int(base.max()) + N + 1)
+        logits, hidden = model(torch.cat([last, tokens], dim=1), positions, cache, logits_for="all",
+                               tree=(slots, mask))
+        verdict = verify_tree(logits, tree, tokens, valid, None if prop.probs is None else prop.probs.to(device),
+                              sampling, None if uniforms is None else uniforms[:, : tree.num_uniforms])
+        compact_path(cache, verdict.path, verdict.num_accepted)
+        nodes = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=device), verdict.path], dim=1)  # (B, D+1)
+        path_hidden = hidden.gather(1, nodes.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+        path_tokens = tokens.gather(1, (verdict.path - 1).clamp(min=0))
+        self._advance(live, cache, Verdict(verdict.num_accepted, verdict.next_tokens), path_tokens,
+                      valid.sum(1), path_hidden, drafter)
+
+    def _uniforms(self, live: list[_Row], n: int) -> torch.Tensor:
+        """(B, n) per row: for a chain of k, n = 2k+1: k acceptance tests, one final draw, k for sampled
+        drafts; for a tree, its tests and final draw, then one per node. Drawn per row, so a row's
         random stream depends on its own seed only, not on what else is in the batch."""
-        return torch.stack([torch.rand(2 * k + 1, generator=r.gen) for r in live]).to(self.model.device)
+        return torch.stack([torch.rand(n, generator=r.gen) for r in live]).to(self.model.device)
 
     def _prefill(self, rows: list[_Row], cache, needs_hidden: bool) -> torch.Tensor | None:
         """Run prompt[:-1] of every row through the policy (no logits needed)."""

@@ -278,6 +278,19 @@ def attention_inputs(positions: torch.Tensor, cache: KVCache | None) -> tuple[to
     return attention_mask(positions, num_slots), num_slots
 
 
+def tree_inputs(positions: torch.Tensor, cache: KVCache | None,
+                tree: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """(slots to write K/V at, mask, number of slots read): by position, or as a draft tree says."""
+    if tree is None:
+        return (positions, *attention_inputs(positions, cache))
+    slots, mask = tree
+    if cache is None:
+        raise ValueError("a draft tree forward needs a KV cache")
+    if mask.shape[-1] > cache.max_len:
+        raise ValueError(f"slot {mask.shape[-1] - 1} is beyond the KV cache ({cache.max_len} slots)")
+    return slots, mask, mask.shape[-1]
+
+
 class CausalLM(nn.Module):
     """Llama/Qwen2-family decoder. `forward` returns (logits, hidden) for the requested positions."""
 
@@ -300,24 +313,29 @@ class CausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+    def new_cache(self, batch_size: int, max_len: int, extra: int = 0) -> KVCache:
+        """Room for max_len positions (at most the context) plus `extra` slots for a draft tree's
+        siblings past the last position."""
         c = self.cfg
-        return KVCache(c.num_layers, batch_size, min(max_len, c.max_position), c.num_kv_heads, c.head_dim,
-                       self.dtype, self.device)
+        return KVCache(c.num_layers, batch_size, min(max_len, c.max_position) + extra, c.num_kv_heads,
+                       c.head_dim, self.dtype, self.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
-                logits_for: str = "all") -> tuple[torch.Tensor | None, torch.Tensor]:
+                logits_for: str = "all", tree: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """input_ids, positions: (B, T). Writes K/V at `positions`; does not change cache.lens.
         cache=None: a self-contained causal forward (training, log-probabilities), differentiable.
+        tree: (slots (B, T), mask (B, 1, T, S)) for a draft tree (drafter.tree), whose siblings share
+        a rotary position: K/V go to `slots` and attention follows `mask` instead of the positions.
 
         logits_for: "all" -> (B, T, V); "last" -> (B, 1, V); "none" -> None (prefill).
         Returns the final-norm hidden states (B, T, D), the features a draft head consumes.
         """
         x = self.embed_tokens(input_ids)  # (B, T, D)
         rope = self.rotary(positions, x.dtype)
-        mask, num_slots = attention_inputs(positions, cache)
+        slots, mask, num_slots = tree_inputs(positions, cache, tree)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, cache, i, positions, mask, num_slots)
+            x = layer(x, rope, cache, i, slots, mask, num_slots)
         hidden = self.norm(x)
         if logits_for == "none":
             return None, hidden

@@ -21,6 +21,7 @@ from drafter.drafters import Drafter, NgramDrafter, Proposal
 from drafter.eagle import EagleConfig, EagleDrafter, EagleHead
 from drafter.engine import Engine, Request
 from drafter.sampling import BatchSampling, SamplingParams, Verdict, token_probs
+from drafter.tree import Tree, TreeVerdict, verify_tree
 from tests.conftest import tiny_model
 
 VOCAB, NEW, NUM_SAMPLES, ALPHA = 6, 3, 20_000, 1e-3
@@ -73,42 +74,75 @@ class NoisyPolicyDrafter(Drafter):
 
     name = "noisy-policy"
 
-    def __init__(self, policy, noise: float = 0.3, seed: int = 3) -> None:
+    def __init__(self, policy, noise: float = 0.3, seed: int = 3, tree: tuple[int, ...] = ()) -> None:
         self.model = copy.deepcopy(policy)
+        self.widths = tree
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for p in self.model.parameters():
                 p.add_(torch.randn(p.shape, generator=g) * noise)
+
+    def next_probs(self, ctx: list[list[int]], sampling_) -> torch.Tensor:
+        B, lens = len(ctx), torch.tensor([len(c) for c in ctx])
+        L = int(lens.max())
+        ids = torch.zeros(B, L, dtype=torch.long)
+        for b, c in enumerate(ctx):
+            ids[b, : len(c)] = torch.tensor(c)
+        logits, _ = self.model(ids, torch.arange(L).expand(B, L), self.model.new_cache(B, L))
+        return token_probs(logits[torch.arange(B), lens - 1].unsqueeze(1), sampling_)[:, 0]  # (B, V)
 
     def propose(self, contexts, caps, sampling_, uniforms):
         B, K = len(contexts), max(caps)
         ctx = [list(c) for c in contexts]
         tokens = torch.zeros(B, K, dtype=torch.long)
         probs = torch.zeros(B, K, VOCAB)
-        rows = torch.arange(B)
         for j in range(K):
-            lens = torch.tensor([len(c) for c in ctx])
-            L = int(lens.max())
-            ids = torch.zeros(B, L, dtype=torch.long)
-            for b, c in enumerate(ctx):
-                ids[b, : len(c)] = torch.tensor(c)
-            logits, _ = self.model(ids, torch.arange(L).expand(B, L), self.model.new_cache(B, L))
-            p = token_probs(logits[rows, lens - 1].unsqueeze(1), sampling_)[:, 0]  # (B, V)
+            p = self.next_probs(ctx, sampling_)
             x = sampling.sample(p, uniforms[:, j])
             tokens[:, j], probs[:, j] = x, p
             for b in range(B):
                 ctx[b].append(int(x[b]))
         return Proposal(tokens, torch.tensor(caps), probs)
 
+    def tree_for(self, k):
+        return Tree.for_k(k, self.widths, 2) if self.widths else None
+
+    def propose_tree(self, contexts, caps, sampling_, uniforms, tree):
+        """An independent reading of drafter.tree's contract: each node's candidates drawn without
+        replacement from the noisy policy at that node; a candidate past the draft's support is not proposed."""
+        B, N = len(contexts), tree.num_nodes
+        tokens, probs = torch.zeros(B, N, dtype=torch.long), torch.zeros(B, N, VOCAB)
+        valid = tree.depth[1:].view(1, N) <= torch.tensor(caps).view(B, 1)
+        for par in range(N + 1):
+            kids = [int(c) for c in tree.children[par] if c > 0]
+            if not kids:
+                continue
+            path = [j for j in range(1, N + 1) if tree.ancestors[par, j]]  # parents before children
+            p = self.next_probs([list(c) + tokens[b, [j - 1 for j in path]].tolist()
+                                 for b, c in enumerate(contexts)], sampling_)
+            for j in kids:
+                mass = p.sum(-1, keepdim=True)
+                valid[:, j - 1] &= (mass[:, 0] > 0) & (valid[:, par - 1] if par else True)
+                p = torch.where(mass > 0, p / mass.clamp(min=1e-30), torch.ones_like(p) / VOCAB)
+                x = sampling.sample(p, uniforms[:, j - 1])
+                tokens[:, j - 1], probs[:, j - 1] = x, p
+                p = p.scatter(1, x.unsqueeze(1), 0.0)
+        return Proposal(tokens, valid.sum(1), probs, valid)
+
 
 def make_drafter(name, model):
+    """ngram, eagle, eagle-T (draft temperature T; 0: the argmax is proposed), eagle-bf16 (drafts in
+    bf16), noisy-policy; a "-tree" suffix drafts a tree with 3 candidates at depth 1 and 2 at depth 2."""
+    tree = (3, 2) if name.endswith("-tree") else ()
+    name = name.removesuffix("-tree")
     if name == "ngram":
         return NgramDrafter()
-    if name.startswith("eagle"):  # eagle-T: draft temperature T (0: the argmax is proposed)
-        dtype = "bfloat16" if name.endswith("-bf16") else None  # eagle-bf16: drafts in bf16
+    if name.startswith("eagle"):
+        dtype = "bfloat16" if name.endswith("-bf16") else None
         tau = float(name.removesuffix("-bf16").partition("-")[2] or 1.0)
-        return EagleDrafter(model, EagleHead(model.cfg, EagleConfig(draft_temperature=tau, init_seed=1)), dtype)
-    return NoisyPolicyDrafter(model)
+        head = EagleHead(model.cfg, EagleConfig(draft_temperature=tau, init_seed=1))
+        return EagleDrafter(model, head, dtype, tree=tree, tree_side_depth=2)
+    return NoisyPolicyDrafter(model, tree=tree)
 
 
 def test_exact_distribution_sums_to_one(exact):
@@ -127,6 +161,13 @@ def test_speculative_sampling_matches_policy(model, exact, k, drafter_name):
 
 @pytest.mark.parametrize("drafter_name", ["eagle-0.5", "eagle-0", "eagle-bf16"])
 def test_sharpened_or_bf16_drafts_stay_lossless(model, exact, drafter_name):
+    assert sample_pvalue(model, exact, 2, make_drafter(drafter_name, model)) > ALPHA
+
+
+@pytest.mark.parametrize("drafter_name", ["noisy-policy-tree", "eagle-tree", "eagle-0-tree", "eagle-bf16-tree"])
+def test_tree_drafts_stay_lossless(model, exact, drafter_name):
+    """Several candidates per position, verified by recursive rejection sampling: still the policy's
+    distribution (k=2: every node of the tree can be reached within the 3 tokens)."""
     assert sample_pvalue(model, exact, 2, make_drafter(drafter_name, model)) > ALPHA
 
 
@@ -149,6 +190,66 @@ def resample_from_target(target_logits, draft_tokens, draft_lens, draft_probs, s
 def test_wrong_verifier_fails_the_test(model, exact, monkeypatch, wrong, drafter_name):
     monkeypatch.setattr(engine_mod, "verify", wrong)
     assert sample_pvalue(model, exact, 2, make_drafter(drafter_name, model)) < ALPHA
+
+
+def reference_verify_tree(target_logits, tree, tokens, valid, draft_probs, sampling_, uniforms,
+                          update_residual: bool = True) -> TreeVerdict:
+    """Recursive rejection sampling one row and one candidate at a time, written from the paper's
+    description; update_residual=False is the classic multi-candidate bug (every candidate tested
+    against the target itself)."""
+    q = token_probs(target_logits, sampling_)
+    B, W = q.shape[0], max(tree.width, 1)
+    path, num, nxt = torch.zeros(B, tree.max_depth, dtype=torch.long), torch.zeros(B, dtype=torch.long), []
+    for b in range(B):
+        cur, r = 0, q[b, 0]
+        for d in range(tree.max_depth):
+            moved = False
+            for i in range(W):
+                c = int(tree.children[cur, i])
+                if c <= 0 or not valid[b, c - 1]:
+                    continue
+                x, p = int(tokens[b, c - 1]), draft_probs[b, c - 1]
+                if uniforms[b, d * W + i] * p[x] < r[x]:
+                    path[b, d], num[b], cur, r, moved = c, num[b] + 1, c, q[b, c], True
+                    break
+                rest = (r - p).clamp(min=0)
+                if update_residual and rest.sum() > 0:
+                    r = rest / rest.sum()
+            if not moved:
+                break
+        nxt.append(int(sampling.sample(r.unsqueeze(0), uniforms[b, -1:])[0]))
+    return TreeVerdict(path, num, torch.tensor(nxt))
+
+
+def test_tree_verifier_agrees_with_a_reference():
+    """Same inputs, same uniforms: the batched verifier takes the reference's path and next token,
+    for greedy and sampled rows mixed, ragged validity and drafts drawn without replacement."""
+    g = torch.Generator().manual_seed(0)
+    tree = Tree.for_k(3, (3, 2), 2)
+    B, N, V = 64, tree.num_nodes, 7
+    bs = BatchSampling.from_params([SamplingParams(temperature=0.0 if b % 5 == 0 else 1.0) for b in range(B)])
+    target = torch.randn(B, N + 1, V, generator=g) * 1.5
+    probs = torch.softmax(torch.randn(B, N, V, generator=g), -1)
+    tokens = torch.multinomial(probs.flatten(0, 1), 1, generator=g).view(B, N)
+    tokens[::3] = target[::3, tree.parent[1:]].argmax(-1)  # some rows guess the target's favourites
+    valid = tree.depth[1:].view(1, N) <= torch.randint(0, 4, (B, 1), generator=g)
+    uniforms = torch.rand(B, tree.num_uniforms, generator=g)
+    got = verify_tree(target, tree, tokens, valid, probs, bs, uniforms)
+    want = reference_verify_tree(target, tree, tokens, valid, probs, bs, uniforms)
+    assert torch.equal(got.num_accepted, want.num_accepted)
+    assert torch.equal(got.path, want.path)
+    assert torch.equal(got.next_tokens, want.next_tokens)
+    assert int(got.num_accepted.sum()) > 0 and bool((got.num_accepted == 0).any())
+
+
+def test_wrong_tree_verifier_fails_the_test(model, exact, monkeypatch):
+    """Testing every candidate against the target instead of the residual left by the rejected ones
+    over-weights what the draft likes: the chi-square test must see it."""
+    def no_residual(*args):
+        return reference_verify_tree(*args, update_residual=False)
+
+    monkeypatch.setattr(engine_mod, "verify_tree", no_residual)
+    assert sample_pvalue(model, exact, 2, make_drafter("noisy-policy-tree", model)) < ALPHA
 
 
 def test_token_probs_top_k_top_p_and_greedy():
