@@ -41,9 +41,10 @@ class Drafter(ABC):
                 uniforms: torch.Tensor | None) -> Proposal:
         """Draft up to caps[b] tokens after contexts[b]; uniforms (B, k) drive sampled drafts."""
 
-    def tree_for(self, k: int):
-        """The draft tree (drafter.tree.Tree) this drafter proposes for draft depth k, or None for a
-        chain of k tokens through `propose`."""
+    def tree_for(self, k: int, batch_size: int = 1):
+        """The draft tree (drafter.tree.Tree) this drafter proposes for draft depth k with batch_size
+        sequences live, or None for a chain of k tokens through `propose`. At batch_size 1 it is the
+        largest tree the drafter ever proposes for k."""
         return None
 
     def propose_tree(self, contexts: list[list[int]], caps: list[int], sampling: BatchSampling,

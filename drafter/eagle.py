@@ -142,17 +142,21 @@ class EagleDrafter(Drafter):
     name = "eagle"
 
     def __init__(self, policy: CausalLM, head: EagleHead, dtype: torch.dtype | str | None = None,
-                 tree: str | tuple[int, ...] | None = None, tree_side_depth: int = 1) -> None:
+                 tree: str | tuple[int, ...] | None = None, tree_side_depth: int = 1,
+                 tree_max_batch: int = 4) -> None:
         """dtype: the precision the head drafts in (see serving_dtype); the head passed in is never
         converted in place: a head in another dtype is served from a converted copy. tree: candidates
         at the first draft depths ("3,2": three at the first, two at the second; None or "": a chain),
-        each extra candidate heading a chain of tree_side_depth nodes (drafter.tree.Tree.for_k)."""
+        each extra candidate heading a chain of tree_side_depth nodes (drafter.tree.Tree.for_k). A
+        tree is drafted only while at most tree_max_batch sequences are live: verifying a tree's extra
+        nodes is nearly free at batch 1 (bound by reading the weights), not in a full batch."""
         self.policy = policy
         self.dtype = serving_dtype(policy, dtype)
         self.tree_widths = parse_widths(tree)
-        self.tree_side_depth = tree_side_depth
-        if tree_side_depth < 1:
-            raise ValueError(f"tree_side_depth must be >= 1, got {tree_side_depth}")
+        if tree_side_depth < 1 or tree_max_batch < 0:
+            raise ValueError(f"tree_side_depth must be >= 1 and tree_max_batch >= 0, got {tree_side_depth}, "
+                             f"{tree_max_batch}")
+        self.tree_side_depth, self.tree_max_batch = tree_side_depth, tree_max_batch
         self._install(self._prepare(head))
         self.version: int | None = None  # draft version serving, for progress reports
         self._next: tuple[EagleHead, int | None] | None = None
@@ -253,8 +257,8 @@ class EagleDrafter(Drafter):
             self.cache = grown
         return self.cache
 
-    def tree_for(self, k: int) -> Tree | None:
-        if k < 1 or not any(w > 1 for w in self.tree_widths):
+    def tree_for(self, k: int, batch_size: int = 1) -> Tree | None:
+        if k < 1 or not any(w > 1 for w in self.tree_widths) or batch_size > self.tree_max_batch:
             return None
         return Tree.for_k(k, self.tree_widths, self.tree_side_depth)
 
@@ -346,9 +350,12 @@ class EagleDrafter(Drafter):
         parents = tree.parent[1:].tolist()
         for d in range(1, tree.max_depth + 1):
             at_d = [j for j in range(1, N + 1) if int(tree.depth[j]) == d]
-            for par in sorted({parents[j - 1] for j in at_d}):
+            pars = sorted({parents[j - 1] for j in at_d})
+            # one pass over the draft LM head for the whole depth: reading its weight is the cost
+            depth_logits = self.head.draft_logits(node_pred[:, pars], self.lm_weight, self.lm_packed).float()
+            for col, par in enumerate(pars):
                 kids = [int(c) for c in tree.children[par] if c > 0]
-                logits = self.head.draft_logits(node_pred[:, par], self.lm_weight, self.lm_packed).float()  # (B, V')
+                logits = depth_logits[:, col]  # (B, V')
                 if deterministic:
                     best = logits.topk(len(kids), dim=-1).indices  # (B, m)
                     for i, j in enumerate(kids):

@@ -146,8 +146,8 @@ class Engine:
         rows = [_Row(r, model.cfg.eos_token_ids, lim, record_hidden) for r, lim in zip(requests, limits)]
         order = list(range(len(rows)))  # live position -> index in `rows`
         sampling = BatchSampling.from_params([r.params for r in requests], device)
-        tree = drafter.tree_for(k) if drafter is not None else None
-        cache = model.new_cache(len(rows), max(limits), extra=tree.num_nodes if tree is not None else 0)
+        largest = drafter.tree_for(k) if drafter is not None else None  # room for its side slots
+        cache = model.new_cache(len(rows), max(limits), extra=largest.num_nodes if largest is not None else 0)
         needs_hidden = drafter is not None and drafter.needs_hidden
         prefill_hidden = self._prefill(rows, cache, needs_hidden or record_hidden)
         if record_hidden:
@@ -159,6 +159,7 @@ class Engine:
             drafter.begin([r.tokens for r in rows], prefill_hidden)
         while order:
             live = [rows[i] for i in order]
+            tree = drafter.tree_for(k, len(live)) if largest is not None else None  # the tail: a tree
             if tree is not None:
                 uniforms = None if sampling.all_greedy else self._uniforms(live, tree.num_uniforms + tree.num_nodes)
                 self._tree_step(live, cache, tree, drafter, sampling, uniforms, k)

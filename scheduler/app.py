@@ -105,6 +105,7 @@ class Launcher:
                         max_new_tokens=spec.max_new_tokens, temperature=spec.temperature, num_workers=spec.num_gpus,
                         seed=spec.seed, store_dir=f"{self.settings.store_dir}/{job_id}",
                         worker=WorkerConfig(model=spec.model, k=spec.draft_k, draft_dtype=spec.draft_dtype,
+                                            draft_tree=spec.draft_tree,
                                             tlt=spec.tlt, min_accepted_length=spec.min_accepted_length,
                                             train=TrainConfig(**spec.drafter.model_dump())),
                         grpo=GRPOConfig(group_size=spec.group_size, lr=spec.lr, clip_eps=spec.clip_eps,

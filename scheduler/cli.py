@@ -35,7 +35,8 @@ def _bench_drafter(args: argparse.Namespace) -> int:
                            warm_steps=args.warm_steps, warm_unroll=args.warm_unroll,
                            adapt_seconds=args.adapt_seconds, adapt_lr=args.adapt_lr,
                            adapt_prompts=args.adapt_prompts, stop_trials=args.stop_trials, parts=args.parts,
-                           draft_dtype=None if args.draft_dtype == "policy" else args.draft_dtype)
+                           draft_dtype=None if args.draft_dtype == "policy" else args.draft_dtype,
+                           tree=args.tree, tree_side_depth=args.tree_side_depth)
     print(json.dumps(result))
     return 0
 
@@ -266,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     drf.add_argument("--stop-trials", type=int, default=20)
     drf.add_argument("--draft-dtype", default="auto", choices=("auto", "policy", "float32", "bfloat16"),
                      help="precision the heads draft in; auto: bf16 where the device has bf16 units")
+    drf.add_argument("--tree", default="3,2", help="draft tree: candidates at the first depths ('' for a chain)")
+    drf.add_argument("--tree-side-depth", type=int, default=1, help="depth of the chain under each extra candidate")
     drf.add_argument("--json", action="store_true", help="accepted for symmetry; the JSON object is always last")
     drf.set_defaults(func=_bench_drafter)
 

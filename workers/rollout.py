@@ -44,6 +44,9 @@ class WorkerConfig:
     # precision the draft head serves in (drafter.eagle.serving_dtype): "auto" is bf16 where the policy
     # is float32 and the device has bf16 units (drafting is bound by reading the head's weights)
     draft_dtype: str | None = "auto"
+    # draft tree widths (drafter.tree): "3,2" offers three candidates at the first draft position and two
+    # at the second, while at most four rollouts are live (the tail); "" drafts a chain
+    draft_tree: str = "3,2"
     buffer_bytes: int = 256 << 20  # harvested (token, hidden) pairs kept for drafter training
     num_threads: int = 1  # torch threads per worker: several workers share a CPU box
     tlt: bool = True  # speculative decoding with the trained drafter, and harvesting for it
@@ -67,7 +70,8 @@ class RolloutRunner:
         self.served, self.copies = job_stores(redis, store_dir, namespace)
         self.reporter = ProgressReporter(redis, job_id, worker_id)
         self.buffer = RolloutBuffer(max_bytes=cfg.buffer_bytes)
-        self.drafter = EagleDrafter(self.policy, new_head(self.policy, None, cfg.draft_vocab_size), cfg.draft_dtype)
+        self.drafter = EagleDrafter(self.policy, new_head(self.policy, None, cfg.draft_vocab_size), cfg.draft_dtype,
+                                    tree=cfg.draft_tree)
         self.drafter.version = 0
         self.draft_accepted_length = 0.0  # of the newest version loaded, as measured when it was published
         self.policy_version = 0

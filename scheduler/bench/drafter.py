@@ -192,10 +192,12 @@ def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_p
                   drift_lr: float = 1e-4,
                   adapt_seconds: float = 60.0, adapt_lr: float = 3e-4, adapt_prompts: int = 256,
                   stop_trials: int = 20, parts: str = "abc", drift_eval_prompts: int = 16,
-                  draft_dtype: str | None = "auto") -> dict:
+                  draft_dtype: str | None = "auto", tree: str = "3,2", tree_side_depth: int = 1) -> dict:
     """parts: any of "a" (sweep), "b" (drift), "c" (throughput, stops). Without (a), the drift is
     measured at k=4; without (b), (c) trains the warm-started head on 64 fresh rollouts. draft_dtype:
-    the precision the heads draft in (drafter.eagle.serving_dtype), as the rollout workers serve them."""
+    the precision the heads draft in (drafter.eagle.serving_dtype), as the rollout workers serve them;
+    tree, tree_side_depth: the warm head's draft tree in (a) (drafter.tree; "" for a chain), with a
+    chain of the same head beside it. The drift (b) is measured with chains: it is about the head."""
     if not parts or set(parts) - set("abc"):
         raise ValueError(f"parts must be made of a, b and c, got {parts!r}")
     torch.set_num_threads(threads)
@@ -210,7 +212,8 @@ def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_p
     result["parts"] = parts
     if "a" in parts:
         result.update(calibrate(engine, tok, head))
-    best_k = (_sweep_part(result, engine, eval_prompts, ks, policy, head, new_tokens, draft_dtype)
+    best_k = (_sweep_part(result, engine, eval_prompts, ks, policy, head, new_tokens, draft_dtype, tree,
+                          tree_side_depth)
               if "a" in parts else 4)
     train_policy, train_head, buffer = policy, head, None
     if "b" in parts:
@@ -236,20 +239,31 @@ def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_p
     return result
 
 
-def _sweep_part(result, engine, eval_prompts, ks, policy, head, new_tokens, draft_dtype) -> int:
+def _sweep_part(result, engine, eval_prompts, ks, policy, head, new_tokens, draft_dtype, tree,
+                tree_side_depth) -> int:
     log("(a) acceptance and speed-up, batch 1")
-    drafters = {"warm": EagleDrafter(policy, head, draft_dtype),
-                "untrained": EagleDrafter(policy, new_head(policy, None, None), draft_dtype), "ngram": NgramDrafter()}
+    served = {"tree": tree, "tree_side_depth": tree_side_depth}  # as the rollout workers serve heads
+
+    def eagle(h, dtype=draft_dtype, **kw):
+        return EagleDrafter(policy, h, dtype, **(served | kw))
+
+    drafters = {"warm": eagle(head), "untrained": eagle(new_head(policy, None, None), tree=None),
+                "ngram": NgramDrafter()}
     result["draft_dtype"] = str(drafters["warm"].dtype).removeprefix("torch.")
+    result["draft_tree"] = ",".join(map(str, drafters["warm"].tree_widths))
+    result["draft_tree_side_depth"] = tree_side_depth
     sampled_only: tuple[str, ...] = ()
     only_ks: dict[str, tuple[int, ...]] = {}
     if head.cfg.draft_temperature != 1.0:  # side by side: what the calibration bought at T=1
         own = copy.copy(head)  # shares the weights
         own.cfg = dataclasses.replace(head.cfg, draft_temperature=1.0)
-        drafters["warm_draft_t1"], sampled_only = EagleDrafter(policy, own, draft_dtype), ("warm_draft_t1",)
+        drafters["warm_draft_t1"], sampled_only = eagle(own), ("warm_draft_t1",)
+    if drafters["warm"].tree_for(max(ks)) is not None:  # side by side: what the tree bought over a chain
+        drafters["warm_chain"] = eagle(head, tree=None)
+        only_ks["warm_chain"] = tuple(k for k in ks if k in (3, 4))
     if drafters["warm"].dtype != policy.dtype:  # side by side: what serving the head in bf16 bought
-        drafters["warm_policy_dtype"] = EagleDrafter(policy, head)
-        only_ks["warm_policy_dtype"] = tuple(k for k in ks if k in (2, 3, 4))
+        drafters["warm_policy_dtype"] = eagle(head, None)
+        only_ks["warm_policy_dtype"] = tuple(k for k in ks if k == 4)
     result["sweep"] = sweep(engine, eval_prompts, ks, drafters, new_tokens, sampled_only, only_ks)
     greedy, temp1 = result["sweep"]["greedy"], result["sweep"]["temp1"]
     best_k = max(ks, key=lambda k: greedy[f"warm_k{k}"]["speedup"])

@@ -104,7 +104,7 @@ class NoisyPolicyDrafter(Drafter):
                 ctx[b].append(int(x[b]))
         return Proposal(tokens, torch.tensor(caps), probs)
 
-    def tree_for(self, k):
+    def tree_for(self, k, batch_size=1):
         return Tree.for_k(k, self.widths, 2) if self.widths else None
 
     def propose_tree(self, contexts, caps, sampling_, uniforms, tree):
@@ -141,7 +141,7 @@ def make_drafter(name, model):
         dtype = "bfloat16" if name.endswith("-bf16") else None
         tau = float(name.removesuffix("-bf16").partition("-")[2] or 1.0)
         head = EagleHead(model.cfg, EagleConfig(draft_temperature=tau, init_seed=1))
-        return EagleDrafter(model, head, dtype, tree=tree, tree_side_depth=2)
+        return EagleDrafter(model, head, dtype, tree=tree, tree_side_depth=2, tree_max_batch=NUM_SAMPLES)
     return NoisyPolicyDrafter(model, tree=tree)
 
 

@@ -70,12 +70,13 @@ def test_compaction_moves_the_accepted_path_into_sequence():
 
 @pytest.mark.parametrize("tree", ["2", "3,2", "2,2,2"])
 @pytest.mark.parametrize("k", [1, 3, 6])
-@pytest.mark.parametrize("dtype", [None, "bfloat16"])
-def test_greedy_tree_equals_plain(tiny, tree, k, dtype):
+@pytest.mark.parametrize(("dtype", "max_batch"), [(None, 8), ("bfloat16", 4)])
+def test_greedy_tree_equals_plain(tiny, tree, k, dtype, max_batch):
+    """max_batch 4 of 8 rows: chain steps until only four rows are live, tree steps after."""
     engine = Engine(tiny)
     requests = greedy_requests(random_prompts(LENGTHS_8, tiny.cfg.vocab_size))
     plain = engine.generate(requests)
-    drafter = EagleDrafter(tiny, EagleHead(tiny.cfg), dtype, tree=tree, tree_side_depth=2)
+    drafter = EagleDrafter(tiny, EagleHead(tiny.cfg), dtype, tree=tree, tree_side_depth=2, tree_max_batch=max_batch)
     spec = engine.generate(requests, k=k, drafter=drafter, record_hidden=True)
     for a, b in zip(plain, spec):
         assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason)
@@ -133,6 +134,7 @@ def test_sampled_rows_beside_greedy_rows_and_the_context_limit():
     reqs = [Request(p, sp) for p, sp in zip(prompts, params)]
     plain = engine.generate(reqs)
     drafter = EagleDrafter(model, EagleHead(model.cfg), tree="3,2", tree_side_depth=2)
+    assert drafter.tree_for(4, 3) is not None and drafter.tree_for(4, 5) is None  # tree_max_batch: 4
     spec = engine.generate(reqs, k=4, drafter=drafter)
     assert len(spec[0].token_ids) == 10 and spec[0].finish_reason == "length"
     assert spec[0].token_ids == plain[0].token_ids and spec[2].token_ids == plain[2].token_ids

@@ -62,7 +62,7 @@ def test_submit_runs_a_job_to_completion(client):
     ("model", "gpt-99"), ("num_gpus", 0), ("max_new_tokens", "many"), ("surprise", 1),
     ("min_accepted_length", -1), ("drafter", {"num_rows": 0}), ("drafter", {"lr": 0}), ("drafter", {"typo": 1}),
     ("drafter", {"anneal_to_budget": "maybe"}), ("drafter", {"bf16_autocast": "fast"}),
-    ("draft_dtype", "float64")])
+    ("draft_dtype", "float64"), ("draft_tree", "3;2"), ("draft_tree", "0,2"), ("draft_tree", "17")])
 def test_invalid_specs_get_422_naming_the_field_and_create_nothing(client, field, value):
     before = client.redis.zcard(jobs_index_key())
     r = client.post("/v1/jobs", json=TINY | {field: value}, headers=AUTH)
