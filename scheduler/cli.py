@@ -267,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     drf.add_argument("--stop-trials", type=int, default=20)
     drf.add_argument("--draft-dtype", default="auto", choices=("auto", "policy", "float32", "bfloat16"),
                      help="precision the heads draft in; auto: bf16 where the device has bf16 units")
-    drf.add_argument("--tree", default="3,2", help="draft tree: candidates at the first depths ('' for a chain)")
+    drf.add_argument("--tree", default="",
+                     help="draft tree served: candidates at the first depths, e.g. 3,2 ('': a chain)")
     drf.add_argument("--tree-side-depth", type=int, default=1, help="depth of the chain under each extra candidate")
     drf.add_argument("--json", action="store_true", help="accepted for symmetry; the JSON object is always last")
     drf.set_defaults(func=_bench_drafter)

@@ -69,9 +69,10 @@ class JobSpec(BaseModel):
     draft_k: int = Field(2, ge=1, le=16)
     draft_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="precision the draft head serves in; auto: bf16 where the device has bf16 units")
-    draft_tree: str = Field("3,2", pattern=r"^$|^([1-9]|1[0-6])(,([1-9]|1[0-6])){0,15}$", description=(
+    draft_tree: str = Field("", pattern=r"^$|^([1-9]|1[0-6])(,([1-9]|1[0-6])){0,15}$", description=(
         "draft candidates at the first depths, e.g. '3,2' (three at the first, two at the second); '' drafts "
-        "a chain. Trees are drafted only while at most four rollouts of a worker are live (the long tail)"))
+        "a chain (the default: on the CPU boxes measured, a tree's drafting and verifying cost more than its extra "
+        "accepted tokens bring). Trees are drafted only while at most four rollouts of a worker are live"))
     min_accepted_length: float = Field(1.2, ge=0, le=17, description=(
         "speculate only with a draft measured (at publish) to give at least this many tokens per verify step; "
         "drafting and verifying k tokens cost ~1.1-1.2x a plain step on CPU. 0: always speculate"))

@@ -45,8 +45,9 @@ class WorkerConfig:
     # is float32 and the device has bf16 units (drafting is bound by reading the head's weights)
     draft_dtype: str | None = "auto"
     # draft tree widths (drafter.tree): "3,2" offers three candidates at the first draft position and two
-    # at the second, while at most four rollouts are live (the tail); "" drafts a chain
-    draft_tree: str = "3,2"
+    # at the second, while at most four rollouts are live (the tail); "" drafts a chain, the default: on
+    # the CPU boxes measured a tree accepted more tokens per step but cost more time (docs/benchmarks.md)
+    draft_tree: str = ""
     buffer_bytes: int = 256 << 20  # harvested (token, hidden) pairs kept for drafter training
     num_threads: int = 1  # torch threads per worker: several workers share a CPU box
     tlt: bool = True  # speculative decoding with the trained drafter, and harvesting for it

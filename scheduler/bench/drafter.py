@@ -192,7 +192,7 @@ def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_p
                   drift_lr: float = 1e-4,
                   adapt_seconds: float = 60.0, adapt_lr: float = 3e-4, adapt_prompts: int = 256,
                   stop_trials: int = 20, parts: str = "abc", drift_eval_prompts: int = 16,
-                  draft_dtype: str | None = "auto", tree: str = "3,2", tree_side_depth: int = 1) -> dict:
+                  draft_dtype: str | None = "auto", tree: str = "", tree_side_depth: int = 1) -> dict:
     """parts: any of "a" (sweep), "b" (drift), "c" (throughput, stops). Without (a), the drift is
     measured at k=4; without (b), (c) trains the warm-started head on 64 fresh rollouts. draft_dtype:
     the precision the heads draft in (drafter.eagle.serving_dtype), as the rollout workers serve them;
@@ -261,6 +261,9 @@ def _sweep_part(result, engine, eval_prompts, ks, policy, head, new_tokens, draf
     if drafters["warm"].tree_for(max(ks)) is not None:  # side by side: what the tree bought over a chain
         drafters["warm_chain"] = eagle(head, tree=None)
         only_ks["warm_chain"] = tuple(k for k in ks if k in (3, 4))
+    else:  # side by side: what a draft tree would buy (three candidates, then two, side chains of 2)
+        drafters["warm_tree"] = eagle(head, tree="3,2", tree_side_depth=2)
+        only_ks["warm_tree"] = tuple(k for k in ks if k == 4)
     if drafters["warm"].dtype != policy.dtype:  # side by side: what serving the head in bf16 bought
         drafters["warm_policy_dtype"] = eagle(head, None)
         only_ks["warm_policy_dtype"] = tuple(k for k in ks if k == 4)
