@@ -146,8 +146,14 @@ def policy_from_env(environ: dict) -> PolicySettings:
     for f in dataclasses.fields(PolicySettings):
         raw = environ.get(f"TLT_POLICY_{f.name.upper()}")
         if raw is not None:
+            kind = type(getattr(PolicySettings(), f.name))
+            if kind is bool:
+                if raw.strip().lower() not in ("1", "0", "true", "false", "yes", "no"):
+                    raise ValueError(f"TLT_POLICY_{f.name.upper()}: not a boolean (1/0, true/false): {raw!r}")
+                kwargs[f.name] = raw.strip().lower() in ("1", "true", "yes")
+                continue
             try:
-                kwargs[f.name] = type(getattr(PolicySettings(), f.name))(raw)
+                kwargs[f.name] = kind(raw)
             except ValueError:
                 raise ValueError(f"TLT_POLICY_{f.name.upper()}: not a number: {raw!r}") from None
     return PolicySettings(**kwargs)
@@ -265,8 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     drf.add_argument("--adapt-lr", type=float, default=3e-4, help="peak learning rate of the online adaptation")
     drf.add_argument("--adapt-prompts", type=int, default=256, help="new-policy rollouts the adaptation trains on")
     drf.add_argument("--stop-trials", type=int, default=20)
-    drf.add_argument("--draft-dtype", default="auto", choices=("auto", "policy", "float32", "bfloat16"),
-                     help="precision the heads draft in; auto: bf16 where the device has bf16 units")
+    drf.add_argument("--draft-dtype", default="auto", choices=("auto", "policy", "float32", "bfloat16", "int8"),
+                     help="precision the heads draft in; auto: bf16 where the device has bf16 units, else int8 "
+                          "weights on a CPU")
     drf.add_argument("--tree", default="",
                      help="draft tree served: candidates at the first depths, e.g. 3,2 ('': a chain)")
     drf.add_argument("--tree-side-depth", type=int, default=1, help="depth of the chain under each extra candidate")

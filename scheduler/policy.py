@@ -53,6 +53,9 @@ class PolicySettings:
     lease_margin: float = 0.8  # stop before the estimated end of rollout, so preemption rarely waits
     min_buffer_tokens: int = 512  # a trainer needs data; fewer pairs than this overfit in seconds
     publish_tolerance: float = 0.0  # a merged draft may not accept fewer tokens per step than the served one
+    # delete a round's copies and candidate file once it is decided (a published candidate lives on in the
+    # served store): a long job makes a few copies per step, tens of MB each for an 8B policy's head
+    prune_copies: bool = True
 
     def __post_init__(self) -> None:
         for name in ("straggler_done_fraction", "straggler_progress_ratio", "long_tail_idle_fraction",

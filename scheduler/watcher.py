@@ -3,13 +3,15 @@
 Each `tick()`, for every running job with TLT on: build WorkerViews from Redis progress (plus each
 worker's buffer size), `decide`; preempt trainers whose GPU is needed (the rollout phase ended, or
 the worker got rollouts again); grant leases to idle workers in the long tail; collect finished
-leases; and once a round's leases have all come back, merge their copies into a candidate, score it
-and the serving draft on recent rollouts of a worker that did not train on them, and publish it to
-the served store only if it is not worse (workers pick it up over pub/sub and swap it in between
-decode steps).
+leases; and once a round's leases have all come back, merge their copies into a candidate and ask a
+worker that did not train on them to score it and the serving draft on its recent rollouts. The
+answer is collected by a later tick (scoring takes seconds; a tick never waits for it), and the
+candidate is published to the served store only if it is not worse (workers pick it up over pub/sub
+and swap it in between decode steps). The decided round's copies are then deleted.
 
 Everything a restarted scheduler needs lives in Redis (job_tlt_key: open leases, unmerged copies,
-counters) or on the workers (lease outcomes), so a restart loses no lease and no draft version.
+the candidate under scoring, counters) or on the workers (lease outcomes), so a restart loses no
+lease and no draft version; a scoring question lost with the old process is asked again.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class JobTLT:
     num_rejected: int = 0
     published_at: dict = field(default_factory=dict)  # served version -> wall time it was published
     swaps_seen: dict = field(default_factory=dict)  # worker id -> swaps already observed
+    scoring: dict | None = None  # the merged candidate of the last round while a worker scores it
 
     def save(self, redis, job_id: str) -> None:
         redis.hset(job_tlt_key(job_id), mapping={
@@ -124,6 +127,8 @@ class Watcher:
         self.settings = settings or PolicySettings()
         self.metrics = metrics or Metrics(CollectorRegistry())
         self.jobs: dict[str, JobTLT] = {}
+        self.specs: dict[str, dict] = {}  # running job -> its spec
+        self._scoring: dict[str, tuple] = {}  # job -> (evaluate_drafts ref, monotonic time asked)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -161,10 +166,13 @@ class Watcher:
                     log.exception("job %s: watcher step failed", job["job_id"])
         for job_id in set(self.jobs) - running:  # ended: its workers are gone with its driver
             st = self.jobs.pop(job_id)
-            if st.leases or st.copies:
-                log.info("job %s ended with %d open leases and %d unmerged copies (kept in the copies store)",
-                         job_id, len(st.leases), len(st.copies))
-                st.leases, st.copies = {}, []
+            self.specs.pop(job_id, None)
+            self._scoring.pop(job_id, None)
+            if st.leases or st.copies or st.scoring:
+                log.info("job %s ended with %d open leases, %d unmerged copies and %s under scoring (kept in the "
+                         "copies store)", job_id, len(st.leases), len(st.copies),
+                         f"candidate {st.scoring['candidate']}" if st.scoring else "no candidate")
+                st.leases, st.copies, st.scoring = {}, [], None
                 st.save(self.store.redis, job_id)
 
     def stores(self, job_id: str) -> tuple[DraftStore, DraftStore]:
@@ -182,6 +190,7 @@ class Watcher:
         except Exception:
             return  # not started yet, or gone: the launcher records how it ended
         st = self._state(job_id)
+        self.specs[job_id] = spec
         status = self._statuses(workers)
         self._observe_swaps(job_id, st, status)
         self._collect(job_id, st, workers)
@@ -199,11 +208,13 @@ class Watcher:
             self._preempt(job_id, {w: workers[w] for w in decision.preempt if w in workers})
         if decision.grants:
             self._grant(job_id, st, workers, decision.grants)
-        if not st.leases and st.copies:
+        if st.scoring is not None:
+            self._poll_scoring(job_id, st, workers)
+        elif not st.leases and st.copies:
             idle = [w for w, c in decision.classes.items() if c == WorkerClass.IDLE and w in workers]
             if phase == Phase.UPDATE:
                 idle = list(workers)  # nothing generates: every worker is free to score drafts
-            self._publish(job_id, st, workers, idle, spec)
+            self._start_scoring(job_id, st, workers, idle)
         st.save(redis, job_id)
 
     # ----- the steps of a tick ------------------------------------------------------------------
@@ -291,9 +302,10 @@ class Watcher:
                 log.info("job %s: lease %s on %s done: %d steps in %.1f s -> copy %s", job_id, lease["lease_id"], wid,
                          result["steps"], result["seconds"], result["version"])
 
-    def _publish(self, job_id: str, st: JobTLT, workers: dict, free: list[str], spec: dict) -> None:
-        """Merge the round's copies into a candidate; publish it if, scored on recent rollouts of a free
-        worker that did not train on them, it accepts no fewer tokens per step than the serving draft."""
+    def _start_scoring(self, job_id: str, st: JobTLT, workers: dict, free: list[str]) -> None:
+        """Merge the round's copies into a candidate and ask a free worker that did not train on them
+        to score it and the serving draft on its recent rollouts. The answer is collected by a later
+        tick (_poll_scoring): scoring takes seconds, and the tick must keep preempting and granting."""
         held_out = [w for w in free if w not in st.trained] or free
         if not held_out:
             return  # every worker is generating: score later, without slowing the long tail
@@ -305,20 +317,60 @@ class Watcher:
                      job_id, dropped, merged)
         candidate = copies.merge_and_publish(merged)
         serving = served.latest_version()
-        drafts = [{"store": "copies", "version": candidate}]
-        if serving is not None:
-            drafts.append({"store": "served", "version": serving})
-        k = int(spec.get("draft_k", 2))
-        record = {"candidate": candidate, "merged": merged, "dropped": dropped, "parent_version": serving or 0,
-                  "evaluated_by": evaluator, "held_out": evaluator not in st.trained, "at": time.time(),
-                  "candidate_accepted_length": None, "serving_accepted_length": None, "published_version": None}
+        st.scoring = {"candidate": candidate, "merged": merged, "dropped": dropped, "parent_version": serving or 0,
+                      "serving_version": serving, "evaluated_by": evaluator, "held_out": evaluator not in st.trained,
+                      "at": time.time(), "candidate_accepted_length": None, "serving_accepted_length": None,
+                      "published_version": None}
+        st.copies, st.trained = [], []  # a new round starts; leases granted meanwhile belong to it
+        self._ask_score(job_id, st, workers)
+
+    def _ask_score(self, job_id: str, st: JobTLT, workers: dict) -> None:
+        record = st.scoring
+        drafts = [{"store": "copies", "version": record["candidate"]}]
+        if record["serving_version"] is not None:
+            drafts.append({"store": "served", "version": record["serving_version"]})
+        k = int(self.specs.get(job_id, {}).get("draft_k", 2))
+        self._scoring[job_id] = (workers[record["evaluated_by"]].evaluate_drafts.remote(drafts, k, False),
+                                 time.monotonic())
+
+    def _poll_scoring(self, job_id: str, st: JobTLT, workers: dict) -> None:
+        """Decide the round under scoring once its evaluator answered (or failed, or timed out)."""
+        record = st.scoring
+        if job_id not in self._scoring:  # a restarted scheduler: the question was lost, ask again
+            if record["evaluated_by"] not in workers:
+                self._decide(job_id, st, f"not scored: evaluator {record['evaluated_by']} is gone")
+                return
+            self._ask_score(job_id, st, workers)
+        ref, asked_at = self._scoring[job_id]
+        if not ray.wait([ref], timeout=0)[0]:
+            if time.monotonic() - asked_at > EVAL_TIMEOUT_S:
+                try:
+                    ray.cancel(ref)
+                except Exception as exc:  # the answer is dropped either way
+                    log.info("job %s: cancelling the scoring call failed: %s", job_id, exc)
+                self._decide(job_id, st, f"not scored: {record['evaluated_by']} did not answer in "
+                                         f"{EVAL_TIMEOUT_S:.0f} s")
+            return
         try:
-            ev = ray.get(workers[evaluator].evaluate_drafts.remote(drafts, k, False), timeout=EVAL_TIMEOUT_S)
-            record["candidate_accepted_length"] = ev["accepted_lengths"][0]
-            record["serving_accepted_length"] = ev["accepted_lengths"][1] if serving is not None else None
-            record["eval_tokens"] = ev["num_tokens"]
+            ev = ray.get(ref)
         except Exception as exc:
-            record["reason"] = f"not scored: {type(exc).__name__}: {exc}"[:500]
+            cause = getattr(exc, "cause", None) or exc  # a worker's own error, not Ray's traceback around it
+            self._decide(job_id, st, f"not scored: {type(cause).__name__}: {cause}"[:500])
+            return
+        record["candidate_accepted_length"] = ev["accepted_lengths"][0]
+        record["serving_accepted_length"] = ev["accepted_lengths"][1] if record["serving_version"] is not None else None
+        record["eval_tokens"] = ev["num_tokens"]
+        self._decide(job_id, st)
+
+    def _decide(self, job_id: str, st: JobTLT, failure: str | None = None) -> None:
+        """Publish the scored candidate to the served store if it accepts no fewer tokens per step than
+        the serving draft; record the decision; delete the round's copies and candidate file."""
+        record, st.scoring = st.scoring, None
+        self._scoring.pop(job_id, None)
+        served, copies = self.stores(job_id)
+        if failure is not None:
+            record["reason"] = failure
+        candidate = record["candidate"]
         if record["candidate_accepted_length"] is not None and should_publish(
                 record["candidate_accepted_length"], record["serving_accepted_length"], self.settings):
             state, meta = copies.load(candidate)
@@ -334,7 +386,10 @@ class Watcher:
             st.num_rejected += 1
             record.setdefault("reason", "scored worse than the serving draft")
             log.info("job %s: candidate %d not published: %s", job_id, candidate, record["reason"])
+        record.pop("serving_version")
         redis = self.store.redis
         redis.rpush(job_drafts_key(job_id), json.dumps(record))
         redis.ltrim(job_drafts_key(job_id), -MAX_DECISIONS_KEPT, -1)
-        st.copies, st.trained = [], []
+        if self.settings.prune_copies:  # decided: a published candidate lives on in the served store
+            pruned = copies.remove(record["merged"] + record["dropped"] + [candidate])
+            log.info("job %s: removed copies %s of the decided round", job_id, pruned)

@@ -141,6 +141,29 @@ class DraftStore:
         meta.extra["merged_from"] = self.namespace
         return (into or self).publish(state, meta)
 
+    def remove(self, versions: list[int]) -> list[int]:
+        """Delete versions no one will load again (the copies of a round already decided): index
+        entries first, then files, so a crash in between leaves an orphan file that recover() may
+        adopt, never an index entry without its file. The latest pointer is left alone: versions are
+        never reused. Returns the versions that were indexed here; unknown ones are skipped."""
+        if not isinstance(versions, list | tuple):
+            raise ValueError(f"versions must be a list of versions, got {versions!r}")
+        for v in versions:
+            _check_version(v, "versions")
+        index = drafts_index_key(self.namespace)
+        removed = []
+        for v in sorted(set(versions)):
+            raw = self.redis.hget(index, str(v))
+            if raw is None or not self.redis.hdel(index, str(v)):
+                continue  # never indexed here, or another remover took it
+            removed.append(v)
+            try:
+                name = parse_entry(raw, f"{self.namespace}/v{v}")["path"]
+            except CheckpointError:
+                name = draft_path(self.directory, v).name
+            (self.directory / name).unlink(missing_ok=True)
+        return removed
+
     # ----- reading ----------------------------------------------------------------------------
     def entry(self, version: int) -> dict:
         version = _check_version(version)

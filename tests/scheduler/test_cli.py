@@ -79,6 +79,10 @@ def test_policy_settings_from_the_environment():
 
     s = policy_from_env({"TLT_POLICY_MIN_LEASE_S": "2", "TLT_POLICY_MIN_BUFFER_TOKENS": "128", "OTHER": "x"})
     assert s.min_lease_s == 2.0 and s.min_buffer_tokens == 128 and s.max_lease_s == 600.0
+    assert s.prune_copies and not policy_from_env({"TLT_POLICY_PRUNE_COPIES": "false"}).prune_copies
+    assert not policy_from_env({"TLT_POLICY_PRUNE_COPIES": "0"}).prune_copies
+    with pytest.raises(ValueError, match="TLT_POLICY_PRUNE_COPIES: not a boolean"):
+        policy_from_env({"TLT_POLICY_PRUNE_COPIES": "maybe"})
 
 
 def test_api_token_from_a_mounted_secret_file(tmp_path):

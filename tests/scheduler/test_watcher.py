@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -14,6 +15,7 @@ from drafter.loading import PRESETS, random_model, save_hf_dir
 from scheduler.app import Settings, create_app
 from scheduler.policy import PolicySettings
 from workers.redis_server import PrivateRedis
+from workers.store import DraftStore
 
 # A tiny model with an EOS token: sampled responses end at random lengths (geometric, mean ~256), so
 # one worker finishes its share well before the other and waits at the barrier: a real long tail.
@@ -59,6 +61,12 @@ def test_idle_worker_trains_and_the_merged_draft_is_served(client):
     assert all(d["serving_accepted_length"] is not None for d in scored[1:])
     assert all((d["published_version"] is not None)
                == (d["candidate_accepted_length"] >= d["serving_accepted_length"]) for d in scored[1:])
+    # each decided round's copies and candidate were deleted from the copies store, files and index
+    copies = DraftStore(client.redis, Path(client.store_dir) / job_id / "copies", f"{job_id}:copies")
+    left = {e["version"] for e in copies.versions()}
+    for d in drafts["decisions"]:
+        assert not left & {d["candidate"], *d["merged"], *d["dropped"]}, (d, left)
+    assert len(list(copies.directory.glob("draft-v*.safetensors"))) == len(left)
     # served: a worker switched to a published version between decode steps (its last progress record says so)
     assert max(w["draft_version"] for w in client.get(f"/v1/jobs/{job_id}/workers").json()) >= 1
     metrics = client.get("/metrics").text

@@ -207,6 +207,27 @@ def test_merge_and_publish_records_the_parent(redis_client, tmp_path):
     assert copies.merge_and_publish([1, 2]) == 3  # default: into the same store
 
 
+def test_remove_deletes_index_entries_and_files_and_keeps_the_rest(redis_client, tmp_path):
+    store = DraftStore(redis_client, tmp_path, "j:copies")
+    for seed in range(3):
+        state, cfg = head_state(seed)
+        store.publish(state, meta(cfg))
+    files = {v: tmp_path / store.entry(v)["path"] for v in (1, 2, 3)}
+    assert store.remove([1, 3, 3, 99]) == [1, 3]  # 99 was never here: skipped
+    assert [e["version"] for e in store.versions()] == [2]
+    assert not files[1].exists() and not files[3].exists() and files[2].exists()
+    assert store.load(2)[1].version == 2
+    assert store.latest_version() == 3  # versions are never reused: the counter and pointer stay
+    state, cfg = head_state(4)
+    assert store.publish(state, meta(cfg)) == 4
+    assert store.remove([1]) == []  # removing twice is harmless
+    assert store.consistency_check() == {"bad": [], "orphans": []}
+    for bad in ("1", [0], [True]):
+        with pytest.raises(ValueError, match="versions"):
+            store.remove(bad)
+    assert [e["version"] for e in store.versions()] == [2, 4]  # a rejected call removed nothing
+
+
 @pytest.mark.parametrize(("versions", "field"), [([], "versions"), ([1, 1], "duplicates"), ([0], "versions"),
                                                  ("1", "versions")])
 def test_merge_rejects_bad_versions(redis_client, tmp_path, versions, field):
