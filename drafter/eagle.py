@@ -20,6 +20,7 @@ from drafter.drafters import Drafter, Proposal
 from drafter.model import (
     CausalLM,
     DecoderLayer,
+    Int8Linear,
     KVCache,
     Linear,
     ModelConfig,
@@ -27,7 +28,9 @@ from drafter.model import (
     RMSNorm,
     Rotary,
     fast_bf16,
+    int8_linear_available,
     linear,
+    quantize_int8,
     tree_inputs,
 )
 from drafter.sampling import BatchSampling, sample, token_probs
@@ -119,19 +122,39 @@ def draft_probs(logits: torch.Tensor, sampling: BatchSampling, draft_temperature
     return token_probs(logits if draft_temperature == 1 else logits / draft_temperature, sampling)
 
 
+def serving_precision(policy: CausalLM, spec: torch.dtype | str | None) -> tuple[torch.dtype, bool]:
+    """(dtype the head computes in, whether its linear layers hold int8 weights) for a precision spec:
+    None, "auto", "float32", "bfloat16", "float16" or "int8" (float32 activations, int8 weights: CPU
+    only). "auto": bf16 for a float32 policy on a device with native bf16 matmuls (fast_bf16); on a
+    CPU without them, int8 weights where torch has the kernels; else the policy's dtype. Drafting at
+    batch 1 is bound by reading the head's weights (and, on a CPU, the policy's evict them every
+    step): bf16 halves those bytes, int8 quarters them. Verification keeps the output exact whatever
+    the draft's precision."""
+    cpu = policy.device.type == "cpu"
+    if spec == "int8":
+        if not cpu or not int8_linear_available():
+            raise ValueError("draft dtype int8 needs a CPU policy and torch's fbgemm/x86 quantized engine")
+        return torch.float32, True
+    if spec == "auto" and policy.dtype == torch.float32 and cpu and not fast_bf16(policy.device) \
+            and int8_linear_available():
+        return torch.float32, True
+    return serving_dtype(policy, spec), False
+
+
 def serving_dtype(policy: CausalLM, dtype: torch.dtype | str | None) -> torch.dtype:
-    """The dtype a draft head serves in. None: the policy's. "auto": bfloat16 for a float32 policy on a
-    device with native bf16 matmuls (fast_bf16), else the policy's. Drafting at batch 1 is bound by
-    reading the head's weights (and, on a CPU, they are evicted by the policy's every step): bf16
-    halves that. Verification keeps the output exact whatever the draft's precision."""
+    """The dtype a draft head computes in (see serving_precision; "int8" computes in float32). None:
+    the policy's. "auto": bfloat16 for a float32 policy on a device with native bf16 matmuls
+    (fast_bf16), else the policy's."""
     if dtype is None:
         return policy.dtype
+    if dtype == "int8":
+        return torch.float32
     if dtype == "auto":
         return torch.bfloat16 if policy.dtype == torch.float32 and fast_bf16(policy.device) else policy.dtype
     names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     resolved = names.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if resolved not in names.values():
-        raise ValueError(f"draft dtype must be None, 'auto' or one of {sorted(names)}, got {dtype!r}")
+        raise ValueError(f"draft dtype must be None, 'auto', 'int8' or one of {sorted(names)}, got {dtype!r}")
     return resolved
 
 
@@ -151,7 +174,7 @@ class EagleDrafter(Drafter):
         tree is drafted only while at most tree_max_batch sequences are live: verifying a tree's extra
         nodes is nearly free at batch 1 (bound by reading the weights), not in a full batch."""
         self.policy = policy
-        self.dtype = serving_dtype(policy, dtype)
+        self.dtype, self.int8 = serving_precision(policy, dtype)
         self.tree_widths = parse_widths(tree)
         if tree_side_depth < 1 or tree_max_batch < 0:
             raise ValueError(f"tree_side_depth must be >= 1 and tree_max_batch >= 0, got {tree_side_depth}, "
@@ -173,14 +196,30 @@ class EagleDrafter(Drafter):
         self.history_hidden: list[list[torch.Tensor]] = []  # per row: every true pair so far, to re-feed a new head
         self.history_tokens: list[list[int]] = []
 
+    @property
+    def precision(self) -> str:
+        """What the head drafts in: "int8" (int8 weights, float32 activations), else its dtype's name."""
+        return "int8" if self.int8 else str(self.dtype).removeprefix("torch.")
+
     def _prepare(self, head: EagleHead) -> EagleHead:
-        """`head` on the policy's device in the serving dtype: itself if it already is, else a copy."""
+        """`head` on the policy's device in the serving precision: itself if it already is, else a copy
+        (an int8 head is a quantized copy: the float head passed in stays trainable and intact)."""
         if head.policy_cfg.hidden_size != self.policy.cfg.hidden_size:
             raise ValueError("draft head hidden_size does not match the policy's")
+        if isinstance(head.fc, Int8Linear):
+            if not self.int8:
+                raise ValueError("an int8 head can only be served by an int8 drafter")
+            return head.eval()
         weight = head.fc.weight
-        if weight.device != self.policy.device or weight.dtype != self.dtype:
-            head = copy.deepcopy(head).to(device=self.policy.device, dtype=self.dtype)
+        if self.int8 or weight.device != self.policy.device or weight.dtype != self.dtype:
+            return self.convert(copy.deepcopy(head))
         return head.eval()
+
+    def convert(self, head: EagleHead) -> EagleHead:
+        """`head` itself, converted in place to the serving precision (for a head no one else holds,
+        such as one just loaded from the store: `request_swap` then has no copy to make)."""
+        head = head.to(device=self.policy.device, dtype=self.dtype)
+        return (quantize_int8(head) if self.int8 else head).eval()
 
     def _install(self, head: EagleHead) -> None:
         self.head = head
@@ -188,6 +227,13 @@ class EagleDrafter(Drafter):
         # (V', D), sliced once, in the head's dtype
         self.lm_weight = self.policy.lm_head.weight[self.vocab_ids].to(self.dtype).contiguous()
         self.lm_packed = PackedWeight()
+        self.lm_int8 = Int8Linear(self.lm_weight) if self.int8 else None
+
+    def _draft_logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """(B, T, D) predicted features -> (B, T, V') logits over the draft vocabulary."""
+        if self.lm_int8 is not None:
+            return self.lm_int8(predicted)
+        return self.head.draft_logits(predicted, self.lm_weight, self.lm_packed)
 
     def request_swap(self, head: EagleHead, version: int | None = None) -> None:
         """Serve `head` from the next draft step on (thread-safe; never mid-forward). Its KV cache is
@@ -312,7 +358,7 @@ class EagleDrafter(Drafter):
         pos = cache.lens.unsqueeze(1)  # (B, 1): next speculative slot
         # 2) draft autoregressively from the head's own predictions
         for j in range(K):
-            logits = self.head.draft_logits(pred, self.lm_weight, self.lm_packed)  # (B, 1, V')
+            logits = self._draft_logits(pred)  # (B, 1, V')
             if sampling.all_greedy:
                 x = self.vocab_ids[logits[:, 0].argmax(-1)]
             else:
@@ -352,7 +398,7 @@ class EagleDrafter(Drafter):
             at_d = [j for j in range(1, N + 1) if int(tree.depth[j]) == d]
             pars = sorted({parents[j - 1] for j in at_d})
             # one pass over the draft LM head for the whole depth: reading its weight is the cost
-            depth_logits = self.head.draft_logits(node_pred[:, pars], self.lm_weight, self.lm_packed).float()
+            depth_logits = self._draft_logits(node_pred[:, pars]).float()
             for col, par in enumerate(pars):
                 kids = [int(c) for c in tree.children[par] if c > 0]
                 logits = depth_logits[:, col]  # (B, V')

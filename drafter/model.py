@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -167,6 +168,54 @@ class Linear(nn.Linear):
         state = self.__dict__.copy()
         state["_packed"] = PackedWeight()
         return state
+
+
+@functools.cache
+def int8_linear_available() -> bool:
+    """Whether this torch runs dynamic int8 linear layers on the CPU (fbgemm or x86 quantized engine):
+    int8 weights per output channel, activations quantized per call."""
+    ops = torch.ops.quantized
+    return (torch.backends.quantized.engine in ("x86", "fbgemm") and hasattr(ops, "linear_dynamic")
+            and hasattr(ops, "linear_prepack"))
+
+
+class Int8Linear(nn.Module):
+    """Inference-only linear layer with int8 weights (symmetric, one scale per output channel) and
+    float32 activations quantized per call (torch's dynamic quantization kernels, fbgemm/x86). A
+    quarter of float32's bytes per call: for a draft head at batch 1, which is bound by reading its
+    weights, that is what a draft step costs on a CPU without bf16 units. Built from a float weight,
+    which it does not keep."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if not int8_linear_available():
+            raise ValueError("int8 linear layers need torch's fbgemm/x86 quantized engine (an x86 CPU build)")
+        w = weight.detach().float().cpu()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
+        with warnings.catch_warnings():  # quantized tensors are deprecated as a user API; the kernels are not
+            warnings.simplefilter("ignore", UserWarning)
+            qw = torch.quantize_per_channel(w, scale, torch.zeros(len(scale), dtype=torch.long), 0, torch.qint8)
+            self._packed = torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.detach().float().cpu())
+        self.out_features, self.in_features = w.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        # reduce_range: 7-bit activations, so AVX2 kernels without VNNI cannot saturate their int16 sums
+        out = torch.ops.quantized.linear_dynamic(x.reshape(-1, shape[-1]).float(), self._packed, True)
+        return out.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+def quantize_int8(module: nn.Module) -> nn.Module:
+    """Replace every Linear in `module` by an Int8Linear, in place; returns the module."""
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, Int8Linear(child.weight, child.bias))
+        else:
+            quantize_int8(child)
+    return module
 
 
 class RMSNorm(nn.Module):

@@ -41,8 +41,9 @@ class WorkerConfig:
     model: str = "tiny"
     k: int = 3  # draft length when speculating
     draft_vocab_size: int | None = 8192
-    # precision the draft head serves in (drafter.eagle.serving_dtype): "auto" is bf16 where the policy
-    # is float32 and the device has bf16 units (drafting is bound by reading the head's weights)
+    # precision the draft head serves in (drafter.eagle.serving_precision): "auto" is bf16 where the policy
+    # is float32 and the device has bf16 units, int8 weights on a CPU without them (drafting is bound by
+    # reading the head's weights)
     draft_dtype: str | None = "auto"
     # draft tree widths (drafter.tree): "3,2" offers three candidates at the first draft position and two
     # at the second, while at most four rollouts are live (the tail); "" drafts a chain, the default: on
@@ -301,7 +302,7 @@ class RolloutRunner:
             head, meta = self._head_and_meta(version)
             self.draft_accepted_length = float(meta.extra.get("accepted_length") or 0.0) if meta else 0.0
             # freshly loaded, so converted in place: request_swap then has no copy to make
-            self.drafter.request_swap(head.to(self.drafter.dtype), version)
+            self.drafter.request_swap(self.drafter.convert(head), version)
             loaded_at = time.time()
             self.drafter.apply_pending_swap()
         finally:

@@ -249,7 +249,7 @@ def _sweep_part(result, engine, eval_prompts, ks, policy, head, new_tokens, draf
 
     drafters = {"warm": eagle(head), "untrained": eagle(new_head(policy, None, None), tree=None),
                 "ngram": NgramDrafter()}
-    result["draft_dtype"] = str(drafters["warm"].dtype).removeprefix("torch.")
+    result["draft_dtype"] = drafters["warm"].precision
     result["draft_tree"] = ",".join(map(str, drafters["warm"].tree_widths))
     result["draft_tree_side_depth"] = tree_side_depth
     sampled_only: tuple[str, ...] = ()
@@ -264,9 +264,9 @@ def _sweep_part(result, engine, eval_prompts, ks, policy, head, new_tokens, draf
     else:  # side by side: what a draft tree would buy (three candidates, then two, side chains of 2)
         drafters["warm_tree"] = eagle(head, tree="3,2", tree_side_depth=2)
         only_ks["warm_tree"] = tuple(k for k in ks if k == 4)
-    if drafters["warm"].dtype != policy.dtype:  # side by side: what serving the head in bf16 bought
+    if drafters["warm"].int8 or drafters["warm"].dtype != policy.dtype:  # side by side: what bf16 or int8 bought
         drafters["warm_policy_dtype"] = eagle(head, None)
-        only_ks["warm_policy_dtype"] = tuple(k for k in ks if k == 4)
+        only_ks["warm_policy_dtype"] = tuple(k for k in ks if k in (2, 3, 4))
     result["sweep"] = sweep(engine, eval_prompts, ks, drafters, new_tokens, sampled_only, only_ks)
     greedy, temp1 = result["sweep"]["greedy"], result["sweep"]["temp1"]
     best_k = max(ks, key=lambda k: greedy[f"warm_k{k}"]["speedup"])

@@ -6,26 +6,27 @@ import pytest
 import torch
 
 from drafter.drafters import NgramDrafter
-from drafter.eagle import EagleDrafter, EagleHead, serving_dtype
+from drafter.eagle import EagleDrafter, EagleHead, serving_dtype, serving_precision
 from drafter.engine import Engine, Request
-from drafter.model import CausalLM, fast_bf16
+from drafter.model import CausalLM, fast_bf16, int8_linear_available
 from drafter.sampling import SamplingParams
 from tests.conftest import random_prompts, tiny_model
 
 LENGTHS_8 = [1, 3, 5, 9, 2, 17, 4, 33]
+NEEDS_INT8 = pytest.mark.skipif(not int8_linear_available(), reason="no fbgemm/x86 int8 kernels in this torch")
 
 
 def make_drafter(name: str, model: CausalLM):
     if name == "ngram":
         return NgramDrafter()
-    return EagleDrafter(model, EagleHead(model.cfg), "bfloat16" if name == "eagle-bf16" else None)
+    return EagleDrafter(model, EagleHead(model.cfg), {"eagle-bf16": "bfloat16", "eagle-int8": "int8"}.get(name))
 
 
 def greedy_requests(prompts, max_new_tokens=48):
     return [Request(p, SamplingParams(max_new_tokens=max_new_tokens)) for p in prompts]
 
 
-@pytest.mark.parametrize("drafter_name", ["ngram", "eagle", "eagle-bf16"])
+@pytest.mark.parametrize("drafter_name", ["ngram", "eagle", "eagle-bf16", pytest.param("eagle-int8", marks=NEEDS_INT8)])
 @pytest.mark.parametrize("k", [1, 2, 4, 7])
 @pytest.mark.parametrize("lengths", [[6], LENGTHS_8], ids=["batch1", "batch8"])
 def test_greedy_speculative_equals_plain(tiny, drafter_name, k, lengths):
@@ -47,6 +48,16 @@ def test_serving_dtype_resolves_and_rejects_unknown_names(tiny):
         serving_dtype(tiny, "bf17")
     with pytest.raises(ValueError, match="draft dtype"):
         EagleDrafter(tiny, EagleHead(tiny.cfg), torch.int8)
+    # int8: float32 activations, int8 weights; auto picks it on a CPU without bf16 units
+    auto = (torch.bfloat16, False) if fast_bf16("cpu") else (torch.float32, int8_linear_available())
+    assert serving_precision(tiny, "auto") == auto
+    assert serving_precision(tiny, None) == (torch.float32, False)
+    if int8_linear_available():
+        assert serving_precision(tiny, "int8") == (torch.float32, True)
+        assert EagleDrafter(tiny, EagleHead(tiny.cfg), "int8").precision == "int8"
+    assert EagleDrafter(tiny, EagleHead(tiny.cfg), "float32").precision == "float32"
+    with pytest.raises(ValueError, match="int8 needs a CPU policy"):
+        serving_precision(tiny_model().to("meta"), "int8")
 
 
 def test_ngram_drafts_are_accepted_and_save_forwards(tiny):

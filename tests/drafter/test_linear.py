@@ -11,8 +11,18 @@ import torch
 import torch.nn.functional as F
 
 from drafter.drafters import NgramDrafter
+from drafter.eagle import EagleHead
 from drafter.engine import Engine, Request
-from drafter.model import Linear, PackedWeight, linear, native_cpu_bf16, onednn_linear_available
+from drafter.model import (
+    Int8Linear,
+    Linear,
+    PackedWeight,
+    int8_linear_available,
+    linear,
+    native_cpu_bf16,
+    onednn_linear_available,
+    quantize_int8,
+)
 from drafter.sampling import SamplingParams
 from tests.conftest import random_prompts, tiny_model
 
@@ -110,3 +120,33 @@ def test_mkl_and_onednn_engines_agree_on_greedy_speculative_output(monkeypatch):
             outputs[backend, k] = [o.token_ids for o in outs]
     onednn_linear_available.cache_clear()
     assert len({tuple(map(tuple, v)) for v in outputs.values()}) == 1
+
+
+@pytest.mark.skipif(not int8_linear_available(), reason="no fbgemm/x86 int8 kernels in this torch")
+def test_int8_linear_is_close_to_float32_and_quantize_replaces_every_linear():
+    """Draft heads served with int8 weights (drafter.eagle.serving_precision): per-channel weights,
+    activations quantized per call. Close to float32, not equal: they only change what is drafted."""
+    torch.manual_seed(0)
+    for bias in (False, True):
+        layer = Linear(64, 96, bias=bias)
+        q = Int8Linear(layer.weight, layer.bias)
+        for rows in (1, 3, 7):
+            x = torch.randn(2, rows, 64)
+            with torch.no_grad():
+                ref = F.linear(x, layer.weight, layer.bias)
+            got = q(x)
+            assert got.shape == ref.shape and got.dtype == torch.float32
+            assert float((got - ref).norm() / ref.norm()) < 0.05
+    model = tiny_model()
+    head = EagleHead(model.cfg)
+    n = sum(isinstance(m, torch.nn.Linear) for m in head.modules())
+    assert n == 1 + 4 * head.cfg.num_layers  # fc, then qkv, o, gate_up and down per layer
+    feats, embeds = torch.randn(1, 5, 64), torch.randn(1, 5, 64)
+    positions = torch.arange(5).view(1, 5)
+    with torch.inference_mode():
+        ref = head(feats, embeds, positions, head.new_cache(1, 8, torch.float32, "cpu"))
+        assert quantize_int8(head) is head
+        got = head(feats, embeds, positions, head.new_cache(1, 8, torch.float32, "cpu"))
+    assert not any(isinstance(m, torch.nn.Linear) for m in head.modules())
+    assert sum(isinstance(m, Int8Linear) for m in head.modules()) == n
+    assert float((got - ref).norm() / ref.norm()) < 0.05

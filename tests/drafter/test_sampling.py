@@ -20,12 +20,14 @@ from drafter import sampling
 from drafter.drafters import Drafter, NgramDrafter, Proposal
 from drafter.eagle import EagleConfig, EagleDrafter, EagleHead
 from drafter.engine import Engine, Request
+from drafter.model import int8_linear_available
 from drafter.sampling import BatchSampling, SamplingParams, Verdict, token_probs
 from drafter.tree import Tree, TreeVerdict, verify_tree
 from tests.conftest import tiny_model
 
 VOCAB, NEW, NUM_SAMPLES, ALPHA = 6, 3, 20_000, 1e-3
 PROMPT = [1, 2, 1, 2, 1]
+NEEDS_INT8 = pytest.mark.skipif(not int8_linear_available(), reason="no fbgemm/x86 int8 kernels in this torch")
 PARAMS = {"temperature": 0.9, "top_k": 5, "top_p": 0.95}
 
 
@@ -131,15 +133,16 @@ class NoisyPolicyDrafter(Drafter):
 
 
 def make_drafter(name, model):
-    """ngram, eagle, eagle-T (draft temperature T; 0: the argmax is proposed), eagle-bf16 (drafts in
-    bf16), noisy-policy; a "-tree" suffix drafts a tree with 3 candidates at depth 1 and 2 at depth 2."""
+    """ngram, eagle, eagle-T (draft temperature T; 0: the argmax is proposed), eagle-bf16 and eagle-int8
+    (drafts in bf16, or with int8 weights), noisy-policy; a "-tree" suffix drafts a tree with 3
+    candidates at depth 1 and 2 at depth 2."""
     tree = (3, 2) if name.endswith("-tree") else ()
     name = name.removesuffix("-tree")
     if name == "ngram":
         return NgramDrafter()
     if name.startswith("eagle"):
-        dtype = "bfloat16" if name.endswith("-bf16") else None
-        tau = float(name.removesuffix("-bf16").partition("-")[2] or 1.0)
+        dtype = {"bf16": "bfloat16", "int8": "int8"}.get(name.rpartition("-")[2])
+        tau = float(name.removesuffix("-bf16").removesuffix("-int8").partition("-")[2] or 1.0)
         head = EagleHead(model.cfg, EagleConfig(draft_temperature=tau, init_seed=1))
         return EagleDrafter(model, head, dtype, tree=tree, tree_side_depth=2, tree_max_batch=NUM_SAMPLES)
     return NoisyPolicyDrafter(model, tree=tree)
@@ -159,12 +162,14 @@ def test_speculative_sampling_matches_policy(model, exact, k, drafter_name):
     assert sample_pvalue(model, exact, k, make_drafter(drafter_name, model)) > ALPHA
 
 
-@pytest.mark.parametrize("drafter_name", ["eagle-0.5", "eagle-0", "eagle-bf16"])
+@pytest.mark.parametrize("drafter_name", ["eagle-0.5", "eagle-0", "eagle-bf16",
+                                          pytest.param("eagle-int8", marks=NEEDS_INT8)])
 def test_sharpened_or_bf16_drafts_stay_lossless(model, exact, drafter_name):
     assert sample_pvalue(model, exact, 2, make_drafter(drafter_name, model)) > ALPHA
 
 
-@pytest.mark.parametrize("drafter_name", ["noisy-policy-tree", "eagle-tree", "eagle-0-tree", "eagle-bf16-tree"])
+@pytest.mark.parametrize("drafter_name", ["noisy-policy-tree", "eagle-tree", "eagle-0-tree", "eagle-bf16-tree",
+                                          pytest.param("eagle-int8-tree", marks=NEEDS_INT8)])
 def test_tree_drafts_stay_lossless(model, exact, drafter_name):
     """Several candidates per position, verified by recursive rejection sampling: still the policy's
     distribution (k=2: every node of the tree can be reached within the 3 tokens)."""

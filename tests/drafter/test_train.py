@@ -15,6 +15,7 @@ from drafter.checkpoint import DraftMeta, load_draft
 from drafter.eagle import EagleConfig, EagleDrafter, EagleHead
 from drafter.engine import Engine, Request
 from drafter.evaluate import DRAFT_TEMPERATURES, calibrate_draft_temperature, expected_accepted_length
+from drafter.model import Int8Linear, int8_linear_available
 from drafter.sampling import SamplingParams
 from drafter.train import DraftTrainer, StopRequestedError, TrainConfig, fast_bf16, unrolled_predictions
 from drafter.warmstart import HarvestConfig, harvest, measure, warm_start
@@ -97,6 +98,15 @@ def test_trained_drafter_beats_untrained_on_held_out_rollouts(structured):
     half = measure(engine, held_out, 3, bf16, max_new_tokens=32)
     assert half.mean_accepted_length > trained.mean_accepted_length - 0.15
     assert [o.token_ids for o in engine.generate(reqs, k=3, drafter=bf16)] == [o.token_ids for o in plain]
+    if not int8_linear_available():
+        return
+    # with int8 weights (a quantized copy: the trained head keeps its float32 Linear layers), likewise
+    int8 = EagleDrafter(model, head, "int8")
+    assert isinstance(int8.head.fc, Int8Linear) and isinstance(int8.lm_int8, Int8Linear)
+    assert isinstance(head.fc, torch.nn.Linear) and head.fc.weight.dtype == torch.float32
+    quarter = measure(engine, held_out, 3, int8, max_new_tokens=32)
+    assert quarter.mean_accepted_length > trained.mean_accepted_length - 0.15
+    assert [o.token_ids for o in engine.generate(reqs, k=3, drafter=int8)] == [o.token_ids for o in plain]
 
 
 def test_stop_request_is_honoured_mid_epoch(structured):
@@ -260,6 +270,17 @@ def test_head_swap_mid_generation_is_lossless_and_takes_effect(structured):
     assert [o.token_ids for o in engine.generate(reqs, k=3, drafter=half)] == [o.token_ids for o in plain]
     assert half.version == 8 and half.head.fc.weight.dtype == torch.bfloat16
     assert trained.fc.weight.dtype == torch.float32 and half.head is not trained
+    if int8_linear_available():  # likewise int8; a head converted in place (as a worker's fresh load) is not copied
+        q = EagleDrafter(model, EagleHead(model.cfg), "int8")
+        q.request_swap(trained, version=9)
+        assert [o.token_ids for o in engine.generate(reqs, k=3, drafter=q)] == [o.token_ids for o in plain]
+        assert isinstance(q.head.fc, Int8Linear) and isinstance(trained.fc, torch.nn.Linear)
+        fresh = copy.deepcopy(trained)
+        q.request_swap(q.convert(fresh), version=10)
+        q.apply_pending_swap()
+        assert q.head is fresh and isinstance(fresh.fc, Int8Linear) and q.version == 10
+        with pytest.raises(ValueError, match="int8 head can only be served by an int8 drafter"):
+            EagleDrafter(model, fresh, "float32")
 
 
 def test_offline_acceptance_tracks_online_decoding(structured):
