@@ -206,8 +206,10 @@ class Watcher:
                                                  "long_tail": int(decision.long_tail)})
         if decision.preempt:
             self._preempt(job_id, {w: workers[w] for w in decision.preempt if w in workers})
-        if decision.grants:
-            self._grant(job_id, st, workers, decision.grants)
+        scorer = st.scoring["evaluated_by"] if st.scoring else None
+        grants = [g for g in decision.grants if g.worker_id != scorer]  # the scorer's GPU is busy scoring
+        if grants:
+            self._grant(job_id, st, workers, grants)
         if st.scoring is not None:
             self._poll_scoring(job_id, st, workers)
         elif not st.leases and st.copies:
@@ -390,6 +392,7 @@ class Watcher:
         redis = self.store.redis
         redis.rpush(job_drafts_key(job_id), json.dumps(record))
         redis.ltrim(job_drafts_key(job_id), -MAX_DECISIONS_KEPT, -1)
+        st.save(redis, job_id)  # decided: a restart from here on does not score this round again
         if self.settings.prune_copies:  # decided: a published candidate lives on in the served store
             pruned = copies.remove(record["merged"] + record["dropped"] + [candidate])
             log.info("job %s: removed copies %s of the decided round", job_id, pruned)
