@@ -125,18 +125,14 @@ def draft_probs(logits: torch.Tensor, sampling: BatchSampling, draft_temperature
 def serving_precision(policy: CausalLM, spec: torch.dtype | str | None) -> tuple[torch.dtype, bool]:
     """(dtype the head computes in, whether its linear layers hold int8 weights) for a precision spec:
     None, "auto", "float32", "bfloat16", "float16" or "int8" (float32 activations, int8 weights: CPU
-    only). "auto": bf16 for a float32 policy on a device with native bf16 matmuls (fast_bf16); on a
-    CPU without them, int8 weights where torch has the kernels; else the policy's dtype. Drafting at
-    batch 1 is bound by reading the head's weights (and, on a CPU, the policy's evict them every
-    step): bf16 halves those bytes, int8 quarters them. Verification keeps the output exact whatever
+    only; never picked by "auto"). Drafting at batch 1 is bound by reading the head's weights (and, on
+    a CPU, the policy's evict them every step): bf16 halves those bytes, int8 quarters them, but int8's
+    per-call activation quantization cost SmolLM2's head 0.12-0.22 accepted tokens per step, which ate
+    the time it saved (docs/benchmarks.md, session 9). Verification keeps the output exact whatever
     the draft's precision."""
-    cpu = policy.device.type == "cpu"
     if spec == "int8":
-        if not cpu or not int8_linear_available():
+        if policy.device.type != "cpu" or not int8_linear_available():
             raise ValueError("draft dtype int8 needs a CPU policy and torch's fbgemm/x86 quantized engine")
-        return torch.float32, True
-    if spec == "auto" and policy.dtype == torch.float32 and cpu and not fast_bf16(policy.device) \
-            and int8_linear_available():
         return torch.float32, True
     return serving_dtype(policy, spec), False
 

@@ -272,8 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     drf.add_argument("--adapt-prompts", type=int, default=256, help="new-policy rollouts the adaptation trains on")
     drf.add_argument("--stop-trials", type=int, default=20)
     drf.add_argument("--draft-dtype", default="auto", choices=("auto", "policy", "float32", "bfloat16", "int8"),
-                     help="precision the heads draft in; auto: bf16 where the device has bf16 units, else int8 "
-                          "weights on a CPU")
+                     help="precision the heads draft in; auto: bf16 where the device has bf16 units; int8: "
+                          "int8 weights on a CPU")
     drf.add_argument("--tree", default="",
                      help="draft tree served: candidates at the first depths, e.g. 3,2 ('': a chain)")
     drf.add_argument("--tree-side-depth", type=int, default=1, help="depth of the chain under each extra candidate")

@@ -68,8 +68,8 @@ class JobSpec(BaseModel):
     tlt: bool = Field(True, description="speculative rollouts with idle-time drafter training")
     draft_k: int = Field(2, ge=1, le=16)
     draft_dtype: Literal["auto", "float32", "bfloat16", "int8"] = Field(
-        "auto", description="precision the draft head serves in; auto: bf16 where the device has bf16 units, int8 "
-        "weights (float32 activations) on a CPU without them; int8 is CPU-only")
+        "auto", description="precision the draft head serves in; auto: bf16 where the device has bf16 units; int8: "
+        "int8 weights with float32 activations, CPU-only (measured slower at T=1 on a Zen 3 box)")
     draft_tree: str = Field("", pattern=r"^$|^([1-9]|1[0-6])(,([1-9]|1[0-6])){0,15}$", description=(
         "draft candidates at the first depths, e.g. '3,2' (three at the first, two at the second); '' drafts "
         "a chain (the default: on the CPU boxes measured, a tree's drafting and verifying cost more than its extra "

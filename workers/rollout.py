@@ -42,8 +42,8 @@ class WorkerConfig:
     k: int = 3  # draft length when speculating
     draft_vocab_size: int | None = 8192
     # precision the draft head serves in (drafter.eagle.serving_precision): "auto" is bf16 where the policy
-    # is float32 and the device has bf16 units, int8 weights on a CPU without them (drafting is bound by
-    # reading the head's weights)
+    # is float32 and the device has bf16 units (drafting is bound by reading the head's weights); "int8"
+    # (CPU-only) serves int8 weights
     draft_dtype: str | None = "auto"
     # draft tree widths (drafter.tree): "3,2" offers three candidates at the first draft position and two
     # at the second, while at most four rollouts are live (the tail); "" drafts a chain, the default: on
