@@ -127,7 +127,6 @@ class Watcher:
         self.settings = settings or PolicySettings()
         self.metrics = metrics or Metrics(CollectorRegistry())
         self.jobs: dict[str, JobTLT] = {}
-        self.specs: dict[str, dict] = {}  # running job -> its spec
         self._scoring: dict[str, tuple] = {}  # job -> (evaluate_drafts ref, monotonic time asked)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -166,7 +165,6 @@ class Watcher:
                     log.exception("job %s: watcher step failed", job["job_id"])
         for job_id in set(self.jobs) - running:  # ended: its workers are gone with its driver
             st = self.jobs.pop(job_id)
-            self.specs.pop(job_id, None)
             self._scoring.pop(job_id, None)
             if st.leases or st.copies or st.scoring:
                 log.info("job %s ended with %d open leases, %d unmerged copies and %s under scoring (kept in the "
@@ -190,7 +188,6 @@ class Watcher:
         except Exception:
             return  # not started yet, or gone: the launcher records how it ended
         st = self._state(job_id)
-        self.specs[job_id] = spec
         status = self._statuses(workers)
         self._observe_swaps(job_id, st, status)
         self._collect(job_id, st, workers)
@@ -216,7 +213,7 @@ class Watcher:
             idle = [w for w, c in decision.classes.items() if c == WorkerClass.IDLE and w in workers]
             if phase == Phase.UPDATE:
                 idle = list(workers)  # nothing generates: every worker is free to score drafts
-            self._start_scoring(job_id, st, workers, idle)
+            self._start_scoring(job_id, st, workers, idle, int(spec.get("draft_k", 2)))
         st.save(redis, job_id)
 
     # ----- the steps of a tick ------------------------------------------------------------------
@@ -304,7 +301,7 @@ class Watcher:
                 log.info("job %s: lease %s on %s done: %d steps in %.1f s -> copy %s", job_id, lease["lease_id"], wid,
                          result["steps"], result["seconds"], result["version"])
 
-    def _start_scoring(self, job_id: str, st: JobTLT, workers: dict, free: list[str]) -> None:
+    def _start_scoring(self, job_id: str, st: JobTLT, workers: dict, free: list[str], k: int) -> None:
         """Merge the round's copies into a candidate and ask a free worker that did not train on them
         to score it and the serving draft on its recent rollouts. The answer is collected by a later
         tick (_poll_scoring): scoring takes seconds, and the tick must keep preempting and granting."""
@@ -320,9 +317,9 @@ class Watcher:
         candidate = copies.merge_and_publish(merged)
         serving = served.latest_version()
         st.scoring = {"candidate": candidate, "merged": merged, "dropped": dropped, "parent_version": serving or 0,
-                      "serving_version": serving, "evaluated_by": evaluator, "held_out": evaluator not in st.trained,
-                      "at": time.time(), "candidate_accepted_length": None, "serving_accepted_length": None,
-                      "published_version": None}
+                      "serving_version": serving, "k": k, "evaluated_by": evaluator,
+                      "held_out": evaluator not in st.trained, "at": time.time(),
+                      "candidate_accepted_length": None, "serving_accepted_length": None, "published_version": None}
         st.copies, st.trained = [], []  # a new round starts; leases granted meanwhile belong to it
         self._ask_score(job_id, st, workers)
 
@@ -331,8 +328,7 @@ class Watcher:
         drafts = [{"store": "copies", "version": record["candidate"]}]
         if record["serving_version"] is not None:
             drafts.append({"store": "served", "version": record["serving_version"]})
-        k = int(self.specs.get(job_id, {}).get("draft_k", 2))
-        self._scoring[job_id] = (workers[record["evaluated_by"]].evaluate_drafts.remote(drafts, k, False),
+        self._scoring[job_id] = (workers[record["evaluated_by"]].evaluate_drafts.remote(drafts, record["k"], False),
                                  time.monotonic())
 
     def _poll_scoring(self, job_id: str, st: JobTLT, workers: dict) -> None:
@@ -388,7 +384,8 @@ class Watcher:
             st.num_rejected += 1
             record.setdefault("reason", "scored worse than the serving draft")
             log.info("job %s: candidate %d not published: %s", job_id, candidate, record["reason"])
-        record.pop("serving_version")
+        for asked in ("serving_version", "k"):  # the question's, not the decision's
+            record.pop(asked)
         redis = self.store.redis
         redis.rpush(job_drafts_key(job_id), json.dumps(record))
         redis.ltrim(job_drafts_key(job_id), -MAX_DECISIONS_KEPT, -1)

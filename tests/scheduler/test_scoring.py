@@ -66,7 +66,6 @@ def setup(cluster, tmp_path):
     with PrivateRedis() as server:
         redis = server.client()
         watcher = Watcher(JobStore(redis), str(tmp_path), PolicySettings())
-        watcher.specs[JOB] = {"draft_k": 2}
         yield watcher, redis, tmp_path
 
 
@@ -100,7 +99,7 @@ def test_scoring_is_collected_by_a_later_tick_and_the_round_is_pruned(setup):
     workers = {"w0": scorer, "w1": scorer}
     st = JobTLT(copies=add_copies(watcher, 2), trained=["w1"])
     served, copies = watcher.stores(JOB)
-    watcher._start_scoring(JOB, st, workers, ["w0", "w1"])
+    watcher._start_scoring(JOB, st, workers, ["w0", "w1"], 2)
     assert st.scoring is not None and st.copies == [] and st.trained == []  # the next round starts empty
     candidate = st.scoring["candidate"]
     assert st.scoring["merged"] == [1, 2] and candidate == 3
@@ -124,17 +123,16 @@ def test_a_restarted_watcher_asks_again_and_a_worse_candidate_is_not_published(s
     scorer = SlowScorer.remote()
     workers = {"w0": scorer}
     st = JobTLT(copies=add_copies(watcher, 1))
-    watcher._start_scoring(JOB, st, workers, ["w0"])
+    watcher._start_scoring(JOB, st, workers, ["w0"], 2)
     ray.get(scorer.release.remote([1.5]))
     wait_decided(watcher, st, workers)  # v1 served, scored 1.5
     ray.get(scorer.block.remote())
     st.copies = add_copies(watcher, 2, parent=1)
-    watcher._start_scoring(JOB, st, workers, ["w0"])
+    watcher._start_scoring(JOB, st, workers, ["w0"], 2)
     candidate = st.scoring["candidate"]
     st.save(redis, JOB)
     # the scheduler restarts: the question in flight is lost with the old process, the round is not
     restarted = Watcher(JobStore(redis), watcher.store_dir, PolicySettings())
-    restarted.specs[JOB] = {"draft_k": 2}
     st2 = JobTLT.load(redis, JOB)
     assert st2.scoring is not None and st2.scoring["candidate"] == candidate
     restarted._poll_scoring(JOB, st2, workers)
@@ -153,14 +151,14 @@ def test_a_failed_or_vanished_scorer_rejects_the_round(setup):
     watcher, redis, _ = setup
     scorer = SlowScorer.remote()
     st = JobTLT(copies=add_copies(watcher, 1))
-    watcher._start_scoring(JOB, st, {"w0": scorer}, ["w0"])
+    watcher._start_scoring(JOB, st, {"w0": scorer}, ["w0"], 2)
     ray.get(scorer.release.remote("no recorded rollouts"))
     wait_decided(watcher, st, {"w0": scorer})
     d = decisions(redis)[-1]
     assert d["published_version"] is None and "no recorded rollouts" in d["reason"] and st.num_rejected == 1
     # after a restart the evaluator is gone: the round is decided unscored, not left hanging
     st.copies = add_copies(watcher, 1)
-    watcher._start_scoring(JOB, st, {"w0": scorer}, ["w0"])
+    watcher._start_scoring(JOB, st, {"w0": scorer}, ["w0"], 2)
     restarted = Watcher(JobStore(redis), watcher.store_dir, PolicySettings())
     restarted._poll_scoring(JOB, st, {"w9": scorer})
     assert st.scoring is None and decisions(redis)[-1]["reason"] == "not scored: evaluator w0 is gone"
@@ -172,7 +170,7 @@ def test_pruning_can_be_turned_off(setup):
     watcher.settings = PolicySettings(prune_copies=False)
     scorer = SlowScorer.remote()
     st = JobTLT(copies=add_copies(watcher, 2))
-    watcher._start_scoring(JOB, st, {"w0": scorer}, ["w0"])
+    watcher._start_scoring(JOB, st, {"w0": scorer}, ["w0"], 2)
     ray.get(scorer.release.remote([1.2]))
     wait_decided(watcher, st, {"w0": scorer})
     assert [e["version"] for e in watcher.stores(JOB)[1].versions()] == [1, 2, 3]
