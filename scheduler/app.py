@@ -332,7 +332,8 @@ def create_app(settings: Settings) -> FastAPI:
         versions = [{"version": e["version"], "parent_version": e["parent_version"],
                      "policy_version": e["policy_version"], "num_steps": e["num_steps"], "num_tokens": e["num_tokens"],
                      "created_at": e["created_at"], "accepted_length": e["extra"].get("accepted_length"),
-                     "serving_accepted_length": e["extra"].get("serving_accepted_length")}
+                     "serving_accepted_length": e["extra"].get("serving_accepted_length"),
+                     "draft_temperature": e["extra"].get("draft_temperature")}
                     for e in served.versions()]
         reclaimed, leases, published, rejected = redis.hmget(
             job_tlt_key(job_id), "reclaimed_worker_s", "num_leases", "num_published", "num_rejected")

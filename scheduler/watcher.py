@@ -325,7 +325,8 @@ class Watcher:
 
     def _ask_score(self, job_id: str, st: JobTLT, workers: dict) -> None:
         record = st.scoring
-        drafts = [{"store": "copies", "version": record["candidate"]}]
+        # the candidate is scored, and published, at its best draft temperature on the scorer's rollouts
+        drafts = [{"store": "copies", "version": record["candidate"], "calibrate": True}]
         if record["serving_version"] is not None:
             drafts.append({"store": "served", "version": record["serving_version"]})
         self._scoring[job_id] = (workers[record["evaluated_by"]].evaluate_drafts.remote(drafts, record["k"], False),
@@ -357,6 +358,7 @@ class Watcher:
             return
         record["candidate_accepted_length"] = ev["accepted_lengths"][0]
         record["serving_accepted_length"] = ev["accepted_lengths"][1] if record["serving_version"] is not None else None
+        record["candidate_draft_temperature"] = ev.get("draft_temperatures", [None])[0]
         record["eval_tokens"] = ev["num_tokens"]
         self._decide(job_id, st)
 
@@ -372,7 +374,10 @@ class Watcher:
         if record["candidate_accepted_length"] is not None and should_publish(
                 record["candidate_accepted_length"], record["serving_accepted_length"], self.settings):
             state, meta = copies.load(candidate)
-            meta.extra.update(accepted_length=record["candidate_accepted_length"],
+            tau = record.get("candidate_draft_temperature")
+            if tau is not None:  # served at the temperature it was scored at
+                meta.head_config["eagle"]["draft_temperature"] = tau
+            meta.extra.update(accepted_length=record["candidate_accepted_length"], draft_temperature=tau,
                               serving_accepted_length=record["serving_accepted_length"], candidate=candidate)
             version = served.publish(state, meta)
             record["published_version"] = version

@@ -22,7 +22,7 @@ from drafter.buffer import RolloutBuffer
 from drafter.checkpoint import DraftMeta
 from drafter.eagle import EagleDrafter
 from drafter.engine import Engine, Request
-from drafter.evaluate import expected_accepted_length
+from drafter.evaluate import calibrate_draft_temperature, expected_accepted_length
 from drafter.loading import load_model
 from drafter.sampling import SamplingParams
 from drafter.train import DraftTrainer, TrainConfig
@@ -252,7 +252,15 @@ class RolloutRunner:
 
     def evaluate_drafts(self, drafts: list[dict], k: int, greedy: bool, max_tokens: int = EVAL_TOKENS) -> dict:
         """Offline accepted length of each {"store": "served" | "copies", "version"} on this worker's most
-        recent rollouts of its newest policy version (drafter/evaluate.py); the scheduler's publish rule."""
+        recent rollouts of its newest policy version (drafter/evaluate.py); the scheduler's publish rule.
+        A draft asked with "calibrate": true (sampled only) is scored at the draft temperature that
+        accepts the most on those rollouts, which is returned in "draft_temperatures" (None for the
+        others): a draft is published with the temperature it was scored at."""
+        for d in drafts:
+            if not isinstance(d.get("calibrate", False), bool):
+                raise ValueError(f"calibrate must be a boolean, got {d.get('calibrate')!r}")
+            if d.get("calibrate") and greedy:
+                raise ValueError("calibrate applies to sampled scoring only (greedy drafts the argmax)")
         rollouts = self.buffer.rollouts
         if not rollouts:
             raise ValueError(f"worker {self.worker_id} has no rollouts to evaluate drafts on")
@@ -263,15 +271,21 @@ class RolloutRunner:
                 break
             recent.append(r)
             num_tokens += r.num_pairs
-        lengths = []
+        lengths, temperatures = [], []
         for d in drafts:
             store = {"served": self.served, "copies": self.copies}.get(d.get("store"))
             if store is None:
                 raise ValueError(f"store must be 'served' or 'copies', got {d.get('store')!r}")
             head, _ = self._load_head(store, int(d["version"]))
-            lengths.append(expected_accepted_length(head, self.policy, recent, k, greedy))
-        return {"accepted_lengths": lengths, "num_tokens": num_tokens, "policy_version": newest,
-                "worker_id": self.worker_id}
+            if d.get("calibrate"):
+                tau, scores = calibrate_draft_temperature(head, self.policy, recent, k)
+                lengths.append(scores[tau])
+                temperatures.append(tau)
+            else:
+                lengths.append(expected_accepted_length(head, self.policy, recent, k, greedy))
+                temperatures.append(None)
+        return {"accepted_lengths": lengths, "draft_temperatures": temperatures, "num_tokens": num_tokens,
+                "policy_version": newest, "worker_id": self.worker_id}
 
     def stop_training(self, wait_s: float = 0.0) -> bool:
         """Ask a running trainer to stop (it does within one micro-step); with wait_s > 0, also wait up

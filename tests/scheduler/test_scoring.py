@@ -41,7 +41,9 @@ class SlowScorer:
         await self.released.wait()
         if isinstance(self.answer, str):
             raise ValueError(self.answer)
-        return {"accepted_lengths": self.answer[: len(drafts)], "num_tokens": 100}
+        # a calibrated draft is answered at draft temperature 0.6, as a worker whose rollouts preferred it
+        return {"accepted_lengths": self.answer[: len(drafts)], "num_tokens": 100,
+                "draft_temperatures": [0.6 if d.get("calibrate") else None for d in drafts]}
 
     async def release(self, answer: list[float] | str) -> None:
         self.answer = answer
@@ -113,9 +115,13 @@ def test_scoring_is_collected_by_a_later_tick_and_the_round_is_pruned(setup):
     assert d["candidate"] == candidate and d["candidate_accepted_length"] == 1.7 and d["published_version"] == 1
     assert d["serving_accepted_length"] is None and "serving_version" not in d
     assert st.num_published == 1 and served.load(1)[1].extra["candidate"] == candidate
+    # published at the draft temperature it was scored at; the copies it came from said 1.0
+    assert d["candidate_draft_temperature"] == 0.6
+    meta = served.load(1)[1]
+    assert meta.head_config["eagle"]["draft_temperature"] == 0.6 and meta.extra["draft_temperature"] == 0.6
     # decided: the round's copies and candidate are gone from the copies store, index and files
     assert copies.versions() == [] and not list((tmp_path / JOB / "copies").glob("*.safetensors"))
-    assert ray.get(scorer.questions.remote()) == [[{"store": "copies", "version": candidate}]]
+    assert ray.get(scorer.questions.remote()) == [[{"store": "copies", "version": candidate, "calibrate": True}]]
 
 
 def test_a_restarted_watcher_asks_again_and_a_worse_candidate_is_not_published(setup):
@@ -144,7 +150,8 @@ def test_a_restarted_watcher_asks_again_and_a_worse_candidate_is_not_published(s
     served, copies = restarted.stores(JOB)
     assert served.latest_version() == 1 and st2.num_rejected == 1 and copies.versions() == []
     asked = ray.get(scorer.questions.remote())
-    assert asked[-1] == asked[-2] == [{"store": "copies", "version": candidate}, {"store": "served", "version": 1}]
+    assert asked[-1] == asked[-2] == [{"store": "copies", "version": candidate, "calibrate": True},
+                                      {"store": "served", "version": 1}]
 
 
 def test_a_failed_or_vanished_scorer_rejects_the_round(setup):

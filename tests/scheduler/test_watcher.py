@@ -11,6 +11,7 @@ import pytest
 import ray
 from fastapi.testclient import TestClient
 
+from drafter.evaluate import DRAFT_TEMPERATURES
 from drafter.loading import PRESETS, random_model, save_hf_dir
 from scheduler.app import Settings, create_app
 from scheduler.policy import PolicySettings
@@ -58,6 +59,10 @@ def test_idle_worker_trains_and_the_merged_draft_is_served(client):
     # the first scored candidate has nothing to beat; later ones were compared with the serving draft
     assert scored[0]["published_version"] == 1 and drafts["serving_version"] >= 1
     assert [v["version"] for v in drafts["versions"]][0] == 1
+    # each scored candidate was calibrated, and a published one serves at the temperature it scored at
+    assert all(d["candidate_draft_temperature"] in DRAFT_TEMPERATURES for d in scored)
+    tau = {d["published_version"]: d["candidate_draft_temperature"] for d in scored}
+    assert all(v["draft_temperature"] == tau[v["version"]] for v in drafts["versions"])
     assert all(d["serving_accepted_length"] is not None for d in scored[1:])
     assert all((d["published_version"] is not None)
                == (d["candidate_accepted_length"] >= d["serving_accepted_length"]) for d in scored[1:])

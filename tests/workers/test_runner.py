@@ -7,6 +7,7 @@ import pytest
 
 from drafter.checkpoint import DraftMeta
 from drafter.engine import Request
+from drafter.evaluate import DRAFT_TEMPERATURES, expected_accepted_length
 from drafter.sampling import SamplingParams
 from drafter.warmstart import head_config, new_head
 from workers.rollout import RolloutRunner, WorkerConfig
@@ -60,11 +61,20 @@ def test_lease_outcomes_are_kept_for_collection_and_bad_leases_are_named(redis_c
     result = r.train_drafter({"lease_id": "l1", "parent_version": 0, "deadline_s": 0.5})
     outcome = r.lease_result("l1")
     assert outcome["state"] == "done" and outcome["result"] == result and result["steps"] >= 1
-    scores = r.evaluate_drafts([{"store": "copies", "version": result["version"]}], k=2, greedy=False)
-    assert len(scores["accepted_lengths"]) == 1 and 1.0 <= scores["accepted_lengths"][0] <= 3.0
-    assert scores["num_tokens"] > 0
+    copy = {"store": "copies", "version": result["version"]}
+    scores = r.evaluate_drafts([copy, copy | {"calibrate": True}], k=2, greedy=False)
+    own, best = scores["accepted_lengths"]
+    assert 1.0 <= own <= 3.0 and scores["num_tokens"] > 0
+    # calibrated: scored at the draft temperature that accepts the most, never below the head's own 1.0
+    tau = scores["draft_temperatures"][1]
+    assert scores["draft_temperatures"][0] is None and tau in DRAFT_TEMPERATURES and best >= own - 1e-9
+    head, _ = r._load_head(r.copies, result["version"])
+    assert best == pytest.approx(expected_accepted_length(head, r.policy, r.buffer.rollouts, 2, False, tau))
     with pytest.raises(ValueError, match="store must be"):
         r.evaluate_drafts([{"store": "elsewhere", "version": 1}], k=2, greedy=False)
+    for bad, field in (({"calibrate": "yes"}, "calibrate must be a boolean"), ({"calibrate": True}, "sampled")):
+        with pytest.raises(ValueError, match=field):
+            r.evaluate_drafts([copy | bad], k=2, greedy=field == "sampled")
 
 
 def test_a_second_lease_is_refused_while_one_runs(redis_client, tmp_path):
