@@ -110,8 +110,10 @@ def summarize(url: str, jobs: dict[str, dict]) -> bool:
     for d in drafts["decisions"]:
         cand, serv = d["candidate_accepted_length"], d["serving_accepted_length"]
         verdict = f"published as v{d['published_version']}" if d["published_version"] else d.get("reason", "kept back")
-        say(f"  candidate from copies {d['merged']}: accepted length {cand if cand is None else round(cand, 2)} "
-            f"vs serving {serv if serv is None else round(serv, 2)} -> {verdict}")
+        tau = d.get("candidate_draft_temperature")
+        say(f"  candidate from copies {d['merged']}: accepted length {cand if cand is None else round(cand, 2)}"
+            f"{'' if tau is None else f' at draft temperature {tau}'} vs serving "
+            f"{serv if serv is None else round(serv, 2)} -> {verdict}")
     r_on, r_off = t_on["rollout_s"], t_off["rollout_s"]
     say()
     say(f"rollout time over {NUM_STEPS} steps: TLT on {r_on:.1f} s, TLT off {r_off:.1f} s "
