@@ -377,7 +377,8 @@ class Watcher:
             tau = record.get("candidate_draft_temperature")
             if tau is not None:  # served at the temperature it was scored at
                 meta.head_config["eagle"]["draft_temperature"] = tau
-            meta.extra.update(accepted_length=record["candidate_accepted_length"], draft_temperature=tau,
+            meta.extra.update(accepted_length=record["candidate_accepted_length"],
+                              draft_temperature=meta.head_config["eagle"].get("draft_temperature"),
                               serving_accepted_length=record["serving_accepted_length"], candidate=candidate)
             version = served.publish(state, meta)
             record["published_version"] = version
