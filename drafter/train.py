@@ -202,12 +202,24 @@ def unrolled_predictions(head: EagleHead, embed: torch.nn.Embedding, batch: Pack
     return preds
 
 
+def draft_lm_weight(head: EagleHead, policy: CausalLM) -> torch.Tensor:
+    """The policy's LM head restricted to the draft vocabulary, (V', D): frozen during training."""
+    return policy.lm_head.weight[head.vocab_ids]
+
+
 def draft_loss(head: EagleHead, policy: CausalLM, batch: PackedBatch, cfg: TrainConfig,
-               check_stop: Callable[[], None] | None = None) -> tuple[torch.Tensor, dict]:
-    lm_weight = policy.lm_head.weight[head.vocab_ids]  # (V', D), frozen
+               check_stop: Callable[[], None] | None = None,
+               lm_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """lm_weight: draft_lm_weight(head, policy), possibly already in the autocast dtype (a trainer
+    keeps one copy instead of gathering and casting 8192 x D weights at every use)."""
+    if lm_weight is None:
+        lm_weight = draft_lm_weight(head, policy)
     target_feats = batch.feats[:, 1:]  # (R, T-1, D): h_{j+1} for pair j
     with torch.no_grad():
-        target_logp = F.log_softmax(F.linear(target_feats, lm_weight).float(), dim=-1)  # (R, T-1, V')
+        target_logits = F.linear(target_feats, lm_weight).float()  # (R, T-1, V')
+        target_p = F.softmax(target_logits, dim=-1)
+        target_top = target_logits.argmax(-1)
+        del target_logits
     kernel = flash_varlen_kernel() if cfg.varlen_attention and batch.feats.is_cuda else None
     preds = unrolled_predictions(head, policy.embed_tokens, batch, cfg.num_unroll, check_stop, kernel)
     total, stats = 0.0, {}
@@ -215,10 +227,12 @@ def draft_loss(head: EagleHead, policy: CausalLM, batch: PackedBatch, cfg: Train
         valid = batch.target_mask[:, :-1] & (batch.positions[:, :-1] >= s)  # (R, T-1)
         if not bool(valid.any()):
             continue
-        logp = F.log_softmax(head.draft_logits(pred[:, :-1], lm_weight).float(), dim=-1)  # (R, T-1, V')
-        ce = -(target_logp.exp() * logp).sum(-1)[valid].mean()
+        logits = head.draft_logits(pred[:, :-1], lm_weight)  # (R, T-1, V')
+        logp = F.log_softmax(logits.float(), dim=-1)
+        ce = -(target_p * logp).sum(-1)[valid].mean()
         reg = F.smooth_l1_loss(pred[:, :-1][valid], target_feats[valid])
-        agree = (logp.argmax(-1) == target_logp.argmax(-1))[valid].float().mean()
+        with torch.no_grad():
+            agree = (logits.argmax(-1) == target_top)[valid].float().mean()
         total = total + cfg.unroll_decay**s * (ce + cfg.hidden_loss_weight * reg)
         stats[f"ce_{s}"], stats[f"acc_{s}"] = float(ce.detach()), float(agree)
     return total, stats
@@ -255,6 +269,18 @@ class DraftTrainer:
         self.stop_event = threading.Event()
         self._epoch = 0
         self._batches: Iterator[PackedBatch] | None = None
+        self._lm_weight: tuple[tuple, torch.Tensor] | None = None
+
+    def lm_weight(self) -> torch.Tensor:
+        """draft_lm_weight in the dtype the loss computes in (bf16 under autocast), kept between
+        micro-steps and rebuilt when the policy's LM head or the head's vocabulary changes in place."""
+        w, ids = self.policy.lm_head.weight, self.head.vocab_ids
+        dtype = torch.bfloat16 if self.bf16_autocast else self.head.fc.weight.dtype
+        key = (w.data_ptr(), w._version, ids.data_ptr(), ids._version, dtype)
+        if self._lm_weight is None or self._lm_weight[0] != key:
+            with torch.no_grad():
+                self._lm_weight = key, draft_lm_weight(self.head, self.policy).to(dtype)
+        return self._lm_weight[1]
 
     def lr_at(self, step: int, budget_progress: float | None = None) -> float:
         """The rate at optimizer step `step`: linear warmup, then cosine decay to lr * min_lr_ratio at
@@ -302,7 +328,7 @@ class DraftTrainer:
             g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         with torch.autocast(batch.feats.device.type, dtype=torch.bfloat16, enabled=self.bf16_autocast):
-            loss, stats = draft_loss(self.head, self.policy, batch, self.cfg, self._check_stop)
+            loss, stats = draft_loss(self.head, self.policy, batch, self.cfg, self._check_stop, self.lm_weight())
         self._check_stop()
         loss.backward()
         self._check_stop()

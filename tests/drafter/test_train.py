@@ -17,7 +17,15 @@ from drafter.engine import Engine, Request
 from drafter.evaluate import DRAFT_TEMPERATURES, calibrate_draft_temperature, expected_accepted_length
 from drafter.model import Int8Linear, int8_linear_available
 from drafter.sampling import SamplingParams
-from drafter.train import DraftTrainer, StopRequestedError, TrainConfig, fast_bf16, unrolled_predictions
+from drafter.train import (
+    DraftTrainer,
+    StopRequestedError,
+    TrainConfig,
+    draft_lm_weight,
+    draft_loss,
+    fast_bf16,
+    unrolled_predictions,
+)
 from drafter.warmstart import HarvestConfig, harvest, measure, warm_start
 from tests.conftest import pattern_corpus, random_prompts, structured_model, tiny_model
 
@@ -211,6 +219,34 @@ def test_bf16_autocast_trains_like_float32_and_keeps_float32_weights(structured)
     assert losses[True][-1] < 1.5 * losses[False][-1]
     # None: on where the device has native bf16 matmuls
     assert DraftTrainer(model, EagleHead(model.cfg), TrainConfig(bf16_autocast=None)).bf16_autocast == fast_bf16("cpu")
+
+
+def test_trainer_keeps_the_draft_lm_weight_and_rebuilds_it_when_the_policy_changes(structured):
+    """The trainer keeps the draft vocabulary's LM head between micro-steps (in the autocast dtype);
+    the loss it gives equals gathering it afresh, and an in-place policy update or a new draft
+    vocabulary is seen at once, never a stale copy."""
+    model, _, buffer, _ = structured
+    policy = copy.deepcopy(model)
+    head = EagleHead(policy.cfg, EagleConfig(draft_vocab_size=policy.cfg.vocab_size // 2))
+    for bf16 in (False, True):
+        trainer = DraftTrainer(policy, head, TrainConfig(bf16_autocast=bf16))
+        kept = trainer.lm_weight()
+        assert kept.dtype == (torch.bfloat16 if bf16 else torch.float32)
+        assert torch.equal(kept, draft_lm_weight(head, policy).to(kept.dtype))
+        assert trainer.lm_weight() is kept  # not rebuilt while nothing changed
+    batch = trainer.next_batch(buffer)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fresh = draft_loss(head, policy, batch, trainer.cfg)[0]
+        cached = draft_loss(head, policy, batch, trainer.cfg, lm_weight=trainer.lm_weight())[0]
+    assert float(cached) == float(fresh)
+    with torch.no_grad():
+        policy.lm_head.weight.mul_(2)  # an in-place weight sync
+    assert not torch.equal(trainer.lm_weight(), kept)
+    assert torch.equal(trainer.lm_weight(), draft_lm_weight(head, policy).to(torch.bfloat16))
+    ids = head.vocab_ids.clone()
+    head.set_vocab(torch.arange(policy.cfg.vocab_size))  # a new draft vocabulary: the highest ids
+    assert not torch.equal(head.vocab_ids, ids)
+    assert torch.equal(trainer.lm_weight(), draft_lm_weight(head, policy).to(torch.bfloat16))
 
 
 def test_rms_norm_of_bf16_activations_with_float32_weights():
