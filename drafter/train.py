@@ -269,18 +269,20 @@ class DraftTrainer:
         self.stop_event = threading.Event()
         self._epoch = 0
         self._batches: Iterator[PackedBatch] | None = None
-        self._lm_weight: tuple[tuple, torch.Tensor] | None = None
+        self._lm_weight: tuple[torch.Tensor, torch.Tensor, tuple, torch.Tensor] | None = None
 
     def lm_weight(self) -> torch.Tensor:
         """draft_lm_weight in the dtype the loss computes in (bf16 under autocast), kept between
         micro-steps and rebuilt when the policy's LM head or the head's vocabulary changes in place."""
         w, ids = self.policy.lm_head.weight, self.head.vocab_ids
         dtype = torch.bfloat16 if self.bf16_autocast else self.head.fc.weight.dtype
-        key = (w.data_ptr(), w._version, ids.data_ptr(), ids._version, dtype)
-        if self._lm_weight is None or self._lm_weight[0] != key:
+        key = (w._version, ids._version, dtype)
+        kept = self._lm_weight
+        # the tensors themselves, not their addresses: a replaced weight may reuse a freed one's memory
+        if kept is None or kept[0] is not w or kept[1] is not ids or kept[2] != key:
             with torch.no_grad():
-                self._lm_weight = key, draft_lm_weight(self.head, self.policy).to(dtype)
-        return self._lm_weight[1]
+                self._lm_weight = kept = w, ids, key, draft_lm_weight(self.head, self.policy).to(dtype)
+        return kept[3]
 
     def lr_at(self, step: int, budget_progress: float | None = None) -> float:
         """The rate at optimizer step `step`: linear warmup, then cosine decay to lr * min_lr_ratio at

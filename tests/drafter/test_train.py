@@ -243,6 +243,8 @@ def test_trainer_keeps_the_draft_lm_weight_and_rebuilds_it_when_the_policy_chang
         policy.lm_head.weight.mul_(2)  # an in-place weight sync
     assert not torch.equal(trainer.lm_weight(), kept)
     assert torch.equal(trainer.lm_weight(), draft_lm_weight(head, policy).to(torch.bfloat16))
+    policy.lm_head.weight = torch.nn.Parameter(policy.lm_head.weight.detach() * 3)  # a replaced weight
+    assert torch.equal(trainer.lm_weight(), draft_lm_weight(head, policy).to(torch.bfloat16))
     ids = head.vocab_ids.clone()
     head.set_vocab(torch.arange(policy.cfg.vocab_size))  # a new draft vocabulary: the highest ids
     assert not torch.equal(head.vocab_ids, ids)
