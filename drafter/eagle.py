@@ -114,6 +114,11 @@ class EagleHead(nn.Module):
         return self.norm(x)
 
 
+def draft_lm_weight(head: EagleHead, policy: CausalLM) -> torch.Tensor:
+    """The policy's LM head restricted to the head's draft vocabulary, (V', D): what draft_logits takes."""
+    return policy.lm_head.weight[head.vocab_ids]
+
+
 def draft_probs(logits: torch.Tensor, sampling: BatchSampling, draft_temperature: float) -> torch.Tensor:
     """(B, T, V') draft logits -> the draft distribution q: the rows' sampling distribution over
     logits / draft_temperature, or a one-hot on the argmax when draft_temperature is 0."""
@@ -221,7 +226,7 @@ class EagleDrafter(Drafter):
         self.head = head
         self.vocab_ids = self.head.vocab_ids
         # (V', D), sliced once, in the head's dtype
-        self.lm_weight = self.policy.lm_head.weight[self.vocab_ids].to(self.dtype).contiguous()
+        self.lm_weight = draft_lm_weight(head, self.policy).to(self.dtype).contiguous()
         self.lm_packed = PackedWeight()
         self.lm_int8 = Int8Linear(self.lm_weight) if self.int8 else None
 

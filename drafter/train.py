@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from drafter.buffer import PackedBatch, RolloutBuffer, iter_batches
 from drafter.checkpoint import DraftMeta, load_trainer_state, save_trainer_state
-from drafter.eagle import EagleHead
+from drafter.eagle import EagleHead, draft_lm_weight
 from drafter.model import CausalLM, apply_rotary, fast_bf16
 
 
@@ -200,11 +200,6 @@ def unrolled_predictions(head: EagleHead, embed: torch.nn.Embedding, batch: Pack
         preds.append(pred)
         x_feats = _shift_right(pred, 1)  # slot j's next input is this step's prediction at slot j-1
     return preds
-
-
-def draft_lm_weight(head: EagleHead, policy: CausalLM) -> torch.Tensor:
-    """The policy's LM head restricted to the draft vocabulary, (V', D): frozen during training."""
-    return policy.lm_head.weight[head.vocab_ids]
 
 
 def draft_loss(head: EagleHead, policy: CausalLM, batch: PackedBatch, cfg: TrainConfig,
