@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from drafter.buffer import Rollout, iter_batches
 from drafter.eagle import EagleHead
 from drafter.model import CausalLM
-from drafter.train import unrolled_predictions
+from drafter.train import loss_mask, unrolled_predictions
 
 ROW_TOKENS = 256  # pairs per packed row: long responses are cut into chunks of this many
 NUM_ROWS = 4  # rows per batch: bounds the (rows * tokens * vocab) logits held at once
@@ -93,7 +93,7 @@ def expected_accepted_lengths(head: EagleHead, policy: CausalLM, rollouts: list[
                         alpha = torch.minimum(p_draft_vocab, (draft_logits / tau).softmax(-1)).sum(-1)
                     # re-index by chain start i = j - s
                     alphas[i].append(torch.cat([alpha[:, s:], alpha.new_zeros(R, s)], dim=1))
-                ok = batch.target_mask[:, :-1] & (batch.positions[:, :-1] >= s)
+                ok = loss_mask(batch, s)  # a chain of s steps inside the segment
                 valid.append(torch.cat([ok[:, s:], ok.new_zeros(R, s)], dim=1))
             chain_ok = torch.stack(valid).all(0)  # (R, T-1): every draft step of the chain has its target
             for i in range(n):

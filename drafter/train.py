@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +55,11 @@ class TrainConfig:
     # the micro-steps per second on a Zen 4 CPU (docs/benchmarks.md). None: on where the device has
     # fast bf16 matmuls (fast_bf16). Off by default so that a recipe's numerics never depend on the box.
     bf16_autocast: bool | None = False
+    # Train the pairs of chains rooted in the prompt too. On for a head trained from scratch (more data
+    # for its first steps); off for an online lease: drafting roots every chain at a generated token, so
+    # a lease spends its seconds on those pairs only, and skips the LM head on the rest (a templated
+    # prompt is about a third of a short rollout's pairs).
+    prompt_loss: bool = True
 
     def __post_init__(self) -> None:
         if self.num_unroll < 1:
@@ -172,7 +177,8 @@ def unrolled_predictions(head: EagleHead, embed: torch.nn.Embedding, batch: Pack
         # ... and step t's key at slot j - (s - t), t = 1..s (shifted onto the diagonal)
         masks = [base] + [eye] * s
         mask = torch.cat(masks, dim=-1).unsqueeze(1)  # (R, 1, T, T*(s+1))
-        lonely = (positions < s) | (seq < 0)  # no valid chain (or padding): attend to itself, never to nothing
+        # no chain of s steps inside the segment (or padding): attend to itself, never to nothing
+        lonely = (positions - batch.seg_start < s) | (seq < 0)
         mask[..., :T] |= eye.unsqueeze(1) & lonely.view(R, 1, T, 1)
         x = head.fc(torch.cat([emb, x_feats], dim=-1))  # (R, T, 2D) -> (R, T, D)
         for li, layer in enumerate(head.layers):
@@ -202,16 +208,28 @@ def unrolled_predictions(head: EagleHead, embed: torch.nn.Embedding, batch: Pack
     return preds
 
 
+def loss_mask(batch: PackedBatch, step: int, prompt_loss: bool = True) -> torch.Tensor:
+    """(R, T-1) bool: the pairs whose unroll step `step` is trained. The prediction at pair j of step s
+    comes from a chain rooted at pair j - s, which must lie in the same segment and, without
+    `prompt_loss`, at or after the sequence's first generated pair: drafting at inference roots every
+    chain at a generated token, so prompt-rooted chains are never drafted."""
+    first = batch.seg_start if prompt_loss else torch.maximum(batch.seg_start, batch.gen_start)
+    return batch.target_mask[:, :-1] & (batch.positions[:, :-1] - step >= first[:, :-1])
+
+
 def draft_loss(head: EagleHead, policy: CausalLM, batch: PackedBatch, cfg: TrainConfig,
                check_stop: Callable[[], None] | None = None,
                lm_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """lm_weight: draft_lm_weight(head, policy), possibly already in the autocast dtype (a trainer
-    keeps one copy instead of gathering and casting 8192 x D weights at every use)."""
+    keeps one copy instead of gathering and casting 8192 x D weights at every use). The LM head, the
+    largest matmul of a step, runs on the trained pairs only (loss_mask), not on padding or pairs
+    without a chain."""
     if lm_weight is None:
         lm_weight = draft_lm_weight(head, policy)
     target_feats = batch.feats[:, 1:]  # (R, T-1, D): h_{j+1} for pair j
+    first = loss_mask(batch, 0, cfg.prompt_loss)  # every later step's pairs are among these
     with torch.no_grad():
-        target_logits = F.linear(target_feats, lm_weight).float()  # (R, T-1, V')
+        target_logits = F.linear(target_feats[first], lm_weight).float()  # (N, V')
         target_p = F.softmax(target_logits, dim=-1)
         target_top = target_logits.argmax(-1)
         del target_logits
@@ -219,15 +237,17 @@ def draft_loss(head: EagleHead, policy: CausalLM, batch: PackedBatch, cfg: Train
     preds = unrolled_predictions(head, policy.embed_tokens, batch, cfg.num_unroll, check_stop, kernel)
     total, stats = 0.0, {}
     for s, pred in enumerate(preds):
-        valid = batch.target_mask[:, :-1] & (batch.positions[:, :-1] >= s)  # (R, T-1)
+        valid = first if s == 0 else loss_mask(batch, s, cfg.prompt_loss)  # (R, T-1)
         if not bool(valid.any()):
             continue
-        logits = head.draft_logits(pred[:, :-1], lm_weight)  # (R, T-1, V')
+        picked = valid[first]  # (N,): which of the targets this step trains on
+        trained = pred[:, :-1][valid]  # (n, D)
+        logits = head.draft_logits(trained, lm_weight)  # (n, V')
         logp = F.log_softmax(logits.float(), dim=-1)
-        ce = -(target_p * logp).sum(-1)[valid].mean()
-        reg = F.smooth_l1_loss(pred[:, :-1][valid], target_feats[valid])
+        ce = -(target_p[picked] * logp).sum(-1).mean()
+        reg = F.smooth_l1_loss(trained, target_feats[valid])
         with torch.no_grad():
-            agree = (logits.argmax(-1) == target_top)[valid].float().mean()
+            agree = (logits.argmax(-1) == target_top[picked]).float().mean()
         total = total + cfg.unroll_decay**s * (ce + cfg.hidden_loss_weight * reg)
         stats[f"ce_{s}"], stats[f"acc_{s}"] = float(ce.detach()), float(agree)
     return total, stats
@@ -300,26 +320,31 @@ class DraftTrainer:
             raise StopRequestedError
 
     def next_batch(self, buffer: RolloutBuffer) -> PackedBatch:
-        """Cycle over the buffer, one shuffled epoch after another."""
+        """Cycle over the buffer, one shuffled epoch after another, passing over batches in which no
+        pair is trained (loss_mask: rollouts too short for a target, or without prompt_loss, rollouts
+        that ended a token after their prompt)."""
         if len(buffer) == 0:
             raise ValueError("the rollout buffer is empty: nothing to train on")
-        for _ in range(2):
+        fresh = False  # a whole epoch has been looked through since the last trained batch
+        while True:
             if self._batches is None:
+                if fresh:
+                    raise ValueError("no pair of the rollout buffer can be trained: its rollouts are too short"
+                                     + ("" if self.cfg.prompt_loss else " past their prompts (prompt_loss is off)"))
                 self._batches = iter_batches(buffer, self.cfg.max_tokens_per_row, self.cfg.num_rows, shuffle=True,
                                              seed=self.cfg.seed + self._epoch)
                 self._epoch += 1
-            batch = next(self._batches, None)
-            if batch is not None:
-                return batch
+                fresh = True
+            for batch in self._batches:
+                if bool(loss_mask(batch, 0, self.cfg.prompt_loss).any()):
+                    return batch
             self._batches = None
-        raise ValueError("the rollout buffer yields no batches")
 
     def micro_step(self, batch: PackedBatch, budget_progress: float | None = None) -> dict:
         """One optimizer step; raises StopRequestedError (with nothing applied) if a stop arrives mid-way.
         budget_progress: how much of the train() call's budget is spent (anneal_to_budget only)."""
         dtype = self.head.fc.weight.dtype
-        batch = PackedBatch(batch.feats.to(dtype), batch.tokens, batch.positions, batch.seq_ids, batch.target_mask,
-                            batch.num_tokens, batch.num_sequences)
+        batch = replace(batch, feats=batch.feats.to(dtype))
         lr = self.lr_at(self.step, budget_progress)
         for g in self.optimizer.param_groups:
             g["lr"] = lr

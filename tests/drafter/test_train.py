@@ -38,7 +38,9 @@ def single_sequence_batch(model, seq: list[int]) -> PackedBatch:
     target = torch.ones(1, T, dtype=torch.bool)
     target[0, -1] = False
     return PackedBatch(feats=hidden[:, :T], tokens=ids[:, 1:], positions=torch.arange(T).unsqueeze(0),
-                       seq_ids=torch.zeros(1, T, dtype=torch.long), target_mask=target, num_tokens=T,
+                       seq_ids=torch.zeros(1, T, dtype=torch.long), target_mask=target,
+                       seg_start=torch.zeros(1, T, dtype=torch.long), gen_start=torch.zeros(1, T, dtype=torch.long),
+                       num_tokens=T,
                        num_sequences=1)
 
 
@@ -63,6 +65,37 @@ def test_unrolled_training_sees_what_inference_sees():
             j = c + s
             pred = head(pred, emb(batch.tokens[:, j : j + 1]), torch.tensor([[j]]), cache)
             torch.testing.assert_close(pred[0, 0], preds[s][0, j], atol=1e-9, rtol=1e-9)
+
+
+def test_without_prompt_loss_only_chains_rooted_at_generated_pairs_are_trained():
+    """The loss over the pairs it keeps, rebuilt slot by slot: with prompt_loss, every chain inside the
+    sequence; without, only chains whose root (pair j - s) is at or after the first generated pair."""
+    model = tiny_model(seed=3).double()
+    head = EagleHead(model.cfg, EagleConfig(init_seed=1)).double()
+    seq = random_prompts([14], model.cfg.vocab_size, seed=5)[0]
+    g = 4  # pairs 0..3 are the prompt's
+    batch = dataclasses.replace(single_sequence_batch(model, seq), gen_start=torch.full((1, 13), g))
+    T = batch.feats.shape[1]
+    lm = draft_lm_weight(head, model)
+    with torch.no_grad():
+        preds = unrolled_predictions(head, model.embed_tokens, batch, num_unroll=3)
+    losses = {}
+    for prompt_loss in (True, False):
+        cfg = TrainConfig(num_unroll=3, prompt_loss=prompt_loss)
+        loss, stats = draft_loss(head, model, batch, cfg)
+        expected = 0.0
+        for s in range(3):
+            pairs = list(range(s + (0 if prompt_loss else g), T - 1))  # the last pair has no target
+            targets = batch.feats[0, [j + 1 for j in pairs]]
+            p = torch.softmax(torch.nn.functional.linear(targets, lm), -1)
+            pred = preds[s][0, pairs]
+            ce = -(p * torch.log_softmax(head.draft_logits(pred, lm), -1)).sum(-1).mean()
+            reg = torch.nn.functional.smooth_l1_loss(pred, targets)
+            expected += cfg.unroll_decay**s * (ce + cfg.hidden_loss_weight * reg)
+            assert stats[f"ce_{s}"] == pytest.approx(float(ce), rel=1e-5)
+        torch.testing.assert_close(loss.detach(), expected.to(loss.dtype), rtol=1e-5, atol=1e-6)
+        losses[prompt_loss] = float(loss.detach())
+    assert abs(losses[True] - losses[False]) > 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +210,18 @@ def test_train_needs_a_budget_and_data(structured):
         trainer.train(buffer)
     with pytest.raises(ValueError, match="empty"):
         trainer.train(RolloutBuffer(max_bytes=1 << 20), max_steps=1)
+    # rollouts that ended one token after their prompt: only prompt-rooted chains have targets
+    short = RolloutBuffer(max_bytes=1 << 20)
+    for r in buffer.rollouts[:6]:
+        short.add(r.tokens[: r.num_prompt + 1], r.hidden[: r.num_prompt], policy_version=0, num_prompt=r.num_prompt)
+    generated_only = DraftTrainer(model, EagleHead(model.cfg), TrainConfig(prompt_loss=False, num_rows=1, max_tokens_per_row=8))
+    with pytest.raises(ValueError, match="past their prompts"):
+        generated_only.train(short, max_steps=1)
+    assert DraftTrainer(model, EagleHead(model.cfg), TrainConfig()).train(short, max_steps=2).num_steps == 2
+    # mixed in with trainable rollouts, such batches are passed over
+    for r in buffer.rollouts[:2]:
+        short.add(r.tokens, r.hidden, policy_version=0, num_prompt=r.num_prompt)
+    assert generated_only.train(short, max_steps=3).num_steps == 3
     with pytest.raises(ValueError, match="num_unroll"):
         TrainConfig(num_unroll=0)
 
