@@ -231,7 +231,6 @@ class PackedBatch:
     seq_ids: torch.Tensor  # (R, T) long: segment id, unique in the batch; -1 = padding
     target_mask: torch.Tensor  # (R, T) bool: slot t+1 holds the same segment's next pair
     seg_start: torch.Tensor  # (R, T) long: position of the segment's first pair (a chain cannot reach before it)
-    gen_start: torch.Tensor  # (R, T) long: position of the sequence's first generated pair, num_prompt - 1
     num_tokens: int  # real pairs
     num_sequences: int  # segments (a chunk of a long sequence counts as one)
 
@@ -296,7 +295,6 @@ def _pack(rows: list[_Row], hidden_size: int) -> PackedBatch:
     seq_ids = torch.full((R, T), -1, dtype=torch.long)
     target_mask = torch.zeros(R, T, dtype=torch.bool)
     seg_start = torch.zeros(R, T, dtype=torch.long)
-    gen_start = torch.zeros(R, T, dtype=torch.long)
     num_segments = num_tokens = 0
     for b, row in enumerate(rows):
         t = 0
@@ -308,9 +306,8 @@ def _pack(rows: list[_Row], hidden_size: int) -> PackedBatch:
             seq_ids[b, t : t + n] = num_segments
             target_mask[b, t : t + n - 1] = True
             seg_start[b, t : t + n] = s
-            gen_start[b, t : t + n] = max(0, seg.rollout.num_prompt - 1)
             num_segments, num_tokens, t = num_segments + 1, num_tokens + n, t + n
-    return PackedBatch(feats, tokens, positions, seq_ids, target_mask, seg_start, gen_start, num_tokens, num_segments)
+    return PackedBatch(feats, tokens, positions, seq_ids, target_mask, seg_start, num_tokens, num_segments)
 
 
 def block_diagonal_causal_mask(seq_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -93,7 +93,7 @@ def expected_accepted_lengths(head: EagleHead, policy: CausalLM, rollouts: list[
                         alpha = torch.minimum(p_draft_vocab, (draft_logits / tau).softmax(-1)).sum(-1)
                     # re-index by chain start i = j - s
                     alphas[i].append(torch.cat([alpha[:, s:], alpha.new_zeros(R, s)], dim=1))
-                ok = loss_mask(batch, s)  # a chain of s steps inside the segment
+                ok = loss_mask(batch, s)  # the chain's root is inside the segment
                 valid.append(torch.cat([ok[:, s:], ok.new_zeros(R, s)], dim=1))
             chain_ok = torch.stack(valid).all(0)  # (R, T-1): every draft step of the chain has its target
             for i in range(n):

@@ -55,11 +55,6 @@ class TrainConfig:
     # the micro-steps per second on a Zen 4 CPU (docs/benchmarks.md). None: on where the device has
     # fast bf16 matmuls (fast_bf16). Off by default so that a recipe's numerics never depend on the box.
     bf16_autocast: bool | None = False
-    # Train the pairs of chains rooted in the prompt too. On for a head trained from scratch (more data
-    # for its first steps); off for an online lease: drafting roots every chain at a generated token, so
-    # a lease spends its seconds on those pairs only, and skips the LM head on the rest (a templated
-    # prompt is about a third of a short rollout's pairs).
-    prompt_loss: bool = True
 
     def __post_init__(self) -> None:
         if self.num_unroll < 1:
@@ -208,13 +203,11 @@ def unrolled_predictions(head: EagleHead, embed: torch.nn.Embedding, batch: Pack
     return preds
 
 
-def loss_mask(batch: PackedBatch, step: int, prompt_loss: bool = True) -> torch.Tensor:
-    """(R, T-1) bool: the pairs whose unroll step `step` is trained. The prediction at pair j of step s
-    comes from a chain rooted at pair j - s, which must lie in the same segment and, without
-    `prompt_loss`, at or after the sequence's first generated pair: drafting at inference roots every
-    chain at a generated token, so prompt-rooted chains are never drafted."""
-    first = batch.seg_start if prompt_loss else torch.maximum(batch.seg_start, batch.gen_start)
-    return batch.target_mask[:, :-1] & (batch.positions[:, :-1] - step >= first[:, :-1])
+def loss_mask(batch: PackedBatch, step: int) -> torch.Tensor:
+    """(R, T-1) bool: the pairs whose unroll step `step` is trained: the prediction at pair j of step s
+    comes from a chain rooted at pair j - s, which must lie in the same packed segment (a long
+    rollout cut into chunks starts its chains afresh in each chunk), and the pair needs a target."""
+    return batch.target_mask[:, :-1] & (batch.positions[:, :-1] - step >= batch.seg_start[:, :-1])
 
 
 def draft_loss(head: EagleHead, policy: CausalLM, batch: PackedBatch, cfg: TrainConfig,
@@ -227,7 +220,7 @@ def draft_loss(head: EagleHead, policy: CausalLM, batch: PackedBatch, cfg: Train
     if lm_weight is None:
         lm_weight = draft_lm_weight(head, policy)
     target_feats = batch.feats[:, 1:]  # (R, T-1, D): h_{j+1} for pair j
-    first = loss_mask(batch, 0, cfg.prompt_loss)  # every later step's pairs are among these
+    first = loss_mask(batch, 0)  # every later step's pairs are among these
     with torch.no_grad():
         target_logits = F.linear(target_feats[first], lm_weight).float()  # (N, V')
         target_p = F.softmax(target_logits, dim=-1)
@@ -237,7 +230,7 @@ def draft_loss(head: EagleHead, policy: CausalLM, batch: PackedBatch, cfg: Train
     preds = unrolled_predictions(head, policy.embed_tokens, batch, cfg.num_unroll, check_stop, kernel)
     total, stats = 0.0, {}
     for s, pred in enumerate(preds):
-        valid = first if s == 0 else loss_mask(batch, s, cfg.prompt_loss)  # (R, T-1)
+        valid = first if s == 0 else loss_mask(batch, s)  # (R, T-1)
         if not bool(valid.any()):
             continue
         picked = valid[first]  # (N,): which of the targets this step trains on
@@ -321,22 +314,20 @@ class DraftTrainer:
 
     def next_batch(self, buffer: RolloutBuffer) -> PackedBatch:
         """Cycle over the buffer, one shuffled epoch after another, passing over batches in which no
-        pair is trained (loss_mask: rollouts too short for a target, or without prompt_loss, rollouts
-        that ended a token after their prompt)."""
+        pair has a target (rollouts of a single pair)."""
         if len(buffer) == 0:
             raise ValueError("the rollout buffer is empty: nothing to train on")
         fresh = False  # a whole epoch has been looked through since the last trained batch
         while True:
             if self._batches is None:
                 if fresh:
-                    raise ValueError("no pair of the rollout buffer can be trained: its rollouts are too short"
-                                     + ("" if self.cfg.prompt_loss else " past their prompts (prompt_loss is off)"))
+                    raise ValueError("no pair of the rollout buffer has a target: its rollouts are one pair long")
                 self._batches = iter_batches(buffer, self.cfg.max_tokens_per_row, self.cfg.num_rows, shuffle=True,
                                              seed=self.cfg.seed + self._epoch)
                 self._epoch += 1
                 fresh = True
             for batch in self._batches:
-                if bool(loss_mask(batch, 0, self.cfg.prompt_loss).any()):
+                if bool(loss_mask(batch, 0).any()):
                     return batch
             self._batches = None
 

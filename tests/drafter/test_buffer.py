@@ -198,18 +198,19 @@ def test_long_sequence_is_chunked_with_continuing_positions():
     assert batch.target_mask.sum(1).tolist() == [9, 9, 4]  # each chunk's last pair loses its target
 
 
-def test_packing_marks_segment_starts_and_the_first_generated_pair():
+def test_packing_marks_where_each_segment_starts():
     buf = RolloutBuffer(max_bytes=1 << 20)
-    buf.add(*rollout(6), policy_version=0, num_prompt=3)  # 5 pairs; pair 2 = (h_2, x_3): the first generated token
-    buf.add(*rollout(26), policy_version=0, num_prompt=1)  # 25 pairs -> chunks of 10, 10, 5
+    buf.add(*rollout(6), policy_version=0)  # 5 pairs
+    buf.add(*rollout(26), policy_version=0)  # 25 pairs -> chunks of 10, 10, 5
     (batch,) = iter_batches(buf, max_tokens_per_row=10, num_rows=4, shuffle=False)
     real = batch.seq_ids >= 0
-    assert batch.gen_start[real].unique().tolist() == [0, 2] and (batch.gen_start[0, :5] == 2).all()
-    # a chunk's chains start inside it: its positions begin at its seg_start
-    starts = [int(batch.seg_start[r, t]) for r in range(batch.seq_ids.shape[0]) for t in range(10)
-              if real[r, t] and (t == 0 or batch.seq_ids[r, t] != batch.seq_ids[r, t - 1])]
-    assert sorted(starts) == [0, 0, 10, 20]
-    assert ((batch.positions >= batch.seg_start) | ~real).all()
+    firsts = [(int(batch.seg_start[r, t]), int(batch.positions[r, t])) for r in range(batch.seq_ids.shape[0])
+              for t in range(10) if real[r, t] and (t == 0 or batch.seq_ids[r, t] != batch.seq_ids[r, t - 1])]
+    assert sorted(firsts) == [(0, 0), (0, 0), (10, 10), (20, 20)]  # a chunk's chains start inside it
+    for r in range(batch.seq_ids.shape[0]):
+        for t in range(1, 10):
+            if real[r, t] and batch.seq_ids[r, t] == batch.seq_ids[r, t - 1]:
+                assert batch.seg_start[r, t] == batch.seg_start[r, t - 1]
 
 
 def test_batches_are_deterministic_per_seed():

@@ -39,7 +39,7 @@ def single_sequence_batch(model, seq: list[int]) -> PackedBatch:
     target[0, -1] = False
     return PackedBatch(feats=hidden[:, :T], tokens=ids[:, 1:], positions=torch.arange(T).unsqueeze(0),
                        seq_ids=torch.zeros(1, T, dtype=torch.long), target_mask=target,
-                       seg_start=torch.zeros(1, T, dtype=torch.long), gen_start=torch.zeros(1, T, dtype=torch.long),
+                       seg_start=torch.zeros(1, T, dtype=torch.long),
                        num_tokens=T,
                        num_sequences=1)
 
@@ -67,35 +67,35 @@ def test_unrolled_training_sees_what_inference_sees():
             torch.testing.assert_close(pred[0, 0], preds[s][0, j], atol=1e-9, rtol=1e-9)
 
 
-def test_without_prompt_loss_only_chains_rooted_at_generated_pairs_are_trained():
-    """The loss over the pairs it keeps, rebuilt slot by slot: with prompt_loss, every chain inside the
-    sequence; without, only chains whose root (pair j - s) is at or after the first generated pair."""
+def test_the_loss_trains_chains_rooted_inside_their_segment_only():
+    """One row holding two segments, the second a chunk that continues a sequence at position 5: the
+    loss, rebuilt pair by pair, covers step s at pair j only when j - s is in j's segment."""
     model = tiny_model(seed=3).double()
     head = EagleHead(model.cfg, EagleConfig(init_seed=1)).double()
     seq = random_prompts([14], model.cfg.vocab_size, seed=5)[0]
-    g = 4  # pairs 0..3 are the prompt's
-    batch = dataclasses.replace(single_sequence_batch(model, seq), gen_start=torch.full((1, 13), g))
-    T = batch.feats.shape[1]
+    one = single_sequence_batch(model, seq)
+    T = one.feats.shape[1]
+    second = torch.arange(T) >= 5
+    target = one.target_mask.clone()
+    target[0, 4] = False  # the first segment's last pair
+    batch = dataclasses.replace(one, seq_ids=second.long().unsqueeze(0), target_mask=target,
+                                seg_start=torch.where(second, 5, 0).unsqueeze(0))
     lm = draft_lm_weight(head, model)
     with torch.no_grad():
         preds = unrolled_predictions(head, model.embed_tokens, batch, num_unroll=3)
-    losses = {}
-    for prompt_loss in (True, False):
-        cfg = TrainConfig(num_unroll=3, prompt_loss=prompt_loss)
-        loss, stats = draft_loss(head, model, batch, cfg)
-        expected = 0.0
-        for s in range(3):
-            pairs = list(range(s + (0 if prompt_loss else g), T - 1))  # the last pair has no target
-            targets = batch.feats[0, [j + 1 for j in pairs]]
-            p = torch.softmax(torch.nn.functional.linear(targets, lm), -1)
-            pred = preds[s][0, pairs]
-            ce = -(p * torch.log_softmax(head.draft_logits(pred, lm), -1)).sum(-1).mean()
-            reg = torch.nn.functional.smooth_l1_loss(pred, targets)
-            expected += cfg.unroll_decay**s * (ce + cfg.hidden_loss_weight * reg)
-            assert stats[f"ce_{s}"] == pytest.approx(float(ce), rel=1e-5)
-        torch.testing.assert_close(loss.detach(), expected.to(loss.dtype), rtol=1e-5, atol=1e-6)
-        losses[prompt_loss] = float(loss.detach())
-    assert abs(losses[True] - losses[False]) > 1e-3
+    cfg = TrainConfig(num_unroll=3)
+    loss, stats = draft_loss(head, model, batch, cfg)
+    expected = 0.0
+    for s in range(3):
+        pairs = list(range(s, 4)) + list(range(5 + s, T - 1))  # the root j - s stays in the pair's segment
+        targets = batch.feats[0, [j + 1 for j in pairs]]
+        p = torch.softmax(torch.nn.functional.linear(targets, lm), -1)
+        pred = preds[s][0, pairs]
+        ce = -(p * torch.log_softmax(head.draft_logits(pred, lm), -1)).sum(-1).mean()
+        reg = torch.nn.functional.smooth_l1_loss(pred, targets)
+        expected += cfg.unroll_decay**s * (ce + cfg.hidden_loss_weight * reg)
+        assert stats[f"ce_{s}"] == pytest.approx(float(ce), rel=1e-5)
+    torch.testing.assert_close(loss.detach(), expected.to(loss.dtype), rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -210,18 +210,17 @@ def test_train_needs_a_budget_and_data(structured):
         trainer.train(buffer)
     with pytest.raises(ValueError, match="empty"):
         trainer.train(RolloutBuffer(max_bytes=1 << 20), max_steps=1)
-    # rollouts that ended one token after their prompt: only prompt-rooted chains have targets
+    # single-pair rollouts have no target: batches of them are passed over, a buffer of only them refused
     short = RolloutBuffer(max_bytes=1 << 20)
     for r in buffer.rollouts[:6]:
-        short.add(r.tokens[: r.num_prompt + 1], r.hidden[: r.num_prompt], policy_version=0, num_prompt=r.num_prompt)
-    generated_only = DraftTrainer(model, EagleHead(model.cfg), TrainConfig(prompt_loss=False, num_rows=1, max_tokens_per_row=8))
-    with pytest.raises(ValueError, match="past their prompts"):
-        generated_only.train(short, max_steps=1)
-    assert DraftTrainer(model, EagleHead(model.cfg), TrainConfig()).train(short, max_steps=2).num_steps == 2
-    # mixed in with trainable rollouts, such batches are passed over
+        short.add(r.tokens[:2], r.hidden[:1], policy_version=0)
+    small = TrainConfig(num_rows=1, max_tokens_per_row=8)
+    trainer = DraftTrainer(model, EagleHead(model.cfg), small)
+    with pytest.raises(ValueError, match="no pair of the rollout buffer has a target"):
+        trainer.train(short, max_steps=1)
     for r in buffer.rollouts[:2]:
         short.add(r.tokens, r.hidden, policy_version=0, num_prompt=r.num_prompt)
-    assert generated_only.train(short, max_steps=3).num_steps == 3
+    assert trainer.train(short, max_steps=3).num_steps == 3
     with pytest.raises(ValueError, match="num_unroll"):
         TrainConfig(num_unroll=0)
 
