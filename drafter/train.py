@@ -317,7 +317,7 @@ class DraftTrainer:
         pair has a target (rollouts of a single pair)."""
         if len(buffer) == 0:
             raise ValueError("the rollout buffer is empty: nothing to train on")
-        fresh = False  # a whole epoch has been looked through since the last trained batch
+        fresh = False  # this call began an epoch: if that one holds no target either, none does
         while True:
             if self._batches is None:
                 if fresh:
