@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from drafter.buffer import Rollout, iter_batches
-from drafter.eagle import EagleHead
+from drafter.eagle import EagleHead, draft_lm_weight
 from drafter.model import CausalLM
 from drafter.train import loss_mask, unrolled_predictions
 
@@ -67,6 +67,7 @@ def expected_accepted_lengths(head: EagleHead, policy: CausalLM, rollouts: list[
     head.eval()
     dtype = head.fc.weight.dtype
     lm_full = policy.lm_head.weight.to(dtype)  # (V, D)
+    lm_draft = draft_lm_weight(head, policy).to(dtype)  # (V', D): gathered once, not per batch and step
     vocab_ids = head.vocab_ids
     n = len(draft_temperatures)
     total, count = [0.0] * n, 0
@@ -83,7 +84,7 @@ def expected_accepted_lengths(head: EagleHead, policy: CausalLM, rollouts: list[
             else:
                 p_draft_vocab = target_logits.softmax(-1)[..., vocab_ids]  # (R, T-1, V')
             for s, pred in enumerate(preds):
-                draft_logits = head.draft_logits(pred[:, :-1], lm_full[vocab_ids]).float()  # (R, T-1, V')
+                draft_logits = head.draft_logits(pred[:, :-1], lm_draft).float()  # (R, T-1, V')
                 for i, tau in enumerate(draft_temperatures):
                     if greedy:
                         alpha = (vocab_ids[draft_logits.argmax(-1)] == target_top).float()

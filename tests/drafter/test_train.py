@@ -39,9 +39,7 @@ def single_sequence_batch(model, seq: list[int]) -> PackedBatch:
     target[0, -1] = False
     return PackedBatch(feats=hidden[:, :T], tokens=ids[:, 1:], positions=torch.arange(T).unsqueeze(0),
                        seq_ids=torch.zeros(1, T, dtype=torch.long), target_mask=target,
-                       seg_start=torch.zeros(1, T, dtype=torch.long),
-                       num_tokens=T,
-                       num_sequences=1)
+                       seg_start=torch.zeros(1, T, dtype=torch.long), num_tokens=T, num_sequences=1)
 
 
 @torch.no_grad()
@@ -282,7 +280,7 @@ def test_trainer_keeps_the_draft_lm_weight_and_rebuilds_it_when_the_policy_chang
     with torch.autocast("cpu", dtype=torch.bfloat16):
         fresh = draft_loss(head, policy, batch, trainer.cfg)[0]
         cached = draft_loss(head, policy, batch, trainer.cfg, lm_weight=trainer.lm_weight())[0]
-    assert float(cached) == float(fresh)
+    assert float(cached.detach()) == float(fresh.detach())
     with torch.no_grad():
         policy.lm_head.weight.mul_(2)  # an in-place weight sync
     assert not torch.equal(trainer.lm_weight(), kept)
