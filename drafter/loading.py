@@ -23,23 +23,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from drafter.model import CausalLM, ModelConfig
+from drafter.config import PRESETS, SMOLLM2_SPEC, ModelConfig
+from drafter.model import CausalLM
 
 log = logging.getLogger(__name__)
 
-SMOLLM2_SPEC = "smollm2-135m"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-_TINY = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                    head_dim=16, max_position=512, rope_theta=10000.0, tie_word_embeddings=True, architecture="llama")
-PRESETS: dict[str, ModelConfig] = {  # random weights, for fast tests; copied (dataclasses.replace) on use
-    "tiny": _TINY,
-    "tiny-qwen2": replace(_TINY, tie_word_embeddings=False, attention_bias=True, rms_norm_eps=1e-6,
-                          architecture="qwen2"),
-}
-
 
 @dataclass
 class LoadedModel:

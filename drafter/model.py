@@ -11,52 +11,12 @@ from __future__ import annotations
 import functools
 import os
 import warnings
-from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass
-class ModelConfig:
-    vocab_size: int = 49152
-    hidden_size: int = 576
-    intermediate_size: int = 1536
-    num_layers: int = 30
-    num_heads: int = 9
-    num_kv_heads: int = 3
-    head_dim: int = 64
-    max_position: int = 8192
-    rope_theta: float = 100000.0
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = True
-    attention_bias: bool = False  # Qwen2 has biases on q/k/v projections, Llama has none
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    architecture: str = "llama"
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["eos_token_ids"] = list(self.eos_token_ids)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ModelConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
-        return cls(**d)
+from drafter.config import ModelConfig
 
 
 class KVCache:

@@ -26,45 +26,9 @@ import torch.nn.functional as F
 
 from drafter.buffer import PackedBatch, RolloutBuffer, iter_batches
 from drafter.checkpoint import DraftMeta, load_trainer_state, save_trainer_state
+from drafter.config import TrainConfig
 from drafter.eagle import EagleHead, draft_lm_weight
 from drafter.model import CausalLM, apply_rotary, fast_bf16
-
-
-@dataclass
-class TrainConfig:
-    lr: float = 1e-3  # a freshly initialised 1-layer head tolerates a high rate; EAGLE fine-tunes use 3e-5
-    min_lr_ratio: float = 0.1  # cosine decay floor, relative to lr
-    warmup_steps: int = 20  # Adam's second moment is noisy for the first steps
-    total_steps: int = 1000  # horizon of the cosine schedule (training may stop earlier)
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    max_grad_norm: float = 0.5  # the unrolled loss has occasional spikes early on
-    num_unroll: int = 3  # draft positions trained per pair; inference uses k up to about this
-    unroll_decay: float = 0.8  # weight of unroll step s is decay**s: early drafts matter most
-    hidden_loss_weight: float = 0.1  # EAGLE-3 drops it; a little regression steadies early training
-    max_tokens_per_row: int = 256  # pairs per packed row; short rows keep micro-steps (and stops) fast
-    varlen_attention: bool = True  # flash-attn's varlen kernel for unroll step 0, when installed on a GPU
-    num_rows: int = 4
-    seed: int = 0
-    # Anneal within each train() call: the cosine's progress is the spent fraction of the call's own
-    # budget (max_seconds or max_steps, whichever runs out first) instead of step / total_steps, so it
-    # reaches the floor as the budget ends; each call starts again from the peak. An online lease knows
-    # its deadline, and a head that ends at a low rate carries less of its last steps' gradient noise.
-    anneal_to_budget: bool = False
-    # bf16 autocast for the forward pass (weights, gradients and optimizer state stay float32): twice
-    # the micro-steps per second on a Zen 4 CPU (docs/benchmarks.md). None: on where the device has
-    # fast bf16 matmuls (fast_bf16). Off by default so that a recipe's numerics never depend on the box.
-    bf16_autocast: bool | None = False
-
-    def __post_init__(self) -> None:
-        if self.num_unroll < 1:
-            raise ValueError(f"num_unroll must be >= 1, got {self.num_unroll}")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.max_tokens_per_row < 2 or self.num_rows < 1:
-            raise ValueError("max_tokens_per_row must be >= 2 and num_rows >= 1")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
 class StopRequestedError(Exception):

@@ -12,12 +12,13 @@ import torch
 
 from drafter.buffer import RolloutBuffer
 from drafter.checkpoint import DraftMeta, draft_path, save_draft
+from drafter.config import TrainConfig
 from drafter.eagle import EagleConfig, EagleDrafter, EagleHead
 from drafter.engine import Engine, Request
 from drafter.evaluate import calibrate_draft_temperature
 from drafter.model import CausalLM
 from drafter.sampling import SamplingParams
-from drafter.train import DraftTrainer, TrainConfig
+from drafter.train import DraftTrainer
 
 Progress = Callable[[str], None]
 
@@ -86,7 +87,7 @@ def head_config(head: EagleHead) -> dict:
 def head_from_config(config: dict, init: bool = False) -> EagleHead:
     """The head a checkpoint's head_config describes; its weights are left for load_state_dict
     unless init (then: the seeded initialisation a new head gets)."""
-    from drafter.model import ModelConfig
+    from drafter.config import ModelConfig
 
     return EagleHead(ModelConfig.from_dict(config["policy"]), EagleConfig(**config["eagle"]), init=init)
 
@@ -190,7 +191,8 @@ def warm_start(policy: CausalLM, tokenizer, prompts: list[list[int]], out_dir: s
             buffer.save(harvest_file)
     report.harvest_seconds = time.perf_counter() - t0
     head = new_head(policy, buffer, draft_vocab_size)
-    trainer = DraftTrainer(policy, head, train_cfg or TrainConfig(total_steps=max_steps or 1000))
+    trainer = DraftTrainer(policy, head, train_cfg or TrainConfig(total_steps=max_steps or 1000, anneal_to_budget=False,
+                                                                     bf16_autocast=False))
     steps_goal = max_steps or 0
 
     def on_step(step: int, stats: dict) -> None:

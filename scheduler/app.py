@@ -19,7 +19,7 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from pydantic import BaseModel
 
-from drafter.train import TrainConfig
+from drafter.config import TrainConfig
 from scheduler.jobs import RAY_NAMESPACE, TERMINAL, JobSpec, JobState, JobStore, driver_name
 from scheduler.metrics import RedisCollector, exposition
 from scheduler.policy import PolicySettings

@@ -11,7 +11,7 @@ from scheduler.policy import PolicySettings
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
-    from scheduler.bench.engine import bench_engine
+    from bench.engine import bench_engine
 
     ks = tuple(int(k) for k in args.k.split(",") if k.strip())
     result = bench_engine(model_spec=args.model, num_prompts=args.prompts, new_tokens=args.new_tokens, ks=ks,
@@ -27,7 +27,7 @@ def _bench_engine(args: argparse.Namespace) -> int:
 
 
 def _bench_drafter(args: argparse.Namespace) -> int:
-    from scheduler.bench.drafter import bench_drafter
+    from bench.drafter import bench_drafter
 
     ks = tuple(int(k) for k in args.k.split(",") if k.strip())
     result = bench_drafter(model_spec=args.model, threads=args.threads, num_eval_prompts=args.prompts,
@@ -42,7 +42,7 @@ def _bench_drafter(args: argparse.Namespace) -> int:
 
 
 def _bench_dataplane(args: argparse.Namespace) -> int:
-    from scheduler.bench.dataplane import bench_dataplane
+    from bench.dataplane import bench_dataplane
 
     result = bench_dataplane(model=args.model, num_workers=args.workers, num_steps=args.steps,
                              prompts_per_step=args.prompts, group_size=args.group_size,
@@ -52,7 +52,7 @@ def _bench_dataplane(args: argparse.Namespace) -> int:
 
 
 def _bench_observability(args: argparse.Namespace) -> int:
-    from scheduler.bench.observability import bench_observability
+    from bench.observability import bench_observability
 
     print(json.dumps(bench_observability(num_workers=args.workers, num_steps=args.steps,
                                          events_per_worker=args.events, repeats=args.repeats)))
@@ -84,8 +84,8 @@ def _read_prompts(path: str) -> list[str]:
 def _drafter_train(args: argparse.Namespace) -> int:
     import torch
 
+    from drafter.config import TrainConfig
     from drafter.loading import encode_prompt, load_model
-    from drafter.train import TrainConfig
     from drafter.warmstart import HarvestConfig, warm_start
 
     texts = _read_prompts(args.prompts)
@@ -97,7 +97,8 @@ def _drafter_train(args: argparse.Namespace) -> int:
     held = max(1, len(prompts) // 10) if len(prompts) > 1 else 0
     train_prompts, eval_prompts = prompts[held:] or prompts, prompts[:held][:8]
     _, report = warm_start(loaded.model, loaded.tokenizer, train_prompts, args.out,
-                           train_cfg=TrainConfig(total_steps=args.steps or 1000, num_unroll=args.unroll),
+                           train_cfg=TrainConfig(total_steps=args.steps or 1000, num_unroll=args.unroll,
+                                                  anneal_to_budget=False, bf16_autocast=False),
                            harvest_cfg=HarvestConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size),
                            max_steps=args.steps, max_seconds=args.seconds, draft_vocab_size=args.draft_vocab,
                            eval_prompts=eval_prompts, harvest_file=args.harvest_file)

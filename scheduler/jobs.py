@@ -11,7 +11,7 @@ from typing import Literal
 import redis as redis_lib
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from drafter.loading import PRESETS, SMOLLM2_SPEC
+from drafter.config import PRESETS, SMOLLM2_SPEC
 from workers.protocol import idempotency_key, job_key, jobs_index_key
 
 IDEMPOTENCY_TTL_S = 24 * 3600  # a client retrying a submit does so within minutes; a day is generous

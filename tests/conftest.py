@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.model import CausalLM, ModelConfig
+from drafter.config import ModelConfig
+from drafter.model import CausalLM
 
 
 def tiny_model(vocab_size: int = 64, seed: int = 0, std: float = 0.3, max_position: int = 512,

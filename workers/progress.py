@@ -1,8 +1,11 @@
-"""Per-worker progress reporting to Redis, at a bounded rate."""
+"""Per-worker progress in Redis: the rate-bounded writer, and the readers of records and events."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -14,13 +17,17 @@ from workers.protocol import (
     MAX_PROGRESS_UPDATES_PER_S,
     PROGRESS_TTL_S,
     ProgressRecord,
+    ProtocolError,
     WorkerState,
     check_id,
     event_fields,
     job_events_key,
     job_workers_key,
     progress_key,
+    text,
 )
+
+log = logging.getLogger(__name__)
 
 
 class ProgressReporter:
@@ -107,3 +114,69 @@ class ProgressReporter:
         self.last_write_at, self.last_state, self.last_record, self.held = now, record.state, record, None
         self.num_writes += 1
         self.num_events += is_changed
+
+
+def read_progress(redis: redis_lib.Redis, job_id: str) -> list[ProgressRecord]:
+    """Every live worker's latest record, by worker id. Expired workers are skipped; a malformed
+    record is logged with its key and field and skipped: a bad writer never crashes the reader."""
+    worker_ids = sorted(text(w) for w in redis.smembers(job_workers_key(job_id)))
+    keys = []
+    for w in worker_ids:
+        try:
+            keys.append((w, progress_key(job_id, w)))
+        except ProtocolError as exc:
+            log.error("skipping worker id in %s: %s", job_workers_key(job_id), exc)
+    if not keys:
+        return []
+    values = redis.mget([k for _, k in keys])
+    records = []
+    for (worker_id, key), value in zip(keys, values):
+        if value is None:
+            continue
+        try:
+            rec = ProgressRecord.from_json(value)
+            if rec.job_id != job_id:
+                raise ProtocolError("job_id", f"{rec.job_id!r} does not match the key's {job_id!r}")
+            if rec.worker_id != worker_id:
+                raise ProtocolError("worker_id", f"{rec.worker_id!r} does not match the key's {worker_id!r}")
+        except ProtocolError as exc:
+            log.error("skipping progress record %s: bad field %s (%s)", key, exc.field, exc)
+            continue
+        records.append(rec)
+    return records
+
+
+def read_json_list(redis: redis_lib.Redis, key: str, start: int = 0) -> list:
+    """The JSON entries of a Redis list from index `start`; an unreadable entry is logged with its key
+    and skipped (step records, publish decisions)."""
+    out = []
+    for raw in redis.lrange(key, max(start, 0), -1):
+        try:
+            out.append(json.loads(raw))
+        except json.JSONDecodeError:
+            log.error("skipping unreadable entry in %s: %r", key, raw[:200])
+    return out
+
+
+_STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
+
+
+def read_events(redis: redis_lib.Redis, job_id: str, count: int = 100, after: str | None = None) -> list[dict]:
+    """The newest `count` state transitions of a job, oldest first:
+    {"id", "worker", "from", "to", "ts": float, "rl_step": int}. With `after` (a stream id from an
+    earlier read) only later ones: a poller reads each event once. Malformed entries are logged and skipped."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count must be an int >= 1, got {count!r}")
+    if after is not None and not _STREAM_ID.fullmatch(after):
+        raise ValueError(f"after must be a stream id like 1700000000000-0, got {after!r}")
+    key = job_events_key(job_id)
+    events = []
+    entries = redis.xrevrange(key, min=f"({after}" if after else "-", count=count)
+    for entry_id, raw in reversed(entries):
+        d = {text(k): text(v) for k, v in raw.items()}
+        try:
+            events.append({"id": text(entry_id), "worker": d["worker"], "from": d["from"],
+                           "to": WorkerState(d["to"]).value, "ts": float(d["ts"]), "rl_step": int(d["rl_step"])})
+        except (KeyError, ValueError) as exc:
+            log.error("skipping event %s in %s: %r", text(entry_id), key, exc)
+    return events

@@ -20,12 +20,13 @@ import torch
 
 from drafter.buffer import RolloutBuffer
 from drafter.checkpoint import DraftMeta
+from drafter.config import TrainConfig
 from drafter.eagle import EagleDrafter
 from drafter.engine import Engine, Request
 from drafter.evaluate import calibrate_draft_temperature, expected_accepted_length
 from drafter.loading import load_model
 from drafter.sampling import SamplingParams
-from drafter.train import DraftTrainer, TrainConfig
+from drafter.train import DraftTrainer
 from drafter.warmstart import head_config, head_from_state, new_head
 from workers.progress import ProgressReporter
 from workers.protocol import ProgressRecord, WorkerState

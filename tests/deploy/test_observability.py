@@ -20,7 +20,8 @@ import pytest
 import ray
 import yaml
 
-from drafter.loading import PRESETS, random_model, save_hf_dir
+from drafter.config import PRESETS
+from drafter.loading import random_model, save_hf_dir
 from scheduler.app import Settings
 from scheduler.client import call
 from scheduler.demo import start_server

@@ -24,8 +24,8 @@ from drafter.checkpoint import (
     save_draft,
     save_trainer_state,
 )
+from drafter.config import ModelConfig
 from drafter.eagle import EagleConfig, EagleHead
-from drafter.model import ModelConfig
 
 TINY = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=16, max_position=256)

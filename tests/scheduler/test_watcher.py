@@ -11,8 +11,9 @@ import pytest
 import ray
 from fastapi.testclient import TestClient
 
+from drafter.config import PRESETS
 from drafter.evaluate import DRAFT_TEMPERATURES
-from drafter.loading import PRESETS, random_model, save_hf_dir
+from drafter.loading import random_model, save_hf_dir
 from scheduler.app import Settings, create_app
 from scheduler.policy import PolicySettings
 from workers.redis_server import PrivateRedis

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from drafter.checkpoint import CheckpointError, DraftMeta, draft_path, save_draft
+from drafter.config import ModelConfig
 from drafter.eagle import EagleHead
-from drafter.model import ModelConfig
 from drafter.warmstart import head_config
 from workers.protocol import drafts_channel, drafts_counter_key, drafts_index_key, drafts_latest_key
 from workers.store import DraftStore

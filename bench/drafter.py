@@ -23,14 +23,16 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench.prompts import PROMPTS, synthetic_prompts
 from drafter.buffer import RolloutBuffer
 from drafter.checkpoint import load_draft
+from drafter.config import TrainConfig
 from drafter.drafters import NgramDrafter
 from drafter.eagle import EagleDrafter
 from drafter.engine import Engine, Request
 from drafter.loading import default_cache_dir, encode_prompt, load_model
 from drafter.sampling import SamplingParams
-from drafter.train import DraftTrainer, TrainConfig
+from drafter.train import DraftTrainer
 from drafter.warmstart import (
     HarvestConfig,
     calibrate_on_prompts,
@@ -40,7 +42,6 @@ from drafter.warmstart import (
     new_head,
     warm_start,
 )
-from scheduler.bench.prompts import PROMPTS, synthetic_prompts
 
 
 def log(msg: str) -> None:
@@ -50,7 +51,7 @@ def log(msg: str) -> None:
 def warm_train_config(max_steps: int, num_unroll: int) -> TrainConfig:
     """The warm start's recipe: TrainConfig's defaults, with the cosine horizon at the step budget and
     `num_unroll` trained draft positions (4: the bench's best k is 4, and k=6 drafts past what 3 trained)."""
-    return TrainConfig(total_steps=max_steps, num_unroll=num_unroll)
+    return TrainConfig(total_steps=max_steps, num_unroll=num_unroll, anneal_to_budget=False, bf16_autocast=False)
 
 
 def _key(*parts) -> str:
@@ -171,7 +172,7 @@ def adapt_config(lr: float) -> TrainConfig:
 def stop_latencies(policy, head, buffer, trials: int) -> list[float]:
     """Seconds from request_stop() to train() returning, with the stop at a random moment."""
     head = copy.deepcopy(head)
-    trainer = DraftTrainer(policy, head, TrainConfig())
+    trainer = DraftTrainer(policy, head, TrainConfig(anneal_to_budget=False, bf16_autocast=False))
     rng = random.Random(0)
     latencies = []
     for _ in range(trials):
@@ -229,7 +230,8 @@ def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_p
             buffer = RolloutBuffer(max_bytes=1 << 30)
             harvest(engine, [encode_prompt(tok, t) for t in synthetic_prompts(64, seed=9)], buffer, 0,
                     HarvestConfig(max_new_tokens=96))
-        rep = DraftTrainer(train_policy, copy.deepcopy(train_head), TrainConfig()).train(buffer, max_seconds=30)
+        offline = TrainConfig(anneal_to_budget=False, bf16_autocast=False)
+        rep = DraftTrainer(train_policy, copy.deepcopy(train_head), offline).train(buffer, max_seconds=30)
         latencies = sorted(stop_latencies(train_policy, train_head, buffer, stop_trials))
         result.update(train_tokens_per_s=round(rep.tokens_per_s, 1),
                       train_steps_per_s=round(rep.num_steps / max(rep.seconds, 1e-9), 3),

@@ -17,10 +17,10 @@ import time
 
 import ray
 
+from bench.prompts import PROMPTS
 from drafter.checkpoint import DraftMeta
 from drafter.loading import load_model
 from drafter.warmstart import head_config, new_head
-from scheduler.bench.prompts import PROMPTS
 from workers.driver import JobConfig, JobDriver, encode_text
 from workers.grpo import GRPOConfig
 from workers.redis_server import PrivateRedis

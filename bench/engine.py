@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bench.prompts import PROMPTS
 from drafter.drafters import NgramDrafter
 from drafter.eagle import EagleDrafter, EagleHead
 from drafter.engine import Engine, Request
 from drafter.loading import encode_prompt, load_model
 from drafter.sampling import SamplingParams
-from scheduler.bench.prompts import PROMPTS
 
 
 @dataclass

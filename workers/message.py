@@ -1,0 +1,91 @@
+"""Validated JSON dataclass messages: the base every message type of workers/protocol.py derives from.
+
+A message checks each field against its annotation on construction (int, float, bool, str, dict,
+list, a StrEnum, or X | None; numbers finite, and >= 0 unless named in SIGNED), so a bad message is
+never written; reading names the unknown, missing or bad field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+import typing
+from dataclasses import MISSING, asdict, fields
+from enum import Enum
+from typing import Any, ClassVar, Self
+
+
+class ProtocolError(ValueError):
+    """A message or key part that does not follow the protocol; `field` names the culprit."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def _check(name: str, value: Any, kind: Any, signed: bool) -> Any:
+    """`value` as field `name` of type `kind` (int, float, bool, str, dict, list, a StrEnum, or X | None);
+    numbers must be finite, and >= 0 unless `signed`."""
+    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+        if value is None:
+            return None
+        kind = next(k for k in typing.get_args(kind) if k is not type(None))
+    kind = typing.get_origin(kind) or kind
+    if isinstance(kind, type) and issubclass(kind, Enum):
+        try:
+            return kind(value)
+        except ValueError:
+            raise ProtocolError(name, f"must be one of {[m.value for m in kind]}, got {value!r}") from None
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind in (int, float):
+        ok = not isinstance(value, bool) and isinstance(value, int if kind is int else int | float)
+        if ok and (not math.isfinite(value) or (value < 0 and not signed)):
+            raise ProtocolError(name, f"must be a finite number{'' if signed else ' >= 0'}, got {value!r}")
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise ProtocolError(name, f"must be {getattr(kind, '__name__', kind)}, got {value!r}")
+    return value
+
+
+class Message:
+    """Base of the dataclass messages: validated on construction (a bad message is never written),
+    JSON on the wire, unknown or missing fields named on read."""
+
+    SIGNED: ClassVar[frozenset[str]] = frozenset()  # number fields that may be negative
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in fields(self):  # type: ignore[arg-type]
+            setattr(self, f.name, _check(f.name, getattr(self, f.name), hints[f.name], f.name in self.SIGNED))
+
+    def to_dict(self) -> dict:
+        return asdict(self)  # type: ignore[call-overload]
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), allow_nan=False)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Self:
+        if not isinstance(d, dict):
+            raise ProtocolError(cls.__name__, f"must be a JSON object, got {type(d).__name__}")
+        names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+        unknown = sorted(set(d) - set(names))
+        if unknown:
+            raise ProtocolError(unknown[0], f"unknown field (all unknown: {unknown})")
+        required = [f.name for f in fields(cls)  # type: ignore[arg-type]
+                    if f.default is MISSING and f.default_factory is MISSING]
+        missing = next((n for n in required if n not in d), None)
+        if missing is not None:
+            raise ProtocolError(missing, "missing")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> Self:
+        try:
+            d = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ProtocolError(cls.__name__, f"not JSON: {exc}") from None
+        return cls.from_dict(d)

@@ -1,0 +1,91 @@
+"""A job's configuration, defined once: the validated REST body (POST /v1/jobs) is what the driver,
+the rollout workers, the drafter trainer and the GRPO update receive.
+
+Every default lives here, with its reason where it is not obvious; drafter-training defaults live in
+drafter.config.TrainConfig (drafter/ imports nothing of ours) and DrafterSpec takes them from there.
+Torch-free: the scheduler validates specs without importing torch.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from drafter.config import PRESETS, SMOLLM2_SPEC, TrainConfig
+
+_T = TrainConfig  # the drafter's own defaults, with their reasons
+
+
+class DrafterSpec(BaseModel):
+    """How a lease trains the drafter; the trainer is built with `TrainConfig(**spec.drafter.model_dump())`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(_T.lr, gt=0, le=1)
+    num_unroll: int = Field(_T.num_unroll, ge=1, le=16, description="draft positions trained per pair")
+    max_tokens_per_row: int = Field(_T.max_tokens_per_row, ge=2, le=65_536, description="pairs per packed row")
+    num_rows: int = Field(_T.num_rows, ge=1, le=1024, description="rows per micro-step; smaller ones stop sooner")
+    anneal_to_budget: bool = Field(_T.anneal_to_budget, description="decay the rate to its floor by the deadline")
+    bf16_autocast: bool | None = Field(_T.bf16_autocast, description="bf16 autocast in training; null: where native")
+
+
+class JobSpec(BaseModel):
+    """POST /v1/jobs body. Unknown fields are rejected, so a typo never silently becomes a default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # --- the policy and its task
+    model: str = Field(SMOLLM2_SPEC, min_length=1, description="preset, 'smollm2-135m', .gguf file or HF dir")
+    task: Literal["arithmetic", "dataset"] = "arithmetic"
+    dataset_path: str | None = None
+    reward: Literal["arithmetic", "numeric", "exact"] = "arithmetic"  # registered rewards: no user code runs
+    seed: int = Field(0, ge=0)
+
+    # --- GRPO
+    num_steps: int = Field(2, ge=1, le=100_000)
+    num_prompts_per_step: int = Field(4, ge=1, le=65_536)
+    group_size: int = Field(4, ge=2, le=256, description="rollouts per prompt; advantages compare within a group")
+    max_new_tokens: int = Field(128, ge=1, le=131_072)
+    temperature: float = Field(1.0, gt=0, le=2, description="on-policy sampling, as RL needs")
+    lr: float = Field(1e-5, gt=0, le=1)
+    clip_eps: float = Field(0.2, gt=0, lt=1)
+    kl_coef: float = Field(0.0, ge=0, description=(
+        "verifiable rewards rarely need a KL leash (DAPO drops it), and it costs a frozen reference copy"))
+    max_grad_norm: float = Field(1.0, gt=0)
+    micro_batch_size: int = Field(4, ge=1, le=4096, description="sequences per backward; bounds memory, not the result")
+    normalize_std: bool = Field(True, description=(
+        "divide advantages by the group's std (Dr. GRPO turns it off: it up-weights near-unanimous groups)"))
+    num_updates_per_step: int = Field(1, ge=1, le=64, description=(
+        "1 is strictly on-policy (the ratio is 1, clipping idle); more reuse the rollouts off-policy"))
+
+    # --- rollout workers and speculation
+    num_workers: int = Field(2, ge=1, le=4096, description="rollout workers, one GPU each")
+    tlt: bool = Field(True, description="speculative rollouts with idle-time drafter training")
+    draft_k: int = Field(2, ge=1, le=16, description="tokens drafted per speculative step")
+    draft_vocab_size: int | None = Field(8192, ge=2, le=1 << 20, description=(
+        "draft vocabulary (the tokens the job's rollouts use most); the head's LM slice is a sixth of "
+        "SmolLM2's 49k. null: the policy's whole vocabulary"))
+    draft_dtype: Literal["auto", "float32", "bfloat16", "int8"] = Field(
+        "auto", description="precision the draft head serves in; auto: bf16 where the device has bf16 units; int8: "
+        "int8 weights with float32 activations, CPU-only (measured slower at T=1 on a Zen 3 box)")
+    draft_tree: str = Field("", pattern=r"^$|^([1-9]|1[0-6])(,([1-9]|1[0-6])){0,15}$", description=(
+        "draft candidates at the first depths, e.g. '3,2' (three at the first, two at the second); '' drafts "
+        "a chain (the default: on the CPU boxes measured, a tree's drafting and verifying cost more than its extra "
+        "accepted tokens bring). Trees are drafted only while at most four rollouts of a worker are live"))
+    min_accepted_length: float = Field(1.2, ge=0, le=17, description=(
+        "speculate only with a draft measured (at publish) to give at least this many tokens per verify step; "
+        "drafting and verifying k tokens cost ~1.1-1.2x a plain step on CPU. 0: always speculate"))
+    drafter: DrafterSpec = Field(default_factory=DrafterSpec)
+
+    @model_validator(mode="after")
+    def _check(self) -> JobSpec:
+        if self.task == "dataset" and not self.dataset_path:
+            raise ValueError("dataset_path is required when task is 'dataset'")
+        if self.model not in PRESETS and self.model != SMOLLM2_SPEC and not self.model.startswith(("/", ".")):
+            raise ValueError(f"model must be a preset ({', '.join(PRESETS)}), {SMOLLM2_SPEC!r} or a path")
+        return self
+
+    def train_config(self) -> TrainConfig:
+        """The lease trainer's configuration: the drafter section, the drafter's other defaults."""
+        return TrainConfig(**self.drafter.model_dump())
