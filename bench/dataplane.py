@@ -19,13 +19,16 @@ import ray
 
 from bench.prompts import PROMPTS
 from drafter.checkpoint import DraftMeta
+from drafter.config import SMOLLM2_SPEC
+from drafter.head import head_config, new_head
 from drafter.loading import load_model
-from drafter.warmstart import head_config, new_head
-from workers.driver import JobConfig, JobDriver, encode_text
-from workers.grpo import GRPOConfig
+from workers.actors import get_worker, start_driver
+from workers.driver import encode_text
+from workers.progress import read_json_list
+from workers.protocol import job_steps_key
 from workers.redis_server import PrivateRedis
-from workers.rollout import WorkerConfig
-from workers.store import DraftStore
+from workers.spec import JobSpec
+from workers.store import job_stores
 
 
 def log(msg: str) -> None:
@@ -37,7 +40,7 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def bench_dataplane(model: str = "smollm2-135m", num_workers: int = 4, num_steps: int = 1,
+def bench_dataplane(model: str = SMOLLM2_SPEC, num_workers: int = 4, num_steps: int = 1,
                     prompts_per_step: int = 4, group_size: int = 4, max_new_tokens: int = 96,
                     swap_trials: int = 3, overhead_reps: int = 4) -> dict:
     result: dict = {"model": model, "num_workers": num_workers, "num_steps": num_steps,
@@ -48,48 +51,50 @@ def bench_dataplane(model: str = "smollm2-135m", num_workers: int = 4, num_steps
     try:
         with PrivateRedis() as redis_server:
             client = redis_server.client()
-            cfg = JobConfig(job_id="bench", model=model, num_steps=num_steps, num_prompts_per_step=prompts_per_step,
-                            max_new_tokens=max_new_tokens, num_workers=num_workers, store_dir=store_dir,
-                            worker=WorkerConfig(model=model, k=2), grpo=GRPOConfig(group_size=group_size))
+            # min_accepted_length 0: every worker drafts with whatever is served, so swaps land mid-draft
+            spec = JobSpec(model=model, num_steps=num_steps, num_prompts_per_step=prompts_per_step,
+                           group_size=group_size, max_new_tokens=max_new_tokens, num_workers=num_workers,
+                           min_accepted_length=0.0)
             log(f"(1) GRPO job: {num_steps} step(s), {num_workers} workers, {prompts_per_step}x{group_size} rollouts")
-            driver = JobDriver.remote(cfg, redis_server.url)
-            steps = ray.get(driver.run.remote())
+            driver = start_driver("bench", spec, redis_server.url, store_dir, is_detached=False)
+            outcome = ray.get(driver.run.remote())
+            steps = read_json_list(client, job_steps_key("bench"))
+            if not outcome["ok"]:
+                raise RuntimeError(f"the benchmark's job failed: {outcome['error']}")
             fractions = [s["timings"]["rollout"] / sum(s["timings"].values()) for s in steps]
             result["steps"] = steps
             result["rollout_fraction"] = round(statistics.mean(fractions), 3)
             result["idle_worker_seconds_per_step"] = round(statistics.mean(s["idle_worker_s"] for s in steps), 2)
             result["step_seconds"] = round(statistics.mean(sum(s["timings"].values()) for s in steps), 2)
-            workers = ray.get(driver.worker_handles.remote())
+            workers = [get_worker("bench", f"w{i}") for i in range(num_workers)]
 
             loaded = load_model(model)
             prompts = [encode_text(loaded.tokenizer, t, loaded.model.cfg.vocab_size) for t in PROMPTS[:4]]
             params = [{"max_new_tokens": max_new_tokens, "ignore_eos": True}] * len(prompts)
-            served = DraftStore(client, f"{store_dir}/served", "bench")
+            served, _ = job_stores(client, store_dir, "bench")
             log(f"(2) hot swap, {swap_trials} trials")
             latencies, loss_fractions = [], []
             parts: dict[str, list[float]] = {"delivery": [], "load": [], "install_wait": []}
             for trial in range(swap_trials):
-                before = ray.get([w.status.remote() for w in workers])
+                before = ray.get([w.describe.remote() for w in workers])
                 t0 = time.perf_counter()
                 runs = [w.generate.remote(prompts, params, 100 + trial) for w in workers]
                 time.sleep(1.0)  # every worker is mid-generation (a 96-token rollout takes several seconds)
-                head = new_head(loaded.model, None, 8192, seed=trial)
+                head = new_head(loaded.model, None, spec.draft_vocab_size, seed=trial)
                 published_at = time.time()
                 version = served.publish(head.state_dict(), DraftMeta(version=0, parent_version=None, policy_version=0,
                                                                       head_config=head_config(head)))
                 ray.get(runs)
                 gen_s = time.perf_counter() - t0
-                after = ray.get([w.status.remote() for w in workers])
-                logs = ray.get([w.swap_log.remote() for w in workers])
-                for b, a, wlog in zip(before, after, logs):
-                    applied = [t for v, t in a["swap_times"] if v == version]
-                    entry = next((e for e in wlog if e["version"] == version), None)
-                    if applied:
-                        latencies.append(applied[0] - published_at)
-                        if entry:  # publish -> message received -> loaded -> installed between two steps
-                            parts["delivery"].append(entry["received_at"] - published_at)
-                            parts["load"].append(entry["loaded_at"] - entry["received_at"])
-                            parts["install_wait"].append(applied[0] - entry["loaded_at"])
+                after = ray.get([w.describe.remote() for w in workers])
+                for b, a in zip(before, after):
+                    # publish -> message received -> loaded -> serving (installed between two decode steps)
+                    entry = next((e for e in a["swap_log"] if e["version"] == version), None)
+                    if entry:
+                        latencies.append(entry["serving_at"] - published_at)
+                        parts["delivery"].append(entry["received_at"] - published_at)
+                        parts["load"].append(entry["loaded_at"] - entry["received_at"])
+                        parts["install_wait"].append(entry["serving_at"] - entry["loaded_at"])
                     loss_fractions.append((a["swap_seconds"] - b["swap_seconds"]) / gen_s)
                 log(f"  trial {trial}: {len(latencies)} swaps so far")
             result["swap_p50_s"] = round(statistics.median(latencies), 3) if latencies else None
@@ -107,12 +112,12 @@ def bench_dataplane(model: str = "smollm2-135m", num_workers: int = 4, num_steps
             for rep in range(overhead_reps):
                 for enabled in (True, False) if rep % 2 == 0 else (False, True):
                     ray.get(w.set_reporting.remote(enabled))
-                    before = ray.get(w.status.remote())["report_seconds"]
+                    before = ray.get(w.describe.remote())["report_seconds"]
                     t0 = time.perf_counter()
                     ray.get(w.generate.remote(prompts, params, 200 + rep))
                     times[enabled].append(time.perf_counter() - t0)
                     if enabled:
-                        direct.append((ray.get(w.status.remote())["report_seconds"] - before) / times[True][-1])
+                        direct.append((ray.get(w.describe.remote())["report_seconds"] - before) / times[True][-1])
             ray.get(w.set_reporting.remote(True))
             on, off = statistics.median(times[True]), statistics.median(times[False])
             # the reports run in the decode loop's own thread: the time inside them is what it loses

@@ -30,18 +30,11 @@ from drafter.config import TrainConfig
 from drafter.drafters import NgramDrafter
 from drafter.eagle import EagleDrafter
 from drafter.engine import Engine, Request
+from drafter.head import head_from_state, new_head
 from drafter.loading import default_cache_dir, encode_prompt, load_model
 from drafter.sampling import SamplingParams
 from drafter.train import DraftTrainer
-from drafter.warmstart import (
-    HarvestConfig,
-    calibrate_on_prompts,
-    harvest,
-    head_from_state,
-    measure,
-    new_head,
-    warm_start,
-)
+from drafter.warmstart import HarvestConfig, calibrate_on_prompts, harvest, measure, warm_start
 
 
 def log(msg: str) -> None:

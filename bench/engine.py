@@ -16,8 +16,9 @@ import torch
 
 from bench.prompts import PROMPTS
 from drafter.drafters import NgramDrafter
-from drafter.eagle import EagleDrafter, EagleHead
+from drafter.eagle import EagleDrafter
 from drafter.engine import Engine, Request
+from drafter.head import EagleHead
 from drafter.loading import encode_prompt, load_model
 from drafter.sampling import SamplingParams
 

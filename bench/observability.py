@@ -30,7 +30,7 @@ SCRAPE_INTERVAL_S = 5.0  # deploy/prometheus/prometheus.yml
 
 def page_cadence() -> tuple[float, int]:
     """(refresh seconds, slow-route period in refreshes) as the status page's script has them."""
-    js = (Path(__file__).parents[1] / "ui" / "app.js").read_text()
+    js = (Path(__file__).parents[1] / "scheduler" / "ui" / "app.js").read_text()
     refresh_ms = re.search(r"const REFRESH_MS = (\d+);", js)
     slow_every = re.search(r"const SLOW_EVERY = (\d+);", js)
     if not (refresh_ms and slow_every):
@@ -90,12 +90,15 @@ def bench_observability(num_workers: int = 256, num_steps: int = 50, events_per_
                         repeats: int = 50) -> dict:
     """CPU of the scheduler process (a subprocess, measured from /proc) per scrape and per status-page
     refresh, with a job of `num_workers` live workers in Redis."""
-    from scheduler.jobs import JobSpec, JobState, JobStore
+    from scheduler.jobs import JobStore
+    from scheduler.policy import CLASSES
+    from workers.protocol import JobState
     from workers.redis_server import PrivateRedis, free_port
+    from workers.spec import JobSpec
 
     with PrivateRedis() as server:
         store = JobStore(server.client())
-        job_id = store.create(JobSpec(model="tiny", num_gpus=num_workers))[0]["job_id"]
+        job_id = store.create(JobSpec(model="tiny", num_workers=num_workers))[0]["job_id"]
         store.transition(job_id, JobState.RUNNING, {JobState.PENDING})
         log(f"populating: {num_workers} workers, {num_steps} steps, {events_per_worker} events per worker")
         _populate(server.client(), job_id, num_workers, num_steps, events_per_worker)
@@ -118,7 +121,7 @@ def bench_observability(num_workers: int = 256, num_steps: int = 50, events_per_
             events = json.loads(fetch(f"{base}/v1/jobs/{job_id}/events"))
             assert len(workers) == num_workers, f"expected {num_workers} live workers, got {len(workers)}"
             assert metrics.count("tlt_worker_tokens_per_second{") == num_workers
-            assert metrics.count('tlt_worker_class{') == 5 * num_workers
+            assert metrics.count('tlt_worker_class{') == len(CLASSES) * num_workers
             # what one open page fetches once it has the history (new events and steps only)
             job = f"/v1/jobs/{job_id}"
             fast = [f"{job}/events?after={events[-1]['id']}", f"{job}/workers"]

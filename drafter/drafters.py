@@ -23,7 +23,7 @@ from drafter.sampling import BatchSampling
 class Proposal:
     tokens: torch.Tensor  # (B, K) long, padded with 0 past each row's length
     lens: torch.Tensor  # (B,) long, number of real draft tokens per row (<= caps)
-    probs: torch.Tensor | None  # (B, K, V) draft distribution, None for deterministic drafters
+    probs: torch.Tensor | None  # (B, K, V) the draft distribution q, None for deterministic drafters
     # draft trees (drafter.tree): tokens[:, j - 1] is node j's; valid (B, N) marks the nodes row b proposed
     valid: torch.Tensor | None = None
 

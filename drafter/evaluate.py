@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from drafter.buffer import Rollout, iter_batches
-from drafter.eagle import EagleHead, draft_lm_weight
+from drafter.head import EagleHead, draft_lm_weight
 from drafter.model import CausalLM
-from drafter.train import loss_mask, unrolled_predictions
+from drafter.unroll import loss_mask, unrolled_predictions
 
 ROW_TOKENS = 256  # pairs per packed row: long responses are cut into chunks of this many
 NUM_ROWS = 4  # rows per batch: bounds the (rows * tokens * vocab) logits held at once

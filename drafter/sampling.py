@@ -1,4 +1,7 @@
-"""Sampling parameters, the token distribution they define, and lossless draft verification."""
+"""Sampling parameters, the token distribution they define, and lossless draft verification.
+
+Naming, here and everywhere in drafter/: p is the target's (the policy's) distribution, q the draft's.
+"""
 
 from __future__ import annotations
 
@@ -81,6 +84,14 @@ def token_probs(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
     return probs
 
 
+def draft_probs(logits: torch.Tensor, sampling: BatchSampling, draft_temperature: float) -> torch.Tensor:
+    """(B, T, V') draft logits -> the draft distribution q: the rows' sampling distribution over
+    logits / draft_temperature, or a one-hot on the argmax when draft_temperature is 0."""
+    if draft_temperature == 0:
+        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return token_probs(logits if draft_temperature == 1 else logits / draft_temperature, sampling)
+
+
 TRUNCATION_CANDIDATES = 1024  # top-k/top-p look at the best this many first (a full sort is the fallback)
 
 
@@ -146,7 +157,8 @@ def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_lens: 
 
     target_logits (B, K+1, V): position i scores the token after draft_tokens[:, :i].
     draft_tokens (B, K), draft_lens (B,): row b proposes draft_tokens[b, :draft_lens[b]].
-    draft_probs (B, K, V) or None for deterministic drafters (a one-hot on the proposed token).
+    draft_probs (B, K, V): the draft distribution q each token was drawn from, or None for
+    deterministic drafters (a one-hot on the proposed token).
     uniforms (B, K+1) in [0, 1): K acceptance tests and one draw for the final token.
     """
     B, K = draft_tokens.shape
@@ -158,25 +170,25 @@ def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_lens: 
         accept = (draft_tokens == target_tokens[:, :K]) & in_draft
         num_accepted = accept.long().cumprod(dim=1).sum(dim=1)
         return Verdict(num_accepted, target_tokens.gather(1, num_accepted.view(B, 1)).squeeze(1))
-    # Rejection sampling, with p the draft distribution and q the target distribution:
-    #   accept draft token x with probability min(1, q(x) / p(x));
-    #   on the first rejection sample from norm(max(0, q - p)); if all K pass, sample q (bonus).
-    q = token_probs(target_logits, sampling)  # (B, K+1, V), greedy rows are one-hots
+    # Rejection sampling, p the target's (policy's) distribution and q the draft's:
+    #   accept draft token x with probability min(1, p(x) / q(x));
+    #   on the first rejection sample from norm(max(0, p - q)); if all K pass, sample p (the bonus token).
+    p = token_probs(target_logits, sampling)  # (B, K+1, V), greedy rows are one-hots
     if draft_probs is None:
-        p = torch.zeros(B, K, q.shape[-1], device=device).scatter_(-1, draft_tokens.unsqueeze(-1), 1.0)
+        q = torch.zeros(B, K, p.shape[-1], device=device).scatter_(-1, draft_tokens.unsqueeze(-1), 1.0)
     else:
-        p = draft_probs.float()
-    q_x = q[:, :K].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # (B, K)
-    p_x = p.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # (B, K)
+        q = draft_probs.float()
+    p_x = p[:, :K].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # (B, K)
+    q_x = q.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # (B, K)
     if uniforms is None:
         raise ValueError("uniforms are required when any row samples (temperature > 0)")
-    accept = (uniforms[:, :K] * p_x < q_x) & in_draft  # u < q/p without dividing by p
+    accept = (uniforms[:, :K] * q_x < p_x) & in_draft  # u < p/q without dividing by q
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # (B,)
     rows = torch.arange(B, device=device)
-    q_n = q[rows, num_accepted]  # (B, V)
+    p_n = p[rows, num_accepted]  # (B, V)
     rejected = num_accepted < draft_lens
-    p_n = torch.where(rejected.view(B, 1), p[rows, num_accepted.clamp(max=max(K - 1, 0))], 0.0) if K else 0.0
-    residual = (q_n - p_n).clamp_(min=0)
-    empty = residual.sum(-1) <= 0  # only when p == q up to rounding: then q itself is exact
-    residual = torch.where(empty.view(B, 1), q_n, residual)
+    q_n = torch.where(rejected.view(B, 1), q[rows, num_accepted.clamp(max=max(K - 1, 0))], 0.0) if K else 0.0
+    residual = (p_n - q_n).clamp_(min=0)
+    empty = residual.sum(-1) <= 0  # only when q == p up to rounding: then p itself is exact
+    residual = torch.where(empty.view(B, 1), p_n, residual)
     return Verdict(num_accepted, sample(residual, uniforms[:, K]))

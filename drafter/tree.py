@@ -1,16 +1,17 @@
 """Draft trees: several candidates per position, verified in one policy forward, still lossless.
 
 A chain of k drafts is accepted only as far as its first miss; at temperature 1 the first miss comes
-early (a single guess is accepted with probability sum min(p, q)). A tree offers the policy a second
-or third candidate where the first is rejected. Verification is recursive rejection sampling
-(SpecInfer's multi-candidate speculative sampling): at a node whose target distribution is q, the
-children c_1..c_m were drawn one after another from p_1..p_m (for sampled drafts p_{i+1} is p_i
-without c_i, renormalised: drawing without replacement); c_i is accepted with probability
-min(1, r_i(c_i) / p_i(c_i)) where r_1 = q and r_{i+1} = norm(max(0, r_i - p_i)); when all are
-rejected the token is drawn from r_{m+1}. Each round emits exactly r_i whatever the later rounds
-do, so the node emits exactly q (induction on the rounds), and the accepted child's subtree is
-verified the same way against the policy's distribution there. Greedy rows have a one-hot q: the
-child equal to the argmax is taken, whatever its rank.
+early (a single guess is accepted with probability sum min(p, q), p the target's distribution and q
+the draft's). A tree offers the policy a second or third candidate where the first is rejected.
+Verification is recursive rejection sampling (SpecInfer's multi-candidate speculative sampling): at
+a node whose target distribution is p, the children c_1..c_m were drawn one after another from
+q_1..q_m (for sampled drafts q_{i+1} is q_i without c_i, renormalised: drawing without replacement);
+c_i is accepted with probability min(1, r_i(c_i) / q_i(c_i)) where r_1 = p and
+r_{i+1} = norm(max(0, r_i - q_i)); when all are rejected the token is drawn from r_{m+1}. Each round
+emits exactly r_i whatever the later rounds do, so the node emits exactly p (induction on the
+rounds), and the accepted child's subtree is verified the same way against the policy's
+distribution there. Greedy rows have a one-hot p: the child equal to the argmax is taken, whatever
+its rank.
 
 Nodes are numbered 0 (the root: the sequence's last token, already sampled) to N, parents before
 children. In one verify forward node j sits at KV slot `lens + j` and rotary position
@@ -138,7 +139,7 @@ def verify_tree(target_logits: torch.Tensor, tree: Tree, draft_tokens: torch.Ten
                 uniforms: torch.Tensor | None) -> TreeVerdict:
     """target_logits (B, N+1, V): node j's row scores the token after node j. draft_tokens (B, N) and
     valid (B, N): node j's token and whether row b proposed it (column j-1). draft_probs (B, N, V):
-    the distribution node j was drawn from (None: one-hots, deterministic candidates). uniforms
+    the draft distribution q node j was drawn from (None: one-hots, deterministic candidates). uniforms
     (B, tree.num_uniforms) for sampled rows, consumed as (depth, rank) tests then the final draw."""
     B = target_logits.shape[0]
     device = target_logits.device
@@ -155,8 +156,8 @@ def verify_tree(target_logits: torch.Tensor, tree: Tree, draft_tokens: torch.Ten
     else:
         if uniforms is None:
             raise ValueError("uniforms are required when any row samples (temperature > 0)")
-        q = token_probs(target_logits, sampling)  # (B, N+1, V)
-        residual = q[:, 0].clone()
+        p = token_probs(target_logits, sampling)  # (B, N+1, V): the target's distribution at each node
+        residual = p[:, 0].clone()
     for d in range(D):
         moved = torch.zeros(B, dtype=torch.bool, device=device)
         for i in range(W):
@@ -169,18 +170,21 @@ def verify_tree(target_logits: torch.Tensor, tree: Tree, draft_tokens: torch.Ten
             if greedy:
                 acc = test & (x == target[rows, cur])
             else:
+                # Candidate i, drawn from the draft's q_i, against the residual r_i (r_1 = p):
+                #   accept x with probability min(1, r_i(x) / q_i(x));
+                #   on rejection the next one faces r_{i+1} = norm(max(0, r_i - q_i)); after the last, sample it.
                 if draft_probs is None:
-                    p = torch.zeros_like(residual).scatter_(1, x.unsqueeze(1), 1.0)
+                    q = torch.zeros_like(residual).scatter_(1, x.unsqueeze(1), 1.0)
                 else:
-                    p = draft_probs[rows, col].float()
-                px, rx = p[rows, x], residual[rows, x]
-                acc = test & (uniforms[:, d * W + i] * px < rx)  # u < r/p without dividing by p
-                rest = (residual - p).clamp_(min=0)
+                    q = draft_probs[rows, col].float()
+                qx, rx = q[rows, x], residual[rows, x]
+                acc = test & (uniforms[:, d * W + i] * qx < rx)  # u < r/q without dividing by q
+                rest = (residual - q).clamp_(min=0)
                 mass = rest.sum(-1, keepdim=True)
-                # mass 0 only when p equals the residual up to rounding: the residual itself is then exact
+                # mass 0 only when q equals the residual up to rounding: the residual itself is then exact
                 rest = torch.where(mass > 0, rest / mass.clamp(min=1e-30), residual)
                 residual = torch.where((test & ~acc).unsqueeze(1), rest, residual)
-                residual = torch.where(acc.unsqueeze(1), q[rows, child.clamp(min=0)], residual)
+                residual = torch.where(acc.unsqueeze(1), p[rows, child.clamp(min=0)], residual)
             path[:, d] = torch.where(acc, child, path[:, d])
             num_acc += acc.long()
             cur = torch.where(acc, child, cur)

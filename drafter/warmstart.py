@@ -8,14 +8,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from drafter.buffer import RolloutBuffer
 from drafter.checkpoint import DraftMeta, draft_path, save_draft
 from drafter.config import TrainConfig
-from drafter.eagle import EagleConfig, EagleDrafter, EagleHead
+from drafter.eagle import EagleDrafter
 from drafter.engine import Engine, Request
 from drafter.evaluate import calibrate_draft_temperature
+from drafter.head import EagleHead, head_config, new_head
 from drafter.model import CausalLM
 from drafter.sampling import SamplingParams
 from drafter.train import DraftTrainer
@@ -61,51 +60,6 @@ def harvest(engine: Engine, prompts: list[list[int]], buffer: RolloutBuffer, pol
 def bar(done: int, total: int, width: int = 24) -> str:
     filled = int(width * done / max(total, 1))
     return "[" + "#" * filled + "." * (width - filled) + "]"
-
-
-def token_counts(buffer: RolloutBuffer, vocab_size: int) -> torch.Tensor:
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for r in buffer.rollouts:
-        counts += torch.bincount(r.tokens.long(), minlength=vocab_size)
-    return counts
-
-
-def new_head(policy: CausalLM, buffer: RolloutBuffer | None, draft_vocab_size: int | None, seed: int = 0) -> EagleHead:
-    """A fresh head; with a buffer, its draft vocabulary is the buffer's most frequent tokens."""
-    if draft_vocab_size is not None and draft_vocab_size >= policy.cfg.vocab_size:
-        draft_vocab_size = None
-    head = EagleHead(policy.cfg, EagleConfig(draft_vocab_size=draft_vocab_size, init_seed=seed))
-    if buffer is not None and draft_vocab_size is not None:
-        head.set_vocab(token_counts(buffer, policy.cfg.vocab_size), always=policy.cfg.eos_token_ids)
-    return head.to(policy.dtype)
-
-
-def head_config(head: EagleHead) -> dict:
-    return {"policy": head.policy_cfg.to_dict(), "eagle": head.cfg.to_dict()}
-
-
-def head_from_config(config: dict, init: bool = False) -> EagleHead:
-    """The head a checkpoint's head_config describes; its weights are left for load_state_dict
-    unless init (then: the seeded initialisation a new head gets)."""
-    from drafter.config import ModelConfig
-
-    return EagleHead(ModelConfig.from_dict(config["policy"]), EagleConfig(**config["eagle"]), init=init)
-
-
-def head_from_state(config: dict, state: dict[str, torch.Tensor]) -> EagleHead:
-    """The head a checkpoint describes, holding `state`'s tensors themselves (no copy): built on the
-    meta device, so no weight is allocated or initialised first (a hot swap's load path)."""
-    from drafter.model import Rotary
-
-    with torch.device("meta"):
-        head = head_from_config(config)
-    head.load_state_dict(state, assign=True)  # strict: every weight present, shapes checked
-    cfg = head.policy_cfg  # non-persistent buffers are not in a checkpoint: rebuild them (tables are cached)
-    head.rotary = Rotary(cfg.head_dim, 2 * cfg.max_position, cfg.rope_theta)
-    leftover = [name for name, t in [*head.named_parameters(), *head.named_buffers()] if t.is_meta]
-    if leftover:
-        raise ValueError(f"checkpoint leaves {leftover} unset")
-    return head
 
 
 def calibrate_on_prompts(engine: Engine, head: EagleHead, prompts: list[list[int]], k: int,

@@ -7,122 +7,8 @@ import dataclasses
 import json
 import sys
 
+from scheduler.cli_tools import add_tool_commands
 from scheduler.policy import PolicySettings
-
-
-def _bench_engine(args: argparse.Namespace) -> int:
-    from bench.engine import bench_engine
-
-    ks = tuple(int(k) for k in args.k.split(",") if k.strip())
-    result = bench_engine(model_spec=args.model, num_prompts=args.prompts, new_tokens=args.new_tokens, ks=ks,
-                          threads=args.threads, dtype=args.dtype, with_hf=not args.no_hf)
-    if not args.json:
-        for batch, configs in result["configs"].items():
-            print(f"{batch}:")
-            for name, rep in configs.items():
-                print(f"  {name:18s} {rep['tokens_per_s']:8.2f} tok/s  "
-                      f"accepted length {rep['mean_accepted_length']:.2f}  x{rep['vs_ours_plain']:.2f} vs ours plain")
-    print(json.dumps(result))
-    return 0
-
-
-def _bench_drafter(args: argparse.Namespace) -> int:
-    from bench.drafter import bench_drafter
-
-    ks = tuple(int(k) for k in args.k.split(",") if k.strip())
-    result = bench_drafter(model_spec=args.model, threads=args.threads, num_eval_prompts=args.prompts,
-                           new_tokens=args.new_tokens, ks=ks, warm_prompts=args.warm_prompts,
-                           warm_steps=args.warm_steps, warm_unroll=args.warm_unroll,
-                           adapt_seconds=args.adapt_seconds, adapt_lr=args.adapt_lr,
-                           adapt_prompts=args.adapt_prompts, stop_trials=args.stop_trials, parts=args.parts,
-                           draft_dtype=None if args.draft_dtype == "policy" else args.draft_dtype,
-                           tree=args.tree, tree_side_depth=args.tree_side_depth)
-    print(json.dumps(result))
-    return 0
-
-
-def _bench_dataplane(args: argparse.Namespace) -> int:
-    from bench.dataplane import bench_dataplane
-
-    result = bench_dataplane(model=args.model, num_workers=args.workers, num_steps=args.steps,
-                             prompts_per_step=args.prompts, group_size=args.group_size,
-                             max_new_tokens=args.new_tokens, swap_trials=args.swap_trials)
-    print(json.dumps(result))
-    return 0
-
-
-def _bench_observability(args: argparse.Namespace) -> int:
-    from bench.observability import bench_observability
-
-    print(json.dumps(bench_observability(num_workers=args.workers, num_steps=args.steps,
-                                         events_per_worker=args.events, repeats=args.repeats)))
-    return 0
-
-
-def _read_prompts(path: str) -> list[str]:
-    from pathlib import Path
-
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"--prompts: no such file {path}")
-    prompts = []
-    for n, line in enumerate(file.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--prompts: line {n} of {path} is not JSON ({exc.msg})") from None
-        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"]:
-            raise ValueError(f'--prompts: line {n} of {path} needs a non-empty string field "prompt"')
-        prompts.append(item["prompt"])
-    if not prompts:
-        raise ValueError(f"--prompts: {path} holds no prompts")
-    return prompts
-
-
-def _drafter_train(args: argparse.Namespace) -> int:
-    import torch
-
-    from drafter.config import TrainConfig
-    from drafter.loading import encode_prompt, load_model
-    from drafter.warmstart import HarvestConfig, warm_start
-
-    texts = _read_prompts(args.prompts)
-    if args.steps is None and args.seconds is None:
-        raise ValueError("give --steps or --seconds")
-    torch.set_num_threads(args.threads)
-    loaded = load_model(args.model)
-    prompts = [encode_prompt(loaded.tokenizer, t) for t in texts]
-    held = max(1, len(prompts) // 10) if len(prompts) > 1 else 0
-    train_prompts, eval_prompts = prompts[held:] or prompts, prompts[:held][:8]
-    _, report = warm_start(loaded.model, loaded.tokenizer, train_prompts, args.out,
-                           train_cfg=TrainConfig(total_steps=args.steps or 1000, num_unroll=args.unroll,
-                                                  anneal_to_budget=False, bf16_autocast=False),
-                           harvest_cfg=HarvestConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size),
-                           max_steps=args.steps, max_seconds=args.seconds, draft_vocab_size=args.draft_vocab,
-                           eval_prompts=eval_prompts, harvest_file=args.harvest_file)
-    print(json.dumps(report.__dict__))
-    return 0
-
-
-def _generate(args: argparse.Namespace) -> int:
-    from drafter.drafters import NgramDrafter
-    from drafter.engine import Engine, Request
-    from drafter.loading import encode_prompt, load_model
-    from drafter.sampling import SamplingParams
-
-    loaded = load_model(args.model)
-    engine = Engine(loaded.model, loaded.tokenizer)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_new_tokens=args.max_new_tokens, seed=args.seed)
-    reqs = [Request(encode_prompt(loaded.tokenizer, p), params) for p in args.prompt]
-    drafter = NgramDrafter() if args.k else None
-    for out in engine.generate(reqs, k=args.k, drafter=drafter):
-        print(out.text)
-        print(f"-- {len(out.token_ids)} tokens, {out.num_steps} policy forwards, "
-              f"accepted length {out.mean_accepted_length:.2f}, finish: {out.finish_reason}", file=sys.stderr)
-    return 0
 
 
 def api_token_from_env(environ) -> str | None:
@@ -167,12 +53,11 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from scheduler.app import Settings, create_app
-    from scheduler.watcher import TICK_S
     from workers.redis_server import redis_url_from_env
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     policy = policy_from_env(os.environ)
-    tick_s = float(os.environ.get("TLT_WATCH_TICK_S", TICK_S))
+    tick_s = float(os.environ.get("TLT_WATCH_TICK_S", Settings.watch_tick_s))
     if tick_s <= 0:
         raise ValueError(f"TLT_WATCH_TICK_S must be > 0, got {tick_s}")
     url, private = redis_url_from_env()
@@ -187,8 +72,8 @@ def _serve(args: argparse.Namespace) -> int:
     except (redis_lib.RedisError, ValueError) as exc:
         raise ValueError(f"cannot reach Redis at {url} ({exc}); check REDIS_URL") from None
     settings = Settings(redis_url=url, api_token=api_token_from_env(os.environ), policy=policy,
-                        watch_tick_s=tick_s,
-                        store_dir=args.store_dir, ray_num_gpus=args.gpus,
+                        watch_tick_s=tick_s, ray_num_gpus=args.gpus,
+                        **({"store_dir": args.store_dir} if args.store_dir else {}),
                         ray_address=args.ray_address or os.environ.get("RAY_ADDRESS") or None)
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
     return 0
@@ -245,93 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tlt", description="tlt-scheduler: idle-time drafter training for RL")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    bench = sub.add_parser("bench", help="benchmarks; each prints a JSON object last")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    eng = bench_sub.add_parser("engine", help="our engine vs transformers, plain and speculative")
-    eng.add_argument("--model", default="smollm2-135m", help="preset, smollm2-135m, .gguf file or HF directory")
-    eng.add_argument("--prompts", type=int, default=16, help="number of the 16 fixed prompts to use")
-    eng.add_argument("--new-tokens", type=int, default=128)
-    eng.add_argument("--k", default="2,4", help="draft lengths for the n-gram and prompt-lookup runs, e.g. 2,4")
-    eng.add_argument("--threads", type=int, default=2)
-    eng.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    eng.add_argument("--no-hf", action="store_true", help="skip the transformers reference runs")
-    eng.add_argument("--json", action="store_true", help="print only the JSON object on stdout")
-    eng.set_defaults(func=_bench_engine)
-
-    drf = bench_sub.add_parser("drafter", help="trained drafters: acceptance, speed-up, drift, stops")
-    drf.add_argument("--model", default="smollm2-135m")
-    drf.add_argument("--prompts", type=int, default=6, help="held-out evaluation prompts (of the 16 fixed ones)")
-    drf.add_argument("--new-tokens", type=int, default=96)
-    drf.add_argument("--k", default="2,3,4,6")
-    drf.add_argument("--threads", type=int, default=2)
-    drf.add_argument("--warm-prompts", type=int, default=1536)
-    drf.add_argument("--warm-steps", type=int, default=2000)
-    drf.add_argument("--warm-unroll", type=int, default=4, help="draft positions the warm start trains")
-    drf.add_argument("--parts", default="abc", help="a: acceptance sweep, b: drift, c: training throughput and stops")
-    drf.add_argument("--adapt-seconds", type=float, default=60.0, help="online training budget after the drift")
-    drf.add_argument("--adapt-lr", type=float, default=3e-4, help="peak learning rate of the online adaptation")
-    drf.add_argument("--adapt-prompts", type=int, default=256, help="new-policy rollouts the adaptation trains on")
-    drf.add_argument("--stop-trials", type=int, default=20)
-    drf.add_argument("--draft-dtype", default="auto", choices=("auto", "policy", "float32", "bfloat16", "int8"),
-                     help="precision the heads draft in; auto: bf16 where the device has bf16 units; int8: "
-                          "int8 weights on a CPU")
-    drf.add_argument("--tree", default="",
-                     help="draft tree served: candidates at the first depths, e.g. 3,2 ('': a chain)")
-    drf.add_argument("--tree-side-depth", type=int, default=1, help="depth of the chain under each extra candidate")
-    drf.add_argument("--json", action="store_true", help="accepted for symmetry; the JSON object is always last")
-    drf.set_defaults(func=_bench_drafter)
-
-    dp = bench_sub.add_parser("dataplane", help="GRPO job on local Ray: step breakdown, hot swap, progress cost")
-    dp.add_argument("--model", default="smollm2-135m")
-    dp.add_argument("--workers", type=int, default=4, help="rollout workers (logical GPUs)")
-    dp.add_argument("--steps", type=int, default=1)
-    dp.add_argument("--prompts", type=int, default=4, help="prompts per step")
-    dp.add_argument("--group-size", type=int, default=4)
-    dp.add_argument("--new-tokens", type=int, default=96)
-    dp.add_argument("--swap-trials", type=int, default=3)
-    dp.add_argument("--json", action="store_true", help="accepted for symmetry; the JSON object is always last")
-    dp.set_defaults(func=_bench_dataplane)
-    ob = bench_sub.add_parser("observability", help="CPU cost of /metrics and the status page at N workers")
-    ob.add_argument("--workers", type=int, default=256)
-    ob.add_argument("--steps", type=int, default=50, help="step records of the job")
-    ob.add_argument("--events", type=int, default=40, help="state transitions per worker")
-    ob.add_argument("--repeats", type=int, default=20)
-    ob.add_argument("--json", action="store_true", help="accepted for symmetry; the JSON object is always last")
-    ob.set_defaults(func=_bench_observability)
-
-    dr = sub.add_parser("drafter", help="drafter tools")
-    dr_sub = dr.add_subparsers(dest="drafter", required=True)
-    tr = dr_sub.add_parser("train", help="offline warm start: generate, harvest, train a draft head")
-    tr.add_argument("--model", default="smollm2-135m")
-    tr.add_argument("--prompts", required=True, help='JSONL file, one {"prompt": "..."} per line')
-    tr.add_argument("--out", required=True, help="directory for draft-v000001.safetensors")
-    tr.add_argument("--steps", type=int, default=None, help="training micro-steps")
-    tr.add_argument("--seconds", type=float, default=None, help="training time budget")
-    tr.add_argument("--max-new-tokens", type=int, default=128)
-    tr.add_argument("--batch-size", type=int, default=16)
-    tr.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (most frequent tokens)")
-    tr.add_argument("--unroll", type=int, default=3, help="training-time unrolled draft positions")
-    tr.add_argument("--threads", type=int, default=2)
-    tr.add_argument("--harvest-file", default=None,
-                    help="keep the harvest here (safetensors); an existing file is read instead of generating")
-    tr.set_defaults(func=_drafter_train)
-
-    gen = sub.add_parser("generate", help="generate from prompts with the built-in engine")
-    gen.add_argument("prompt", nargs="+")
-    gen.add_argument("--model", default="smollm2-135m")
-    gen.add_argument("--k", type=int, default=0, help="n-gram draft length (0 = plain decoding)")
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.set_defaults(func=_generate)
+    add_tool_commands(sub)
 
     srv = sub.add_parser("serve", help="run the scheduler's REST API (REDIS_URL, TLT_API_TOKEN from the env)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8080)
     srv.add_argument("--gpus", type=int, default=4, help="logical GPUs for a local Ray started by the server")
-    srv.add_argument("--store-dir", default="/tmp/tlt-drafts", help="draft weight store (shared FS on a cluster)")
+    srv.add_argument("--store-dir", default=None,
+                     help="draft weight store root (shared FS on a cluster; default: Settings.store_dir)")
     srv.add_argument("--ray-address", default=None,
                      help="join a running Ray cluster (default $RAY_ADDRESS; unset: start a private local Ray, "
                           "whose jobs end with this process)")

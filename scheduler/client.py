@@ -9,6 +9,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from workers.protocol import TERMINAL_JOB_STATES
+
 DEFAULT_URL = "http://127.0.0.1:8080"
 
 
@@ -82,7 +84,7 @@ def watch(url: str | None, job_id: str, interval_s: float = 1.0, once: bool = Fa
     while True:
         job = call("GET", url, f"/v1/jobs/{job_id}")
         table = status_table(job, call("GET", url, f"/v1/jobs/{job_id}/workers"))
-        if once or job["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
+        if once or job["state"] in TERMINAL_JOB_STATES:
             return table
         print("\033[2J\033[H" + table, flush=True)
         time.sleep(interval_s)

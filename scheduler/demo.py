@@ -18,18 +18,21 @@ import time
 
 from scheduler.client import call
 from scheduler.policy import PolicySettings
+from workers.protocol import TERMINAL_JOB_STATES, JobState, WorkerState
+from workers.spec import JobSpec
 
 NUM_STEPS = 3
 REPORT_DIR = "artifacts/demo-report"
 # one micro-step of 256 pairs takes ~1 s on a shared CPU core: leases of a few seconds still train
 SPEC = {"model": "smollm2-135m", "task": "arithmetic", "num_steps": NUM_STEPS, "num_prompts_per_step": 4,
-        "group_size": 2, "max_new_tokens": 64, "num_gpus": 4, "draft_k": 2, "seed": 0,
+        "group_size": 2, "max_new_tokens": 64, "num_workers": 4, "draft_k": 2, "seed": 0,
         "drafter": {"num_rows": 1, "max_tokens_per_row": 256}}
 # CPU steps are tens of seconds and a worker's share is 2 responses: accept shorter leases and smaller
 # buffers than the GPU-sized defaults (5 s, 512 tokens), or nothing would be reclaimed here
 DEMO_POLICY = PolicySettings(min_lease_s=2.0, min_buffer_tokens=128)
-SHORT = {"ROLLING_OUT": "gen", "STRAGGLER": "STRAGGLER", "IDLE": "idle", "TRAINING": "TRAIN", "STALE": "stale",
-         "SWAPPING": "swap", "FAILED": "FAILED"}
+SHORT = {WorkerState.ROLLING_OUT: "gen", WorkerState.STRAGGLER: "STRAGGLER", WorkerState.IDLE: "idle",
+         WorkerState.TRAINING: "TRAIN", WorkerState.STALE: "stale", WorkerState.SWAPPING: "swap",
+         WorkerState.FAILED: "FAILED"}
 
 
 def say(msg: str = "") -> None:
@@ -59,7 +62,7 @@ def progress_line(workers: list[dict]) -> str:
     cells = []
     for w in workers:
         who = SHORT.get(w.get("scheduler_class") or w["state"], w["state"])
-        if w["state"] == "TRAINING":
+        if w["state"] == WorkerState.TRAINING:
             who = "TRAIN"
         cells.append(f"{w['worker_id']} {who:<9} {w['num_finished']}/{w['num_total']} v{w['draft_version']}")
     return " | ".join(cells)
@@ -76,7 +79,7 @@ def run_job(url: str, spec: dict, label: str) -> dict:
         if line and line != last:
             say(f"[{label} {time.monotonic() - start:5.0f}s step {job['steps']}] {line}")
             last = line
-        if job["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
+        if job["state"] in TERMINAL_JOB_STATES:
             break
         time.sleep(1.0)
     say(f"[{label}] job {job_id} {job['state']} in {time.monotonic() - start:.0f} s"
@@ -109,7 +112,7 @@ def summarize(url: str, jobs: dict[str, dict]) -> bool:
         f"candidates rejected as not better: {drafts['num_rejected']}")
     for d in drafts["decisions"]:
         cand, serv = d["candidate_accepted_length"], d["serving_accepted_length"]
-        verdict = f"published as v{d['published_version']}" if d["published_version"] else d.get("reason", "kept back")
+        verdict = f"published as v{d['published_version']}" if d["published_version"] else d["reason"] or "kept back"
         tau = d.get("candidate_draft_temperature")
         say(f"  candidate from copies {d['merged']}: accepted length {cand if cand is None else round(cand, 2)}"
             f"{'' if tau is None else f' at draft temperature {tau}'} vs serving "
@@ -120,16 +123,16 @@ def summarize(url: str, jobs: dict[str, dict]) -> bool:
         f"(on/off {r_on / r_off:.2f}x)" if r_off else "TLT off recorded no rollout time")
     say("  Read this with the machine in mind: the 4 'GPUs' here share 2 CPU cores, so drafter training on an idle")
     say("  'GPU' takes cycles from the stragglers, and a drafter trained for seconds rarely reaches the accepted")
-    say(f"  length at which workers start drafting (min_accepted_length {SPEC.get('min_accepted_length', 1.2)}).")
+    say(f"  length at which workers start drafting (min_accepted_length {JobSpec(**SPEC).min_accepted_length}).")
     say("  On real GPUs the idle ones are free; docs/benchmarks.md has the measured figures.")
-    return on["state"] == off["state"] == "SUCCEEDED"
+    return on["state"] == off["state"] == JobState.SUCCEEDED
 
 
 def run_demo() -> int:
     import ray
 
     from scheduler.app import Settings
-    from scheduler.jobs import RAY_NAMESPACE
+    from workers.protocol import RAY_NAMESPACE
     from workers.redis_server import PrivateRedis
 
     t0 = time.perf_counter()

@@ -12,25 +12,28 @@ import json
 import logging
 import threading
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from scheduler.jobs import JobState, JobStore
-from scheduler.policy import WorkerClass
-from scheduler.watcher import read_classes
+from scheduler.jobs import JobStore
+from scheduler.policy import CLASSES
+from scheduler.state import read_classes
+from workers.progress import read_progress
 from workers.protocol import (
+    REPORTED_STATES,
+    JobState,
     WorkerState,
+    draft_namespaces,
     drafts_latest_key,
     job_steps_key,
     job_tlt_key,
     job_totals_key,
-    read_progress,
 )
 
 log = logging.getLogger(__name__)
-CLASSES = [c.value for c in WorkerClass]
 MAX_JOBS_SCRAPED = 200  # newest jobs only: a scrape must stay cheap however long the history
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 # per-worker gauge families, written as text by RedisCollector.collect: (name, help)
@@ -39,10 +42,19 @@ WORKER_FAMILIES = (
     ("tlt_worker_tokens_per_second", "Rollout tokens/s"),
     ("tlt_worker_mean_accepted_length", "Tokens per policy forward"),
     ("tlt_worker_draft_version", "Draft version serving"),
-    ("tlt_worker_class", "1 for the scheduler's view of the worker: ROLLING_OUT, STRAGGLER, IDLE, TRAINING or "
-                         "STALE"),
+    ("tlt_worker_class", "1 for the scheduler's view of the worker: " + ", ".join(CLASSES)),
 )
-STATES = [s.value for s in WorkerState]
+STATES = [s.value for s in WorkerState if s in REPORTED_STATES]  # what a worker reports of itself
+
+
+class Latencies:
+    """Latency histograms the watcher observes (the rest of /metrics is read from Redis)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        kw = {"registry": registry or CollectorRegistry(), "buckets": LATENCY_BUCKETS, "labelnames": ["job"]}
+        self.dispatch = Histogram("tlt_dispatch_latency_seconds", "Lease decision to the worker accepting it", **kw)
+        self.preempt = Histogram("tlt_preemption_latency_seconds", "Stop signal to the trainer having stopped", **kw)
+        self.swap = Histogram("tlt_swap_latency_seconds", "Draft publish to a worker serving it", **kw)
 
 
 def _label(value: str) -> str:
@@ -74,7 +86,7 @@ class RedisCollector(Collector):
         reclaimed = CounterMetricFamily("tlt_reclaimed_worker_seconds", "Worker-seconds spent training drafters "
                                         "on otherwise idle GPUs", labels=["job"])
         info = GaugeMetricFamily("tlt_job_info", "1 per job, its labels describe it (the job table)",
-                                 labels=["job", "state", "model", "tlt", "num_gpus"])
+                                 labels=["job", "state", "model", "tlt", "num_workers"])
         steps_done = GaugeMetricFamily("tlt_job_steps_done", "RL steps finished", labels=["job"])
         serving = GaugeMetricFamily("tlt_job_draft_version_served", "Newest published draft version",
                                     labels=["job"])
@@ -84,7 +96,7 @@ class RedisCollector(Collector):
             jid = job["job_id"]
             spec = job.get("spec", {})
             info.add_metric([jid, job["state"], str(spec.get("model", "")), str(spec.get("tlt", True)).lower(),
-                             str(spec.get("num_gpus", ""))], 1.0)
+                             str(spec.get("num_workers", ""))], 1.0)
             # two fields, not the whole hash: it also holds the watcher's state
             reclaimed_s, classes_raw = redis.hmget(job_tlt_key(jid), "reclaimed_worker_s", "classes")
             if reclaimed_s is not None or classes_raw is not None:
@@ -94,10 +106,11 @@ class RedisCollector(Collector):
                         tail = f'",job="{_label(jid)}",worker="{_label(str(wid))}"}}'
                         lines["tlt_worker_class"] += [f'tlt_worker_class{{class="{name}{tail} '
                                                       f'{1.0 if c == name else 0.0}\n' for name in CLASSES]
-            latest = redis.get(drafts_latest_key(jid))
+            latest = redis.get(drafts_latest_key(draft_namespaces(jid)[0]))
             if latest is not None:
                 serving.add_metric([jid], float(latest))
-            if job["state"] not in (JobState.RUNNING.value, JobState.PENDING.value) and job["steps"] == 0:
+            num_steps = redis.llen(job_steps_key(jid))
+            if job["state"] not in (JobState.RUNNING.value, JobState.PENDING.value) and num_steps == 0:
                 continue
             for r in read_progress(redis, jid):
                 job_l, worker_l = f'job="{_label(jid)}"', f'worker="{_label(r.worker_id)}"'
@@ -110,7 +123,7 @@ class RedisCollector(Collector):
                     f"tlt_worker_mean_accepted_length{{{labels}}} {_num(r.mean_accepted_length)}\n")
                 lines["tlt_worker_draft_version"].append(f"tlt_worker_draft_version{{{labels}}} "
                                                          f"{_num(r.draft_version)}\n")
-            num_steps, last = redis.llen(job_steps_key(jid)), redis.lindex(job_steps_key(jid), -1)
+            last = redis.lindex(job_steps_key(jid), -1)
             if last is not None:
                 try:
                     for name, seconds in json.loads(last).get("timings", {}).items():

@@ -1,29 +1,26 @@
 """The scheduler's decisions, as pure functions over plain records: no Redis, no Ray, no torch.
 
-Given every worker's latest progress and the job's phase, `decide` says which workers are rolling
-out, straggling, idle at the barrier or training; whether the long tail has begun; which idle
-workers get a drafter-training lease and until when; which trainers to preempt; and
-`should_publish` says whether a merged draft may replace the one being served.
+Given every worker's latest progress and the driver's phase, `decide` classifies the workers in the
+one vocabulary of workers/protocol.py (ROLLING_OUT, STRAGGLER, IDLE, TRAINING, FAILED, STALE), says
+whether the long tail has begun, which idle workers get a drafter-training lease and until when, and
+which trainers to preempt. Between rounds, `choose_scorer` picks the worker that merges and scores
+the round's copies, `group_copies` picks the copies that can be averaged, and `should_publish` says
+whether the merged draft may replace the one being served.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from enum import StrEnum
 
+from workers.protocol import GENERATING_STATES, Phase, WorkerState
 
-class WorkerClass(StrEnum):
-    ROLLING_OUT = "ROLLING_OUT"
-    STRAGGLER = "STRAGGLER"
-    IDLE = "IDLE"
-    TRAINING = "TRAINING"
-    STALE = "STALE"  # no fresh progress: neither counted nor given work
-
-
-class Phase(StrEnum):
-    ROLLOUT = "ROLLOUT"  # the step's generation is under way
-    UPDATE = "UPDATE"  # no generation under way (weight sync, reward, update): every GPU is needed
+# what classify() can say of a worker (SWAPPING is reported, and classified by whether it generates)
+CLASSES = (WorkerState.ROLLING_OUT, WorkerState.STRAGGLER, WorkerState.IDLE, WorkerState.TRAINING,
+           WorkerState.FAILED, WorkerState.STALE)
+_GENERATING_CLASSES = frozenset({WorkerState.ROLLING_OUT, WorkerState.STRAGGLER})
+_UNCOUNTED = frozenset({WorkerState.FAILED, WorkerState.STALE})  # neither counted nor given work
 
 
 @dataclass(frozen=True)
@@ -31,15 +28,24 @@ class WorkerView:
     """What the policy needs of a worker's progress record."""
 
     worker_id: str
-    state: str  # the worker's own state: ROLLING_OUT, IDLE, TRAINING, SWAPPING, FAILED
+    state: WorkerState  # what the worker reports of itself
     num_finished: int
     num_total: int
     timestamp: float
-    buffer_tokens: int = 0
+    buffer_tokens: int = 0  # harvested training pairs: a lease needs data
 
     @property
     def progress(self) -> float:
         return self.num_finished / self.num_total if self.num_total else 1.0
+
+
+@dataclass(frozen=True)
+class CopyView:
+    """What the policy needs of a trained copy's index entry."""
+
+    version: int
+    num_steps: int
+    merge_key: str | None  # copies average only with the same key (parent, head shape, integer tensors)
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,7 @@ class PolicySettings:
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
         if self.min_lease_s <= 0 or self.max_lease_s < self.min_lease_s:
-            raise ValueError("need 0 < min_lease_s <= max_lease_s")
+            raise ValueError("min_lease_s and max_lease_s: need 0 < min_lease_s <= max_lease_s")
 
 
 @dataclass(frozen=True)
@@ -75,70 +81,115 @@ class Lease:
 
 @dataclass
 class Decision:
-    classes: dict[str, WorkerClass]
+    classes: dict[str, WorkerState]
     long_tail: bool
     grants: list[Lease] = field(default_factory=list)
     preempt: list[str] = field(default_factory=list)
     remaining_rollout_s: float | None = None
 
 
-def classify(views: list[WorkerView], now: float, s: PolicySettings) -> dict[str, WorkerClass]:
-    classes: dict[str, WorkerClass] = {}
-    fresh = [v for v in views if now - v.timestamp <= s.stale_after_s and v.state != "FAILED"]
+def rollout_under_way(phase: Phase) -> bool:
+    """The driver's phase as the policy sees it: only while the step's rollout is under way may idle
+    workers train; in SYNC, UPDATE and DONE every GPU is needed (or the job is over)."""
+    return phase == Phase.ROLLOUT
+
+
+def classify(views: list[WorkerView], now: float, s: PolicySettings) -> dict[str, WorkerState]:
+    classes: dict[str, WorkerState] = {}
+    fresh = []
     for v in views:
-        if v not in fresh:
-            classes[v.worker_id] = WorkerClass.STALE
-    generating = [v for v in fresh if v.state in ("ROLLING_OUT", "SWAPPING")]
+        if v.state == WorkerState.FAILED:
+            classes[v.worker_id] = WorkerState.FAILED
+        elif now - v.timestamp > s.stale_after_s:
+            classes[v.worker_id] = WorkerState.STALE
+        else:
+            fresh.append(v)
+    generating = [v for v in fresh if v.state in GENERATING_STATES]
     done_fraction = (len(fresh) - len(generating)) / len(fresh) if fresh else 0.0
     median = statistics.median(v.progress for v in generating) if generating else 0.0
     for v in fresh:
-        if v.state == "TRAINING":
-            classes[v.worker_id] = WorkerClass.TRAINING
+        if v.state == WorkerState.TRAINING:
+            classes[v.worker_id] = WorkerState.TRAINING
         elif v not in generating:
-            classes[v.worker_id] = WorkerClass.IDLE
+            classes[v.worker_id] = WorkerState.IDLE
         elif done_fraction >= s.straggler_done_fraction or v.progress < s.straggler_progress_ratio * median:
-            classes[v.worker_id] = WorkerClass.STRAGGLER
+            classes[v.worker_id] = WorkerState.STRAGGLER
         else:
-            classes[v.worker_id] = WorkerClass.ROLLING_OUT
+            classes[v.worker_id] = WorkerState.ROLLING_OUT
     return classes
 
 
-def estimate_remaining_s(views: list[WorkerView], classes: dict[str, WorkerClass], rollout_elapsed_s: float) -> float:
+def estimate_remaining_s(views: list[WorkerView], classes: dict[str, WorkerState], rollout_elapsed_s: float) -> float:
     """Time until the slowest generating worker finishes, extrapolating its progress so far."""
-    slowest = min((v.progress for v in views if classes[v.worker_id] in (WorkerClass.ROLLING_OUT,
-                                                                         WorkerClass.STRAGGLER)), default=1.0)
+    slowest = min((v.progress for v in views if classes[v.worker_id] in _GENERATING_CLASSES), default=1.0)
     if slowest <= 0:
         return rollout_elapsed_s  # nothing finished yet: assume at least as long again
     return rollout_elapsed_s * (1 - slowest) / slowest
 
 
 def decide(views: list[WorkerView], now: float, phase: Phase, rollout_elapsed_s: float, serving_version: int,
-           s: PolicySettings, leased: frozenset[str] = frozenset()) -> Decision:
+           s: PolicySettings, leased: frozenset[str] = frozenset(), busy: frozenset[str] = frozenset()) -> Decision:
     """`leased`: workers holding a lease the scheduler has not collected yet. Their progress record
-    may lag or say ROLLING_OUT (a new rollout began), so leases, not records, decide preemption."""
+    may lag or say ROLLING_OUT (a new rollout began), so leases, not records, decide preemption.
+    `busy`: workers doing other work for the scheduler (the scorer): they get no lease."""
     classes = classify(views, now, s)
-    counted = [v for v in views if classes[v.worker_id] != WorkerClass.STALE]
-    idle = [v for v in counted if classes[v.worker_id] == WorkerClass.IDLE and v.worker_id not in leased]
-    long_tail = phase == Phase.ROLLOUT and bool(counted) and len(idle) / len(counted) >= s.long_tail_idle_fraction
+    counted = [v for v in views if classes[v.worker_id] not in _UNCOUNTED]
+    idle = [v for v in counted if classes[v.worker_id] == WorkerState.IDLE and v.worker_id not in leased]
+    is_rollout = rollout_under_way(phase)
+    long_tail = is_rollout and bool(counted) and len(idle) / len(counted) >= s.long_tail_idle_fraction
     decision = Decision(classes, long_tail)
-    if phase == Phase.UPDATE:  # the policy update needs the GPUs back
-        decision.preempt = sorted({v.worker_id for v in counted if classes[v.worker_id] == WorkerClass.TRAINING}
+    if not is_rollout:  # the weight sync and the policy update need the GPUs back
+        decision.preempt = sorted({v.worker_id for v in counted if classes[v.worker_id] == WorkerState.TRAINING}
                                   | set(leased))
         return decision
     # a leased worker given rollouts again needs its GPU back
-    decision.preempt = sorted(w for w in leased if classes.get(w) in (WorkerClass.ROLLING_OUT, WorkerClass.STRAGGLER))
+    decision.preempt = sorted(w for w in leased if classes.get(w) in _GENERATING_CLASSES)
     remaining = estimate_remaining_s(views, classes, rollout_elapsed_s)
     decision.remaining_rollout_s = remaining
     deadline = min(s.max_lease_s, s.lease_margin * remaining)
     if long_tail and deadline >= s.min_lease_s:
         decision.grants = [Lease(v.worker_id, deadline, serving_version) for v in idle
-                           if v.buffer_tokens >= s.min_buffer_tokens]
+                           if v.buffer_tokens >= s.min_buffer_tokens and v.worker_id not in busy]
     return decision
 
 
-def should_publish(candidate_accepted_length: float, serving_accepted_length: float | None,
+def choose_scorer(classes: dict[str, WorkerState], phase: Phase, trained: Collection[str],
+                  leased: Collection[str] = ()) -> tuple[str | None, bool]:
+    """(scorer, held_out): the worker that merges a round's copies and scores the candidate on its
+    recent rollouts. A free worker that did not train in the round (its rollouts are held out), else
+    any free one; None while every worker is busy (score later, without slowing the long tail).
+    Free: idle at the barrier during a rollout; outside one nothing generates, so any live worker."""
+    if rollout_under_way(phase):
+        free = sorted(w for w, c in classes.items() if c == WorkerState.IDLE and w not in leased)
+    else:
+        free = sorted(w for w, c in classes.items() if c not in _UNCOUNTED and w not in leased)
+    held_out = [w for w in free if w not in trained]
+    if held_out:
+        return held_out[0], True
+    return (free[0], False) if free else (None, False)
+
+
+def group_copies(copies: list[CopyView]) -> tuple[list[int], list[int]]:
+    """(merged, dropped): the largest group of copies that can be averaged (by training steps, then
+    by size; the first such group on a tie) and the rest, each in the given order. Copies average
+    only with the same merge key: two first leases on different workers each pick a draft
+    vocabulary from their own rollouts. A copy without a key averages with no other."""
+    groups: dict[str, list[CopyView]] = {}
+    for c in copies:
+        groups.setdefault(c.merge_key if c.merge_key is not None else f"\0v{c.version}", []).append(c)
+    if not groups:
+        return [], []
+    best = max(groups.values(), key=lambda g: (sum(c.num_steps for c in g), len(g)))
+    merged = [c.version for c in best]
+    return merged, [c.version for c in copies if c.version not in merged]
+
+
+def should_publish(candidate_accepted_length: float | None, serving_accepted_length: float | None,
                    s: PolicySettings) -> bool:
-    """Publish a merged draft only if, measured on the same recent rollouts, it is not worse."""
+    """Publish a merged draft only if it was scored and, measured on the same recent rollouts, it is
+    not worse than the serving one (nothing served yet: any scored candidate)."""
+    if candidate_accepted_length is None:
+        return False
     if serving_accepted_length is None:
         return True
     return candidate_accepted_length >= serving_accepted_length - s.publish_tolerance

@@ -20,11 +20,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from scheduler.client import call  # noqa: E402
+from workers.protocol import WorkerState  # noqa: E402
 
-COLORS = {"ROLLING_OUT": "#3b82f6", "IDLE": "#d1d5db", "TRAINING": "#16a34a", "SWAPPING": "#f59e0b",
-          "FAILED": "#dc2626"}
-LABELS = {"ROLLING_OUT": "generating", "IDLE": "idle at the barrier", "TRAINING": "training the drafter",
-          "SWAPPING": "swapping a draft in", "FAILED": "failed"}
+COLORS = {WorkerState.ROLLING_OUT: "#3b82f6", WorkerState.IDLE: "#d1d5db", WorkerState.TRAINING: "#16a34a",
+          WorkerState.SWAPPING: "#f59e0b", WorkerState.FAILED: "#dc2626"}
+LABELS = {WorkerState.ROLLING_OUT: "generating", WorkerState.IDLE: "idle at the barrier",
+          WorkerState.TRAINING: "training the drafter", WorkerState.SWAPPING: "swapping a draft in",
+          WorkerState.FAILED: "failed"}
 PHASES = ("weight_sync", "rollout", "reward", "logprob", "update")
 
 
@@ -65,7 +67,7 @@ def plot_timeline(events: list[dict], path: Path) -> None:
                 ax.barh(row, end - start, left=start - t0, color=COLORS.get(state, "#9ca3af"), height=0.7)
         starts = {}
         for e in events:
-            if e["to"] == "ROLLING_OUT":
+            if e["to"] == WorkerState.ROLLING_OUT:
                 starts.setdefault(e["rl_step"], e["ts"])
         for step, ts in starts.items():
             ax.axvline(ts - t0, color="#1d2330", alpha=0.3, linewidth=0.8)
@@ -131,7 +133,7 @@ def summary_markdown(job: dict, t: dict, drafts: dict) -> str:
     ratio = "n/a (no idle time)" if t["reclaimed_ratio"] is None else f"{t['reclaimed_ratio']:.0%}"
     lines = [f"# Job {job['job_id']}", "",
              f"- state: {job['state']}" + (f" ({job['error']})" if job.get("error") else ""),
-             f"- model {spec.get('model')}, {spec.get('num_gpus')} rollout GPUs, "
+             f"- model {spec.get('model')}, {spec.get('num_workers')} rollout workers, "
              f"TLT {'on' if spec.get('tlt') else 'off'}, {t['num_steps']} of {spec.get('num_steps')} steps done",
              f"- step time {t['step_s']:.1f} s in all, rollout {t['rollout_s']:.1f} s ({t['rollout_share']:.0%})",
              f"- idle worker-seconds at the barrier: {t['idle_worker_s']:.1f}; reclaimed for drafter training: "
@@ -146,7 +148,7 @@ def summary_markdown(job: dict, t: dict, drafts: dict) -> str:
             def fmt(v):
                 return "-" if v is None else f"{v:.2f}"
             published = d.get("published_version")
-            outcome = f"published v{published}" if published is not None else f"rejected: {d.get('reason', '?')}"
+            outcome = f"published v{published}" if published is not None else f"rejected: {d.get('reason') or '?'}"
             merged = ", ".join(str(v) for v in d.get("merged") or [])
             lines.append(f"| {d.get('candidate')} | {merged} | {fmt(d.get('candidate_accepted_length'))} | "
                          f"{fmt(d.get('serving_accepted_length'))} | {outcome} |")

@@ -7,53 +7,28 @@ log-probs describe a different distribution and would bias every ratio.
 
 Layout used throughout: `logp`, `old_logp`, `ref_logp` and `mask` are (B, T) with T the longest
 RESPONSE in the batch; column j is the j-th generated token of that row, right-padded.
+
+The settings (group_size, clip_eps, kl_coef, max_grad_norm, micro_batch_size, normalize_std) are the
+job's own: the functions read them off its JobSpec (workers.spec), where each default has its reason.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from drafter.model import CausalLM
+from workers.spec import JobSpec
 
 
-@dataclass
-class GRPOConfig:
-    group_size: int = 4  # rollouts per prompt; advantages compare within a group, so it must be >= 2
-    clip_eps: float = 0.2
-    kl_coef: float = 0.0  # verifiable rewards rarely need a KL leash (DAPO drops it) and it costs a reference copy
-    lr: float = 1e-5
-    max_grad_norm: float = 1.0
-    micro_batch_size: int = 4  # sequences per backward; bounds activation memory, not the result
-    normalize_std: bool = True  # Dr. GRPO sets it False: dividing by std up-weights near-unanimous groups
-    num_updates_per_step: int = 1  # 1 = strictly on-policy (ratio is 1, clipping idle); >1 reuses rollouts
-
-    def __post_init__(self) -> None:
-        if self.group_size < 2:
-            raise ValueError(f"group_size must be >= 2 (a group of one has no advantage), got {self.group_size}")
-        if not 0 < self.clip_eps < 1:
-            raise ValueError(f"clip_eps must be in (0, 1), got {self.clip_eps}")
-        if self.kl_coef < 0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
-        if self.micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        if self.num_updates_per_step < 1:
-            raise ValueError(f"num_updates_per_step must be >= 1, got {self.num_updates_per_step}")
-
-
-def group_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, spec: JobSpec, eps: float = 1e-6) -> torch.Tensor:
     """(num_groups, group_size) rewards -> same-shape advantages: reward minus its group's mean,
-    divided by the group's population std (+ eps) when `normalize_std`. A unanimous group gets 0."""
-    if rewards.dim() != 2:
-        raise ValueError(f"rewards must be (num_groups, group_size), got shape {tuple(rewards.shape)}")
+    divided by the group's population std (+ eps) when spec.normalize_std. A unanimous group gets 0."""
+    if rewards.dim() != 2 or rewards.shape[1] != spec.group_size:
+        raise ValueError(f"rewards must be (num_groups, group_size={spec.group_size}), got shape "
+                         f"{tuple(rewards.shape)}")
     rewards = rewards.float()
     centered = rewards - rewards.mean(dim=1, keepdim=True)  # (G, S)
-    if normalize_std:
+    if spec.normalize_std:
         centered = centered / (rewards.std(dim=1, unbiased=False, keepdim=True) + eps)
     return centered
 
@@ -99,7 +74,7 @@ def sequence_logprobs(model: CausalLM, sequences: list[list[int]], prompt_lens: 
 
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-              clip_eps: float, kl_coef: float = 0.0, ref_logp: torch.Tensor | None = None,
+              clip_eps: float, kl_coef: float, ref_logp: torch.Tensor | None = None,
               num_tokens: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate plus optional k3 KL, as a TOKEN-level mean over all valid tokens of the batch.
 
@@ -143,14 +118,14 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
 
 def grpo_update(model: CausalLM, optimizer: torch.optim.Optimizer, sequences: list[list[int]],
                 prompt_lens: list[int], advantages: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
-                cfg: GRPOConfig, ref_model: CausalLM | None = None, pad_id: int = 0) -> dict[str, float]:
+                spec: JobSpec, ref_model: CausalLM | None = None, pad_id: int = 0) -> dict[str, float]:
     """One optimizer step over all sequences.
 
-    Gradients are accumulated over micro-batches of `cfg.micro_batch_size` sequences, each loss
+    Gradients are accumulated over micro-batches of `spec.micro_batch_size` sequences, each loss
     divided by the FULL batch's valid-token count, so the summed gradient equals the full batch's
-    token-mean gradient. Then clip to `cfg.max_grad_norm` and step once. `old_logp` and `mask` are
+    token-mean gradient. Then clip to `spec.max_grad_norm` and step once. `old_logp` and `mask` are
     what `sequence_logprobs` returned for these sequences (policy, no grad). `ref_model` is needed
-    when cfg.kl_coef > 0. The caller loops `cfg.num_updates_per_step` times with the same old_logp.
+    when spec.kl_coef > 0. The caller loops `spec.num_updates_per_step` times with the same old_logp.
     Returns JSON-ready stats: loss, grad_norm, clip_fraction, mean_ratio, kl, num_tokens.
     """
     B = len(sequences)
@@ -158,15 +133,15 @@ def grpo_update(model: CausalLM, optimizer: torch.optim.Optimizer, sequences: li
         raise ValueError(f"old_logp {tuple(old_logp.shape)} and mask {tuple(mask.shape)} must be ({B}, T)")
     if advantages.shape != (B,):
         raise ValueError(f"advantages must be ({B},), got {tuple(advantages.shape)}")
-    if cfg.kl_coef > 0 and ref_model is None:
+    if spec.kl_coef > 0 and ref_model is None:
         raise ValueError("ref_model is required when kl_coef > 0")
     num_tokens = int(mask.sum())
     sums = {"loss": 0.0, "clip_fraction": 0.0, "mean_ratio": 0.0, "kl": 0.0}
     optimizer.zero_grad(set_to_none=True)
     if num_tokens == 0:  # nothing was generated: no gradient, no step
         return {**sums, "grad_norm": 0.0, "num_tokens": 0}
-    for start in range(0, B, cfg.micro_batch_size):
-        sl = slice(start, start + cfg.micro_batch_size)
+    for start in range(0, B, spec.micro_batch_size):
+        sl = slice(start, start + spec.micro_batch_size)
         mb_mask = mask[sl]
         mb_tokens = int(mb_mask.sum())
         if mb_tokens == 0:
@@ -174,15 +149,15 @@ def grpo_update(model: CausalLM, optimizer: torch.optim.Optimizer, sequences: li
         logp, _ = sequence_logprobs(model, sequences[sl], prompt_lens[sl], pad_id)  # (b, t), t <= T
         t = logp.shape[1]
         ref = None
-        if ref_model is not None and cfg.kl_coef > 0:
+        if ref_model is not None and spec.kl_coef > 0:
             with torch.no_grad():
                 ref, _ = sequence_logprobs(ref_model, sequences[sl], prompt_lens[sl], pad_id)
         loss, st = grpo_loss(logp, old_logp[sl, :t], advantages[sl], mb_mask[:, :t].to(logp.device),
-                             cfg.clip_eps, cfg.kl_coef, ref, num_tokens)
+                             spec.clip_eps, spec.kl_coef, ref, num_tokens)
         loss.backward()
         sums["loss"] += float(loss.detach())
         for key in ("clip_fraction", "mean_ratio", "kl"):  # token-weighted, so they are full-batch means
             sums[key] += st[key] * mb_tokens / num_tokens
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)
     optimizer.step()
     return {**sums, "grad_norm": float(grad_norm), "num_tokens": num_tokens}

@@ -21,7 +21,10 @@ class ProtocolError(ValueError):
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
-        self.field = field
+        self.field, self.message = field, message
+
+    def __reduce__(self) -> tuple:  # picklable with both arguments: it crosses Ray as a command's error
+        return type(self), (self.field, self.message)
 
 
 def _check(name: str, value: Any, kind: Any, signed: bool) -> Any:

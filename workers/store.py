@@ -10,71 +10,45 @@ If the file write fails, the index, the pointer and the channel are untouched; t
 number stays unused (versions are increasing, not dense). If the process dies between the file and
 the commit, the file is an orphan: consistency_check() reports it and recover() indexes it.
 The directory may be a shared filesystem: files are found by name (draft_path), never by scanning.
+The Redis side (index, latest, announcements) is workers.draft_index.DraftIndex, which is torch-free.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
-import logging
 import time
 from pathlib import Path
-from typing import Any
 
 import redis as redis_lib
 import torch
 from safetensors import safe_open
 
 from drafter.checkpoint import CheckpointError, DraftMeta, draft_path, load_draft, merge_drafts, save_draft
-from workers.protocol import (
-    ProtocolError,
-    announcement,
-    check_namespace,
-    drafts_channel,
-    drafts_counter_key,
-    drafts_index_key,
-    drafts_latest_key,
-    parse_announcement,
-    text,
-)
+from drafter.head import EagleHead, head_from_state
+from workers.draft_index import DraftIndex, check_version, parse_entry
+from workers.protocol import ProtocolError, draft_namespaces, drafts_counter_key, drafts_index_key, text
 
-log = logging.getLogger(__name__)
-
-MAX_COMMIT_RETRIES = 64  # each retry means another publisher committed in between; 64 in a row is a bug
 STALE_TEMP_S = 3600.0  # a temp file untouched this long belongs to a crashed writer (writes take seconds)
-_ENTRY_TYPES: dict[str, Any] = {
-    "version": int, "parent_version": int | None, "policy_version": int, "path": str, "sha256": str,
-    "num_steps": int, "total_steps": int, "num_tokens": int, "created_at": int | float, "extra": dict}
 
 
-def _check_version(version: Any, field: str = "version") -> int:
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise ValueError(f"{field} must be an int >= 1, got {version!r}")
-    return version
+def merge_key(parent_version: int | None, head_config: dict, state: dict[str, torch.Tensor]) -> str:
+    """Hex digest of what copies must share to be averaged (drafter.checkpoint.merge_drafts): the parent,
+    the head's configuration and every integer tensor (the draft vocabulary). Two first leases on
+    different workers each pick a draft vocabulary from their own rollouts, so their keys differ."""
+    h = hashlib.sha256(json.dumps([parent_version, head_config], sort_keys=True).encode())
+    for name, t in sorted(state.items()):
+        if not t.is_floating_point():
+            h.update(name.encode() + b"\0" + hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes())
+                     .hexdigest().encode())
+    return h.hexdigest()
 
 
-def parse_entry(raw: str | bytes, where: str) -> dict:
-    """An index entry, checked field by field; CheckpointError names the bad one."""
-    try:
-        d = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{where}: index entry is not JSON ({exc})") from None
-    if not isinstance(d, dict):
-        raise CheckpointError(f"{where}: index entry is not a JSON object")
-    for name, kind in _ENTRY_TYPES.items():
-        if name not in d:
-            raise CheckpointError(f"{where}: index entry field {name} is missing")
-        if isinstance(d[name], bool) or not isinstance(d[name], kind):
-            raise CheckpointError(f"{where}: index entry field {name} has the wrong type: {d[name]!r}")
-    p = d["path"]
-    if Path(p).name != p or p in ("", ".", ".."):
-        raise CheckpointError(f"{where}: index entry field path must be a bare file name, got {p!r}")
-    return d
-
-
-class DraftStore:
+class DraftStore(DraftIndex):
     def __init__(self, redis: redis_lib.Redis, directory: str | Path, namespace: str = "default") -> None:
-        self.redis, self.directory, self.namespace = redis, Path(directory), check_namespace(namespace)
+        super().__init__(redis, namespace)
+        self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
 
     # ----- writing ----------------------------------------------------------------------------
@@ -96,32 +70,6 @@ class DraftStore:
                 "path": name, "sha256": sha, "num_steps": meta.num_steps, "total_steps": meta.total_steps,
                 "num_tokens": meta.num_tokens, "created_at": meta.created_at, "extra": meta.extra}
 
-    def _commit(self, version: int, entry: dict) -> bool:
-        """Index `entry`; move latest to `version` and announce it only if that is forward.
-        Returns whether latest moved. One MULTI/EXEC, retried while WATCH sees latest change."""
-        latest_key = drafts_latest_key(self.namespace)
-        with self.redis.pipeline(transaction=True) as pipe:
-            for _ in range(MAX_COMMIT_RETRIES):
-                try:
-                    pipe.watch(latest_key)
-                    current = self._latest_watched(pipe)
-                    is_forward = current is None or current < version
-                    pipe.multi()
-                    pipe.hset(drafts_index_key(self.namespace), str(version), json.dumps(entry))
-                    if is_forward:
-                        pipe.set(latest_key, version)
-                        pipe.publish(drafts_channel(self.namespace),
-                                     announcement(version, entry["sha256"], entry["path"], time.time()))
-                    pipe.execute()
-                    return is_forward
-                except redis_lib.WatchError:
-                    continue  # another publisher moved latest: read it again and compare again
-        raise RuntimeError(f"store {self.namespace!r}: could not commit v{version} in {MAX_COMMIT_RETRIES} tries")
-
-    def _latest_watched(self, pipe: redis_lib.client.Pipeline) -> int | None:
-        value = pipe.get(drafts_latest_key(self.namespace))  # immediate: the pipeline is in WATCH mode
-        return None if value is None else int(value)
-
     def merge_and_publish(self, versions: list[int], policy_version: int | None = None,
                           into: DraftStore | None = None) -> int:
         """Step-weighted average of copies (same parent) from this store, published to `into`
@@ -129,7 +77,7 @@ class DraftStore:
         if not isinstance(versions, list | tuple) or not versions:
             raise ValueError(f"versions must be a non-empty list of versions, got {versions!r}")
         for v in versions:
-            _check_version(v, "versions")
+            check_version(v, "versions")
         if len(set(versions)) != len(versions):
             raise ValueError(f"versions has duplicates: {list(versions)}")
         if policy_version is not None and (isinstance(policy_version, bool) or not isinstance(policy_version, int)
@@ -149,7 +97,7 @@ class DraftStore:
         if not isinstance(versions, list | tuple):
             raise ValueError(f"versions must be a list of versions, got {versions!r}")
         for v in versions:
-            _check_version(v, "versions")
+            check_version(v, "versions")
         index = drafts_index_key(self.namespace)
         removed = []
         for v in sorted(set(versions)):
@@ -159,19 +107,12 @@ class DraftStore:
             removed.append(v)
             try:
                 name = parse_entry(raw, f"{self.namespace}/v{v}")["path"]
-            except CheckpointError:
+            except ProtocolError:
                 name = draft_path(self.directory, v).name
             (self.directory / name).unlink(missing_ok=True)
         return removed
 
     # ----- reading ----------------------------------------------------------------------------
-    def entry(self, version: int) -> dict:
-        version = _check_version(version)
-        raw = self.redis.hget(drafts_index_key(self.namespace), str(version))
-        if raw is None:
-            raise ValueError(f"version {version} is not in draft store {self.namespace!r}")
-        return parse_entry(raw, f"{self.namespace}/v{version}")
-
     def load(self, version: int, device: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], DraftMeta]:
         """The weights and meta of `version`; CheckpointError if the file is missing, corrupt, or not
         the one the index recorded (sha256)."""
@@ -181,28 +122,10 @@ class DraftStore:
             raise CheckpointError(f"{entry['path']}: holds version {meta.version}, the index says {version}")
         return state, meta
 
-    def latest_version(self) -> int | None:
-        value = self.redis.get(drafts_latest_key(self.namespace))
-        if value is None:
-            return None
-        try:
-            return _check_version(int(value), "latest")
-        except ValueError:
-            raise ProtocolError("latest", f"{drafts_latest_key(self.namespace)} holds {value!r}") from None
-
-    def versions(self) -> list[dict]:
-        """Every index entry, by version; malformed entries are logged and left out."""
-        entries = []
-        for field, raw in self.redis.hgetall(drafts_index_key(self.namespace)).items():
-            try:
-                entries.append(parse_entry(raw, f"{self.namespace}/v{text(field)}"))
-            except CheckpointError as exc:
-                log.error("skipping draft index entry: %s", exc)
-        return sorted(entries, key=lambda e: e["version"])
-
-    def subscribe(self) -> Subscription:
-        """Announcements of versions that became latest, from now on."""
-        return Subscription(self.redis, drafts_channel(self.namespace))
+    def load_head(self, version: int, dtype: torch.dtype) -> tuple[EagleHead, DraftMeta]:
+        """The head of a stored version in `dtype`, and its meta (checksum-checked by `load`)."""
+        state, meta = self.load(version)
+        return head_from_state(meta.head_config, state).to(dtype), meta
 
     # ----- after a crash ----------------------------------------------------------------------
     def consistency_check(self) -> dict:
@@ -215,7 +138,7 @@ class DraftStore:
                 entry = parse_entry(raw, f"{self.namespace}/v{version}")
                 indexed.add(entry["path"])
                 self.load(entry["version"])
-            except (CheckpointError, ValueError, OSError) as exc:
+            except (ValueError, OSError) as exc:  # CheckpointError and ProtocolError are ValueErrors
                 bad.append({"version": int(version) if version.isdigit() else version, "error": str(exc)})
         orphans = sorted(p.name for p in self.directory.glob("draft-v*.safetensors") if p.name not in indexed)
         return {"bad": sorted(bad, key=lambda b: str(b["version"]).zfill(12)), "orphans": orphans}
@@ -250,60 +173,12 @@ class DraftStore:
                 continue  # its writer finished (renamed it) or another recover() took it
         return {"bad": report["bad"], "adopted": adopted, "rejected": rejected, "removed_temp": sorted(removed)}
 
-    def _raise_counter(self, version: int) -> None:
-        """Counter >= version, so a later publish never reuses an existing file's version."""
-        key = drafts_counter_key(self.namespace)
-        with self.redis.pipeline(transaction=True) as pipe:
-            for _ in range(MAX_COMMIT_RETRIES):
-                try:
-                    pipe.watch(key)
-                    current = pipe.get(key)
-                    if current is not None and int(current) >= version:
-                        return
-                    pipe.multi()
-                    pipe.set(key, version)
-                    pipe.execute()
-                    return
-                except redis_lib.WatchError:
-                    continue
-        raise RuntimeError(f"store {self.namespace!r}: could not raise the version counter to {version}")
 
-
-def job_stores(redis: redis_lib.Redis, directory: str | Path, namespace: str) -> tuple[DraftStore, DraftStore]:
-    """A job's two draft stores under `directory`: (served, copies). Served holds the published
-    versions workers swap in; copies holds each lease's trained copy and the merged candidates."""
-    return (DraftStore(redis, Path(directory) / "served", namespace),
-            DraftStore(redis, Path(directory) / "copies", f"{namespace}:copies"))
-
-
-class Subscription:
-    """A pub/sub subscription to one store's announcements; `get` returns the parsed JSON."""
-
-    def __init__(self, redis: redis_lib.Redis, channel: str) -> None:
-        self.channel = channel
-        self.pubsub = redis.pubsub(ignore_subscribe_messages=True)
-        self.pubsub.subscribe(channel)  # subscribed when this returns: later announcements arrive
-
-    def get(self, timeout: float = 1.0) -> dict | None:
-        """The next announcement {version, sha256, path, published_at}, or None after `timeout` s.
-        Malformed messages are logged and skipped."""
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            msg = self.pubsub.get_message(timeout=max(remaining, 0.0))
-            if msg is not None and msg.get("type") == "message":
-                try:
-                    return parse_announcement(msg["data"])
-                except ProtocolError as exc:
-                    log.error("ignoring malformed announcement on %s: %s", self.channel, exc)
-            if remaining <= 0:
-                return None
-
-    def close(self) -> None:
-        self.pubsub.close()
-
-    def __enter__(self) -> Subscription:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+def job_stores(redis: redis_lib.Redis, directory: str | Path, job_id: str) -> tuple[DraftStore, DraftStore]:
+    """A job's two draft stores, (served, copies), in the namespaces of protocol.draft_namespaces and
+    the directories `directory`/job_id/served and .../copies (so jobs sharing a root never collide).
+    Served holds the versions workers swap in; copies holds each lease's trained copy and the merged
+    candidates."""
+    served_ns, copies_ns = draft_namespaces(job_id)
+    root = Path(directory) / job_id
+    return DraftStore(redis, root / "served", served_ns), DraftStore(redis, root / "copies", copies_ns)

@@ -29,7 +29,7 @@ function renderJobs(jobs) {
     const tr = document.createElement("tr");
     tr.dataset.job = j.job_id;
     if (j.job_id === selected) tr.classList.add("selected");
-    [j.job_id, j.state, j.spec.model, j.spec.num_gpus, j.spec.tlt ? "on" : "off", j.steps,
+    [j.job_id, j.state, j.spec.model, j.spec.num_workers, j.spec.tlt ? "on" : "off", j.steps,
      new Date(j.created_at * 1000).toLocaleString()].forEach((t) => cell(tr, String(t)));
     tr.addEventListener("click", () => {
       selected = j.job_id;

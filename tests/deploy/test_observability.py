@@ -29,7 +29,7 @@ from scheduler.policy import PolicySettings
 from tests.deploy.promql import ROOT, RULES, dashboard, panel_exprs, rules, substitute
 from workers.redis_server import PrivateRedis, free_port
 
-SPEC = {"num_steps": 10, "num_prompts_per_step": 3, "group_size": 4, "max_new_tokens": 300, "num_gpus": 2,
+SPEC = {"num_steps": 10, "num_prompts_per_step": 3, "group_size": 4, "max_new_tokens": 300, "num_workers": 2,
         "draft_k": 2, "min_accepted_length": 0.0}
 ARTIFACTS = ROOT / "artifacts"
 

@@ -25,7 +25,7 @@ from drafter.checkpoint import (
     save_trainer_state,
 )
 from drafter.config import ModelConfig
-from drafter.eagle import EagleConfig, EagleHead
+from drafter.head import EagleConfig, EagleHead, head_config, head_from_state
 
 TINY = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=16, max_position=256)
@@ -270,7 +270,6 @@ def test_head_from_state_holds_the_checkpoint_and_real_rotary_tables(tmp_path: P
     """The hot-swap load path builds on the meta device: the result must equal a head built the
     plain way, even when the rotary tables are computed for the first time inside that build."""
     from drafter.model import rotary_tables
-    from drafter.warmstart import head_config, head_from_state
 
     head = EagleHead(TINY, EagleConfig(init_seed=3))
     rotary_tables.cache_clear()

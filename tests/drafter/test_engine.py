@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from drafter.draft_state import MAX_SWAP_LOG
 from drafter.drafters import NgramDrafter
-from drafter.eagle import EagleDrafter, EagleHead, serving_dtype, serving_precision
+from drafter.eagle import EagleDrafter, serving_dtype, serving_precision
 from drafter.engine import Engine, Request
+from drafter.head import EagleHead
 from drafter.model import CausalLM, fast_bf16, int8_linear_available
 from drafter.sampling import SamplingParams
 from tests.conftest import random_prompts, tiny_model
@@ -58,6 +60,30 @@ def test_serving_dtype_resolves_and_rejects_unknown_names(tiny):
     assert EagleDrafter(tiny, EagleHead(tiny.cfg), "float32").precision == "float32"
     with pytest.raises(ValueError, match="int8 needs a CPU policy"):
         serving_precision(tiny_model().to("meta"), "int8")
+
+
+def test_swaps_are_counted_and_their_log_is_bounded(tiny):
+    """Every installed head is counted, but only the latest MAX_SWAP_LOG swaps keep their times; a
+    refresh (new policy weights) re-installs the serving head unless another is already queued."""
+    drafter = EagleDrafter(tiny, EagleHead(tiny.cfg))
+    assert drafter.swaps.last is None
+    heads = [EagleHead(tiny.cfg, init=False) for _ in range(2)]
+    num = MAX_SWAP_LOG + 5
+    for v in range(1, num + 1):
+        drafter.request_swap(heads[v % 2], version=v)
+        drafter.apply_pending_swap()
+    assert drafter.swaps.num_swaps == num and len(drafter.swaps.log) == MAX_SWAP_LOG
+    assert [v for v, _ in drafter.swaps.log] == list(range(num - MAX_SWAP_LOG + 1, num + 1))
+    assert drafter.swaps.last[0] == num == drafter.version and drafter.head is heads[num % 2]
+    drafter.request_swap(heads[0], version=num + 1)
+    drafter.refresh()  # the queued head keeps its place
+    drafter.apply_pending_swap()
+    assert drafter.version == num + 1 and drafter.head is heads[0]
+    drafter.refresh()  # nothing queued: the serving head again, its draft LM head re-sliced
+    lm = drafter.lm
+    drafter.apply_pending_swap()
+    assert drafter.version == num + 1 and drafter.head is heads[0] and drafter.lm is not lm
+    assert drafter.swaps.num_swaps == num + 2
 
 
 def test_ngram_drafts_are_accepted_and_save_forwards(tiny):

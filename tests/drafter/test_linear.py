@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from drafter.drafters import NgramDrafter
-from drafter.eagle import EagleHead
 from drafter.engine import Engine, Request
+from drafter.head import EagleHead
 from drafter.model import (
     Int8Linear,
     Linear,

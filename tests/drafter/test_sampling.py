@@ -18,8 +18,9 @@ from scipy.stats import chisquare
 import drafter.engine as engine_mod
 from drafter import sampling
 from drafter.drafters import Drafter, NgramDrafter, Proposal
-from drafter.eagle import EagleConfig, EagleDrafter, EagleHead
+from drafter.eagle import EagleDrafter
 from drafter.engine import Engine, Request
+from drafter.head import EagleConfig, EagleHead
 from drafter.model import int8_linear_available
 from drafter.sampling import BatchSampling, SamplingParams, Verdict, token_probs
 from drafter.tree import Tree, TreeVerdict, verify_tree
@@ -45,8 +46,8 @@ def exact(model) -> dict[tuple[int, ...], float]:
     N, L = ids.shape
     logits, _ = model(ids, torch.arange(L).expand(N, L), model.new_cache(N, L))
     bs = BatchSampling.from_params([SamplingParams(**PARAMS)] * N)
-    q = token_probs(logits, bs)[:, len(PROMPT) - 1 : -1]  # (N, NEW, V): the step producing each token
-    probs = q.gather(-1, ids[:, len(PROMPT) :].unsqueeze(-1)).squeeze(-1).prod(-1)
+    p = token_probs(logits, bs)[:, len(PROMPT) - 1 : -1]  # (N, NEW, V): the step producing each token
+    probs = p.gather(-1, ids[:, len(PROMPT) :].unsqueeze(-1)).squeeze(-1).prod(-1)
     return dict(zip(seqs, probs.tolist()))
 
 
@@ -71,8 +72,8 @@ def sample_pvalue(model, exact, k, drafter) -> float:
 
 
 class NoisyPolicyDrafter(Drafter):
-    """Drafts by sampling a perturbed copy of the policy: p overlaps q without equalling it, which is
-    the regime where a wrong rejection rule shows (a random draft head's p barely overlaps q)."""
+    """Drafts by sampling a perturbed copy of the policy: q overlaps p without equalling it, which is
+    the regime where a wrong rejection rule shows (a random draft head's q barely overlaps p)."""
 
     name = "noisy-policy"
 
@@ -99,9 +100,9 @@ class NoisyPolicyDrafter(Drafter):
         tokens = torch.zeros(B, K, dtype=torch.long)
         probs = torch.zeros(B, K, VOCAB)
         for j in range(K):
-            p = self.next_probs(ctx, sampling_)
-            x = sampling.sample(p, uniforms[:, j])
-            tokens[:, j], probs[:, j] = x, p
+            q = self.next_probs(ctx, sampling_)
+            x = sampling.sample(q, uniforms[:, j])
+            tokens[:, j], probs[:, j] = x, q
             for b in range(B):
                 ctx[b].append(int(x[b]))
         return Proposal(tokens, torch.tensor(caps), probs)
@@ -120,15 +121,15 @@ class NoisyPolicyDrafter(Drafter):
             if not kids:
                 continue
             path = [j for j in range(1, N + 1) if tree.ancestors[par, j]]  # parents before children
-            p = self.next_probs([list(c) + tokens[b, [j - 1 for j in path]].tolist()
+            q = self.next_probs([list(c) + tokens[b, [j - 1 for j in path]].tolist()
                                  for b, c in enumerate(contexts)], sampling_)
             for j in kids:
-                mass = p.sum(-1, keepdim=True)
+                mass = q.sum(-1, keepdim=True)
                 valid[:, j - 1] &= (mass[:, 0] > 0) & (valid[:, par - 1] if par else True)
-                p = torch.where(mass > 0, p / mass.clamp(min=1e-30), torch.ones_like(p) / VOCAB)
-                x = sampling.sample(p, uniforms[:, j - 1])
-                tokens[:, j - 1], probs[:, j - 1] = x, p
-                p = p.scatter(1, x.unsqueeze(1), 0.0)
+                q = torch.where(mass > 0, q / mass.clamp(min=1e-30), torch.ones_like(q) / VOCAB)
+                x = sampling.sample(q, uniforms[:, j - 1])
+                tokens[:, j - 1], probs[:, j - 1] = x, q
+                q = q.scatter(1, x.unsqueeze(1), 0.0)
         return Proposal(tokens, valid.sum(1), probs, valid)
 
 
@@ -182,11 +183,11 @@ def accept_always(target_logits, draft_tokens, draft_lens, draft_probs, sampling
 
 
 def resample_from_target(target_logits, draft_tokens, draft_lens, draft_probs, sampling_, uniforms):
-    """The classic bug: on rejection, sample q instead of norm(max(0, q - p))."""
+    """The classic bug: on rejection, sample p instead of norm(max(0, p - q))."""
     v = sampling.verify(target_logits, draft_tokens, draft_lens, draft_probs, sampling_, uniforms)
-    q = token_probs(target_logits, sampling_)
-    rows = torch.arange(q.shape[0])
-    return Verdict(v.num_accepted, sampling.sample(q[rows, v.num_accepted], uniforms[:, -1]))
+    p = token_probs(target_logits, sampling_)
+    rows = torch.arange(p.shape[0])
+    return Verdict(v.num_accepted, sampling.sample(p[rows, v.num_accepted], uniforms[:, -1]))
 
 
 @pytest.mark.parametrize(("wrong", "drafter_name"), [(accept_always, "ngram"), (accept_always, "eagle"),
@@ -202,22 +203,22 @@ def reference_verify_tree(target_logits, tree, tokens, valid, draft_probs, sampl
     """Recursive rejection sampling one row and one candidate at a time, written from the paper's
     description; update_residual=False is the classic multi-candidate bug (every candidate tested
     against the target itself)."""
-    q = token_probs(target_logits, sampling_)
-    B, W = q.shape[0], max(tree.width, 1)
+    p = token_probs(target_logits, sampling_)
+    B, W = p.shape[0], max(tree.width, 1)
     path, num, nxt = torch.zeros(B, tree.max_depth, dtype=torch.long), torch.zeros(B, dtype=torch.long), []
     for b in range(B):
-        cur, r = 0, q[b, 0]
+        cur, r = 0, p[b, 0]
         for d in range(tree.max_depth):
             moved = False
             for i in range(W):
                 c = int(tree.children[cur, i])
                 if c <= 0 or not valid[b, c - 1]:
                     continue
-                x, p = int(tokens[b, c - 1]), draft_probs[b, c - 1]
-                if uniforms[b, d * W + i] * p[x] < r[x]:
-                    path[b, d], num[b], cur, r, moved = c, num[b] + 1, c, q[b, c], True
+                x, q = int(tokens[b, c - 1]), draft_probs[b, c - 1]
+                if uniforms[b, d * W + i] * q[x] < r[x]:
+                    path[b, d], num[b], cur, r, moved = c, num[b] + 1, c, p[b, c], True
                     break
-                rest = (r - p).clamp(min=0)
+                rest = (r - q).clamp(min=0)
                 if update_residual and rest.sum() > 0:
                     r = rest / rest.sum()
             if not moved:

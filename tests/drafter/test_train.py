@@ -12,22 +12,23 @@ import torch
 
 from drafter.buffer import PackedBatch, RolloutBuffer
 from drafter.checkpoint import DraftMeta, load_draft
-from drafter.eagle import EagleConfig, EagleDrafter, EagleHead
+from drafter.config import TrainConfig
+from drafter.eagle import EagleDrafter
 from drafter.engine import Engine, Request
 from drafter.evaluate import DRAFT_TEMPERATURES, calibrate_draft_temperature, expected_accepted_length
-from drafter.model import Int8Linear, int8_linear_available
+from drafter.head import EagleConfig, EagleHead, draft_lm_weight
+from drafter.model import Int8Linear, fast_bf16, int8_linear_available
 from drafter.sampling import SamplingParams
-from drafter.train import (
-    DraftTrainer,
-    StopRequestedError,
-    TrainConfig,
-    draft_lm_weight,
-    draft_loss,
-    fast_bf16,
-    unrolled_predictions,
-)
+from drafter.train import DraftTrainer, StopRequestedError, draft_loss
+from drafter.unroll import unrolled_predictions
 from drafter.warmstart import HarvestConfig, harvest, measure, warm_start
 from tests.conftest import pattern_corpus, random_prompts, structured_model, tiny_model
+
+
+def offline_cfg(**kwargs) -> TrainConfig:
+    """TrainConfig as offline recipes set it (its defaults serve online leases): numerics that never
+    depend on the box (no bf16 autocast) and a cosine over total_steps, not each train() call's budget."""
+    return TrainConfig(**{"anneal_to_budget": False, "bf16_autocast": False, **kwargs})
 
 
 def single_sequence_batch(model, seq: list[int]) -> PackedBatch:
@@ -81,7 +82,7 @@ def test_the_loss_trains_chains_rooted_inside_their_segment_only():
     lm = draft_lm_weight(head, model)
     with torch.no_grad():
         preds = unrolled_predictions(head, model.embed_tokens, batch, num_unroll=3)
-    cfg = TrainConfig(num_unroll=3)
+    cfg = offline_cfg(num_unroll=3)
     loss, stats = draft_loss(head, model, batch, cfg)
     expected = 0.0
     for s in range(3):
@@ -110,7 +111,7 @@ def structured():
 def test_loss_decreases_on_a_fixed_batch(structured):
     model, _, buffer, _ = structured
     head = EagleHead(model.cfg)
-    trainer = DraftTrainer(model, head, TrainConfig(warmup_steps=1))
+    trainer = DraftTrainer(model, head, offline_cfg(warmup_steps=1))
     batch = trainer.next_batch(buffer)
     first = trainer.micro_step(batch)["loss"]
     for _ in range(30):
@@ -121,7 +122,7 @@ def test_loss_decreases_on_a_fixed_batch(structured):
 def test_trained_drafter_beats_untrained_on_held_out_rollouts(structured):
     model, engine, buffer, held_out = structured
     head = EagleHead(model.cfg)
-    DraftTrainer(model, head, TrainConfig(total_steps=150)).train(buffer, max_steps=150)
+    DraftTrainer(model, head, offline_cfg(total_steps=150)).train(buffer, max_steps=150)
     untrained = measure(engine, held_out, 3, EagleDrafter(model, EagleHead(model.cfg)), max_new_tokens=32)
     trained = measure(engine, held_out, 3, EagleDrafter(model, head), max_new_tokens=32)
     assert trained.mean_accepted_length > untrained.mean_accepted_length + 0.5
@@ -133,7 +134,7 @@ def test_trained_drafter_beats_untrained_on_held_out_rollouts(structured):
     # served in bf16 (a copy: the trained head stays float32), it drafts nearly as well and stays lossless
     bf16 = EagleDrafter(model, head, "bfloat16")
     assert bf16.head.fc.weight.dtype == torch.bfloat16 and head.fc.weight.dtype == torch.float32
-    assert bf16.lm_weight.dtype == torch.bfloat16
+    assert bf16.lm.weight.dtype == torch.bfloat16
     half = measure(engine, held_out, 3, bf16, max_new_tokens=32)
     assert half.mean_accepted_length > trained.mean_accepted_length - 0.15
     assert [o.token_ids for o in engine.generate(reqs, k=3, drafter=bf16)] == [o.token_ids for o in plain]
@@ -141,7 +142,7 @@ def test_trained_drafter_beats_untrained_on_held_out_rollouts(structured):
         return
     # with int8 weights (a quantized copy: the trained head keeps its float32 Linear layers), likewise
     int8 = EagleDrafter(model, head, "int8")
-    assert isinstance(int8.head.fc, Int8Linear) and isinstance(int8.lm_int8, Int8Linear)
+    assert isinstance(int8.head.fc, Int8Linear) and isinstance(int8.lm.int8, Int8Linear)
     assert isinstance(head.fc, torch.nn.Linear) and head.fc.weight.dtype == torch.float32
     quarter = measure(engine, held_out, 3, int8, max_new_tokens=32)
     assert quarter.mean_accepted_length > trained.mean_accepted_length - 0.15
@@ -150,7 +151,7 @@ def test_trained_drafter_beats_untrained_on_held_out_rollouts(structured):
 
 def test_stop_request_is_honoured_mid_epoch(structured):
     model, _, buffer, _ = structured
-    trainer = DraftTrainer(model, EagleHead(model.cfg), TrainConfig())
+    trainer = DraftTrainer(model, EagleHead(model.cfg), offline_cfg())
     saved = []
     result = {}
 
@@ -176,7 +177,7 @@ def test_a_stop_during_backward_aborts_the_micro_step_unapplied(structured):
     optimizer step never runs."""
     model, _, buffer, _ = structured
     head = EagleHead(model.cfg)
-    trainer = DraftTrainer(model, head, TrainConfig())
+    trainer = DraftTrainer(model, head, offline_cfg())
     batch = trainer.next_batch(buffer)
     before = {k: v.clone() for k, v in head.state_dict().items()}
     real_backward = torch.Tensor.backward
@@ -203,7 +204,7 @@ def test_a_stop_during_backward_aborts_the_micro_step_unapplied(structured):
 
 def test_train_needs_a_budget_and_data(structured):
     model, _, buffer, _ = structured
-    trainer = DraftTrainer(model, EagleHead(model.cfg))
+    trainer = DraftTrainer(model, EagleHead(model.cfg), offline_cfg())
     with pytest.raises(ValueError, match="max_steps or max_seconds"):
         trainer.train(buffer)
     with pytest.raises(ValueError, match="empty"):
@@ -212,7 +213,7 @@ def test_train_needs_a_budget_and_data(structured):
     short = RolloutBuffer(max_bytes=1 << 20)
     for r in buffer.rollouts[:6]:
         short.add(r.tokens[:2], r.hidden[:1], policy_version=0)
-    small = TrainConfig(num_rows=1, max_tokens_per_row=8)
+    small = offline_cfg(num_rows=1, max_tokens_per_row=8)
     trainer = DraftTrainer(model, EagleHead(model.cfg), small)
     with pytest.raises(ValueError, match="no pair of the rollout buffer has a target"):
         trainer.train(short, max_steps=1)
@@ -227,7 +228,7 @@ def test_anneal_to_budget_ends_each_call_at_the_floor_rate(structured):
     """With anneal_to_budget the cosine spans the train() call's own budget: a lease's last steps run
     near lr * min_lr_ratio whatever total_steps says; without it they stay near the peak."""
     model, _, buffer, _ = structured
-    cfg = TrainConfig(lr=1e-3, warmup_steps=2, total_steps=10_000, min_lr_ratio=0.0, anneal_to_budget=True)
+    cfg = offline_cfg(lr=1e-3, warmup_steps=2, total_steps=10_000, min_lr_ratio=0.0, anneal_to_budget=True)
     trainer = DraftTrainer(model, EagleHead(model.cfg), cfg)
     lrs = []
     trainer.train(buffer, max_steps=12, on_step=lambda step, stats: lrs.append(stats["lr"]))
@@ -247,11 +248,11 @@ def test_anneal_to_budget_ends_each_call_at_the_floor_rate(structured):
 
 def test_bf16_autocast_trains_like_float32_and_keeps_float32_weights(structured):
     model, _, buffer, _ = structured
-    batch = DraftTrainer(model, EagleHead(model.cfg)).next_batch(buffer)
+    batch = DraftTrainer(model, EagleHead(model.cfg), offline_cfg()).next_batch(buffer)
     losses = {}
     for bf16 in (False, True):
         head = EagleHead(model.cfg)
-        trainer = DraftTrainer(model, head, TrainConfig(warmup_steps=1, bf16_autocast=bf16))
+        trainer = DraftTrainer(model, head, offline_cfg(warmup_steps=1, bf16_autocast=bf16))
         losses[bf16] = [trainer.micro_step(batch)["loss"] for _ in range(31)]
         assert all(p.dtype == torch.float32 for p in head.parameters())
         assert all(s.dtype == torch.float32 for st in trainer.optimizer.state.values() for s in st.values()
@@ -261,6 +262,7 @@ def test_bf16_autocast_trains_like_float32_and_keeps_float32_weights(structured)
     assert losses[True][-1] < 1.5 * losses[False][-1]
     # None: on where the device has native bf16 matmuls
     assert DraftTrainer(model, EagleHead(model.cfg), TrainConfig(bf16_autocast=None)).bf16_autocast == fast_bf16("cpu")
+    assert TrainConfig().bf16_autocast is None and TrainConfig().anneal_to_budget  # the online lease's defaults
 
 
 def test_trainer_keeps_the_draft_lm_weight_and_rebuilds_it_when_the_policy_changes(structured):
@@ -271,7 +273,7 @@ def test_trainer_keeps_the_draft_lm_weight_and_rebuilds_it_when_the_policy_chang
     policy = copy.deepcopy(model)
     head = EagleHead(policy.cfg, EagleConfig(draft_vocab_size=policy.cfg.vocab_size // 2))
     for bf16 in (False, True):
-        trainer = DraftTrainer(policy, head, TrainConfig(bf16_autocast=bf16))
+        trainer = DraftTrainer(policy, head, offline_cfg(bf16_autocast=bf16))
         kept = trainer.lm_weight()
         assert kept.dtype == (torch.bfloat16 if bf16 else torch.float32)
         assert torch.equal(kept, draft_lm_weight(head, policy).to(kept.dtype))
@@ -309,11 +311,11 @@ def test_killed_trainer_resumes_from_its_last_checkpoint(structured, tmp_path):
     model, _, buffer, _ = structured
     path = tmp_path / "trainer.safetensors"
     meta = DraftMeta(version=2, parent_version=1, policy_version=0)
-    trainer = DraftTrainer(model, EagleHead(model.cfg), TrainConfig(warmup_steps=1))
+    trainer = DraftTrainer(model, EagleHead(model.cfg), offline_cfg(warmup_steps=1))
     trainer.train(buffer, max_steps=5, checkpoint=lambda t: t.save(path, meta), checkpoint_every=2)
     saved = {k: v.clone() for k, v in trainer.head.state_dict().items()}
     # "killed" after the checkpoint: a fresh process rebuilds the trainer and resumes
-    fresh = DraftTrainer(model, EagleHead(model.cfg, EagleConfig(init_seed=9)), TrainConfig(warmup_steps=1))
+    fresh = DraftTrainer(model, EagleHead(model.cfg, EagleConfig(init_seed=9)), offline_cfg(warmup_steps=1))
     assert fresh.resume(path).version == 2
     assert fresh.step == 5 and fresh.num_tokens == trainer.num_tokens
     for k, v in fresh.head.state_dict().items():
@@ -325,7 +327,7 @@ def test_killed_trainer_resumes_from_its_last_checkpoint(structured, tmp_path):
 def test_head_swap_mid_generation_is_lossless_and_takes_effect(structured):
     model, engine, buffer, held_out = structured
     trained = EagleHead(model.cfg)
-    DraftTrainer(model, trained, TrainConfig(total_steps=100)).train(buffer, max_steps=100)
+    DraftTrainer(model, trained, offline_cfg(total_steps=100)).train(buffer, max_steps=100)
     reqs = [Request(p, SamplingParams(max_new_tokens=32)) for p in held_out]
     plain = engine.generate(reqs)
     drafter = EagleDrafter(model, EagleHead(model.cfg))
@@ -341,7 +343,7 @@ def test_head_swap_mid_generation_is_lossless_and_takes_effect(structured):
     drafter.propose = propose
     swapped = engine.generate(reqs, k=3, drafter=drafter)
     assert [o.token_ids for o in swapped] == [o.token_ids for o in plain]
-    assert drafter.num_swaps == 1 and drafter.version == 7
+    assert drafter.swaps.num_swaps == 1 and drafter.version == 7
     untrained = engine.generate(reqs, k=3, drafter=EagleDrafter(model, EagleHead(model.cfg)))
     assert sum(o.num_accepted for o in swapped) > sum(o.num_accepted for o in untrained) + 20
     # a bf16 drafter takes a float32 head: converted when requested, the published head left as it was
@@ -368,7 +370,7 @@ def test_offline_acceptance_tracks_online_decoding(structured):
     rank drafts as decoding does, and under greedy land near the accepted length decoding measures."""
     model, engine, buffer, held_out = structured
     head = EagleHead(model.cfg)
-    DraftTrainer(model, head, TrainConfig(total_steps=150)).train(buffer, max_steps=150)
+    DraftTrainer(model, head, offline_cfg(total_steps=150)).train(buffer, max_steps=150)
     untrained = EagleHead(model.cfg)
     greedy_rollouts = RolloutBuffer(max_bytes=16 << 20, hidden_dtype=torch.float32)
     harvest(engine, held_out, greedy_rollouts, cfg=HarvestConfig(batch_size=8, max_new_tokens=32, temperature=0.0))
@@ -394,7 +396,7 @@ def test_calibrated_draft_temperature_scores_best_offline_and_online(structured)
     sampling; the offline score of a draft temperature tracks what sampled decoding measures with it."""
     model, engine, buffer, held_out = structured
     head = EagleHead(model.cfg)
-    DraftTrainer(model, head, TrainConfig(total_steps=150)).train(buffer, max_steps=150)
+    DraftTrainer(model, head, offline_cfg(total_steps=150)).train(buffer, max_steps=150)
     sampled_rollouts = RolloutBuffer(max_bytes=16 << 20, hidden_dtype=torch.float32)
     harvest(engine, held_out, sampled_rollouts, cfg=HarvestConfig(batch_size=8, max_new_tokens=32, temperature=1.0,
                                                                  top_p=1.0))

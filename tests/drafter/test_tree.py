@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.eagle import EagleDrafter, EagleHead
+from drafter.eagle import EagleDrafter
 from drafter.engine import Engine, Request
+from drafter.head import EagleHead
 from drafter.sampling import SamplingParams
 from drafter.tree import Tree, compact_path, parse_widths, tree_attention
 from tests.conftest import random_prompts, tiny_model

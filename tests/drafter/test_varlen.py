@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from drafter.buffer import RolloutBuffer, iter_batches
-from drafter.eagle import EagleConfig, EagleHead
-from drafter.train import flash_varlen_kernel, unrolled_predictions, varlen_attention_reference, varlen_layout
+from drafter.head import EagleConfig, EagleHead
+from drafter.unroll import flash_varlen_kernel, unrolled_predictions, varlen_attention_reference, varlen_layout
 from tests.conftest import random_prompts, tiny_model
 
 

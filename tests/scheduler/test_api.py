@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -9,13 +10,13 @@ import ray
 from fastapi.testclient import TestClient
 
 from scheduler.app import Settings, create_app
-from workers.protocol import jobs_index_key
+from workers.protocol import RAY_NAMESPACE, JobResult, driver_actor_name, job_phase_key, job_result_key, jobs_index_key
 from workers.redis_server import PrivateRedis
 
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 TINY = {"model": "tiny", "num_steps": 1, "num_prompts_per_step": 2, "group_size": 2, "max_new_tokens": 8,
-        "num_gpus": 2}
+        "num_workers": 2}
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +48,10 @@ def test_submit_runs_a_job_to_completion(client):
     record = wait_state(client, job_id, {"SUCCEEDED", "FAILED"})
     assert record["state"] == "SUCCEEDED", record["error"]
     assert record["steps"] == 1
+    # how it ended has one record, the driver's JobResult; the job record holds no second step count
+    result = JobResult.from_json(client.redis.get(job_result_key(job_id)))
+    assert result.ok and result.steps == 1 and result.error is None
+    assert "steps" not in json.loads(client.redis.get(f"tlt:job:{job_id}"))
     assert job_id in [j["job_id"] for j in client.get("/v1/jobs").json()]
     workers = client.get(f"/v1/jobs/{job_id}/workers").json()
     assert sorted(w["worker_id"] for w in workers) == ["w0", "w1"]
@@ -59,7 +64,7 @@ def test_submit_runs_a_job_to_completion(client):
 
 @pytest.mark.parametrize(("field", "value"), [
     ("num_steps", 0), ("group_size", 1), ("temperature", -1), ("task", "chess"), ("reward", "os.system"),
-    ("model", "gpt-99"), ("num_gpus", 0), ("max_new_tokens", "many"), ("surprise", 1),
+    ("model", "gpt-99"), ("num_workers", 0), ("max_new_tokens", "many"), ("surprise", 1),
     ("min_accepted_length", -1), ("drafter", {"num_rows": 0}), ("drafter", {"lr": 0}), ("drafter", {"typo": 1}),
     ("drafter", {"anneal_to_budget": "maybe"}), ("drafter", {"bf16_autocast": "fast"}),
     ("draft_dtype", "float64"), ("draft_tree", "3;2"), ("draft_tree", "0,2"), ("draft_tree", "17")])
@@ -101,3 +106,24 @@ def test_unknown_job_is_404_and_health(client):
     assert client.get("/v1/jobs/bad id!").status_code == 404
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.get("/readyz").status_code == 200
+
+
+def test_a_failing_job_records_its_drivers_error_in_one_line(client, tmp_path):
+    spec = TINY | {"task": "dataset", "dataset_path": str(tmp_path / "missing.jsonl")}
+    job_id = client.post("/v1/jobs", json=spec, headers=AUTH).json()["job_id"]
+    record = wait_state(client, job_id, {"SUCCEEDED", "FAILED"})
+    assert record["state"] == "FAILED" and "missing.jsonl" in record["error"] and "\n" not in record["error"]
+    result = JobResult.from_json(client.redis.get(job_result_key(job_id)))
+    assert not result.ok and record["error"] == result.error  # the job says what its JobResult says
+
+
+def test_a_driver_that_dies_without_a_result_fails_its_job_in_one_line(client):
+    job_id = client.post("/v1/jobs", json=TINY | {"num_steps": 500}, headers=AUTH).json()["job_id"]
+    deadline = time.monotonic() + 120
+    while client.redis.get(job_phase_key(job_id)) is None:  # the driver is at work
+        assert time.monotonic() < deadline, "the driver never began a step"
+        time.sleep(0.2)
+    ray.kill(ray.get_actor(driver_actor_name(job_id), namespace=RAY_NAMESPACE))
+    record = wait_state(client, job_id, {"SUCCEEDED", "FAILED"})
+    assert record["state"] == "FAILED" and client.redis.get(job_result_key(job_id)) is None
+    assert record["error"].startswith("its driver is gone and recorded no result: ") and "\n" not in record["error"]

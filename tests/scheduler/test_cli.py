@@ -36,7 +36,7 @@ def server(tmp_path_factory):
 def test_submit_status_jobs_cancel(server, tmp_path, capsys):
     spec = tmp_path / "job.yaml"
     spec.write_text("model: tiny\nnum_steps: 40\nnum_prompts_per_step: 2\ngroup_size: 2\nmax_new_tokens: 32\n"
-                    "num_gpus: 2\n")
+                    "num_workers: 2\n")
     assert main(["submit", str(spec), "--url", server, "--token", "tok", "--json"]) == 0
     job_id = json.loads(capsys.readouterr().out)["job_id"]
     assert main(["status", job_id, "--url", server]) == 0

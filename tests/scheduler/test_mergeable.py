@@ -1,22 +1,30 @@
-"""Which finished copies the watcher may average: same parent, head shape and draft vocabulary."""
+"""Which finished copies the scheduler merges, from their index entries alone: the workers' merge key
+(parent, head shape, draft vocabulary) read through the torch-free DraftIndex, grouped by the pure policy."""
 
 from __future__ import annotations
 
 import torch
 
 from drafter.checkpoint import DraftMeta
-from drafter.eagle import EagleConfig, EagleHead
-from drafter.warmstart import head_config
-from scheduler.watcher import mergeable
+from drafter.head import EagleConfig, EagleHead, head_config
+from scheduler.policy import CopyView, group_copies
 from tests.conftest import tiny_model
+from workers.draft_index import DraftIndex
 from workers.redis_server import PrivateRedis
-from workers.store import DraftStore
+from workers.store import DraftStore, merge_key
 
 
 def copy(store: DraftStore, head: EagleHead, steps: int, parent: int = 0) -> int:
+    state, config = head.state_dict(), head_config(head)
     meta = DraftMeta(version=0, parent_version=parent, policy_version=0, num_steps=steps, total_steps=steps,
-                     num_tokens=steps, head_config=head_config(head))
-    return store.publish(head.state_dict(), meta)
+                     num_tokens=steps, head_config=config, extra={"merge_key": merge_key(parent, config, state)})
+    return store.publish(state, meta)
+
+
+def grouped(redis, versions: list[int]) -> tuple[list[int], list[int]]:
+    index = DraftIndex(redis, "job:copies")
+    return group_copies([CopyView(v, index.entry(v)["num_steps"], index.entry(v)["extra"]["merge_key"])
+                         for v in versions])
 
 
 def test_the_largest_compatible_group_is_merged_and_the_rest_named(tmp_path):
@@ -27,12 +35,13 @@ def test_the_largest_compatible_group_is_merged_and_the_rest_named(tmp_path):
     counts[-16:] = 1.0
     c.set_vocab(counts)  # another worker's rollouts chose another draft vocabulary
     with PrivateRedis() as server:
-        store = DraftStore(server.client(), tmp_path, "job:copies")
+        redis = server.client()
+        store = DraftStore(redis, tmp_path, "job:copies")
         va, vb, vc = copy(store, a, 3), copy(store, b, 4), copy(store, c, 5)
-        assert mergeable(store, [va, vb, vc]) == ([va, vb], [vc])  # 7 steps beat 5
+        assert grouped(redis, [va, vb, vc]) == ([va, vb], [vc])  # 7 steps beat 5
         vd = copy(store, c, 9)
-        assert mergeable(store, [va, vb, vc, vd]) == ([vc, vd], [va, vb])
+        assert grouped(redis, [va, vb, vc, vd]) == ([vc, vd], [va, vb])
         ve = copy(store, a, 100, parent=1)  # another parent never averages with parent 0
-        assert mergeable(store, [va, ve]) == ([ve], [va])
-        merged = store.merge_and_publish(mergeable(store, [va, vb, vc])[0])
+        assert grouped(redis, [va, ve]) == ([ve], [va])
+        merged = store.merge_and_publish(grouped(redis, [va, vb, vc])[0])  # what the scorer does with the group
         assert store.load(merged)[1].parent_version == 0

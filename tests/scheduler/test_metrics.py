@@ -11,11 +11,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
-from scheduler.jobs import JobSpec, JobState, JobStore
-from scheduler.metrics import CLASSES, STATES, WORKER_FAMILIES, RedisCollector, exposition
+from scheduler.jobs import JobStore
+from scheduler.metrics import STATES, WORKER_FAMILIES, RedisCollector, exposition
+from scheduler.policy import CLASSES
 from workers.progress import ProgressReporter
-from workers.protocol import ProgressRecord, WorkerState, job_tlt_key
+from workers.protocol import JobState, ProgressRecord, WorkerState, job_tlt_key
 from workers.redis_server import PrivateRedis
+from workers.spec import JobSpec
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,7 @@ def library_text(job_id: str, records: list[ProgressRecord], classes: dict[str, 
 
 def test_worker_text_is_what_the_library_renders(redis):
     store = JobStore(redis)
-    job_id = store.create(JobSpec(model="tiny", num_gpus=3))[0]["job_id"]
+    job_id = store.create(JobSpec(model="tiny", num_workers=3))[0]["job_id"]
     store.transition(job_id, JobState.RUNNING, {JobState.PENDING})
     now = time.time()
     records = [ProgressRecord(job_id, "w0", WorkerState.ROLLING_OUT, 2, 1, 4, 123, 45.678901234, 1.75, 3, 2, 1, now),
@@ -58,7 +60,7 @@ def test_worker_text_is_what_the_library_renders(redis):
     for r in records:
         ProgressReporter(redis, job_id, r.worker_id).report(r, force=True)
     # a corrupted classes field must be escaped, not break the text format
-    classes = {"w0": "ROLLING_OUT", "w1": "TRAINING", 'evil"\\\nid': "IDLE"}
+    classes = {"w0": "ROLLING_OUT", "w1": "TRAINING", 'evil"\\\nid': "IDLE", "w3": "FAILED", "w4": "STALE"}
     redis.hset(job_tlt_key(job_id), mapping={"classes": json.dumps(classes), "reclaimed_worker_s": 1.5})
 
     registry = CollectorRegistry()
@@ -74,13 +76,17 @@ def test_worker_text_is_what_the_library_renders(redis):
     assert [s.labels["state"] for s in swapping] == ["SWAPPING"]
     assert {s.labels["worker"] for s in parsed["tlt_worker_class"]} == set(classes)
     assert parsed["tlt_reclaimed_worker_seconds"][0].value == 1.5
+    assert {s.labels["class"] for s in parsed["tlt_worker_class"] if s.value == 1.0} == {
+        "ROLLING_OUT", "TRAINING", "IDLE", "FAILED", "STALE"}  # the policy's classes, WorkerState's names
+    assert STATES == ["ROLLING_OUT", "IDLE", "TRAINING", "SWAPPING", "FAILED"]  # what workers report
     # job-level families still come from the library, in the same body
-    assert parsed["tlt_job_info"][0].labels["job"] == job_id
+    [info] = parsed["tlt_job_info"]
+    assert info.labels["job"] == job_id and info.labels["num_workers"] == "3"
 
 
 def test_a_finished_job_without_steps_exports_no_worker_samples(redis):
     store = JobStore(redis)
-    job_id = store.create(JobSpec(model="tiny", num_gpus=1))[0]["job_id"]
+    job_id = store.create(JobSpec(model="tiny", num_workers=1))[0]["job_id"]
     store.transition(job_id, JobState.CANCELLED, {JobState.PENDING})
     ProgressReporter(redis, job_id, "w0").report(
         ProgressRecord(job_id, "w0", WorkerState.IDLE, 0, 0, 0, 0, 0.0, 1.0, 0, 0, 0, time.time()), force=True)

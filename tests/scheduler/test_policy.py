@@ -1,39 +1,46 @@
-"""The scheduler's pure policy on constructed progress snapshots."""
+"""The scheduler's pure policy on constructed progress snapshots and copy index entries: no Redis, Ray or torch."""
 
 from __future__ import annotations
 
 import pytest
 
 from scheduler.policy import (
-    Phase,
+    CLASSES,
+    CopyView,
     PolicySettings,
-    WorkerClass,
     WorkerView,
+    choose_scorer,
     classify,
     decide,
+    group_copies,
+    rollout_under_way,
     should_publish,
 )
+from workers.protocol import Phase, WorkerState
 
 NOW = 1000.0
 S = PolicySettings()
+ROLLING_OUT, STRAGGLER, IDLE, TRAINING, FAILED, STALE = (
+    WorkerState.ROLLING_OUT, WorkerState.STRAGGLER, WorkerState.IDLE, WorkerState.TRAINING, WorkerState.FAILED,
+    WorkerState.STALE)
 
 
-def view(wid, state="ROLLING_OUT", done=2, total=8, age=0.5, buffer=4096):
-    return WorkerView(wid, state, done, total, NOW - age, buffer)
+def view(wid, state=ROLLING_OUT, done=2, total=8, age=0.5, buffer=4096):
+    return WorkerView(wid, WorkerState(state), done, total, NOW - age, buffer)
 
 
 def test_early_rollout_everyone_rolls_out_and_nothing_is_granted():
     views = [view(f"w{i}", done=3) for i in range(4)]
     d = decide(views, NOW, Phase.ROLLOUT, 20.0, 1, S)
-    assert set(d.classes.values()) == {WorkerClass.ROLLING_OUT}
+    assert set(d.classes.values()) == {ROLLING_OUT}
     assert not d.long_tail and d.grants == [] and d.preempt == []
 
 
 def test_idle_workers_in_the_long_tail_get_leases_with_a_deadline_before_rollout_ends():
-    views = [view("w0", "IDLE", 8), view("w1", "IDLE", 8), view("w2", done=4), view("w3", done=6)]
+    views = [view("w0", IDLE, 8), view("w1", IDLE, 8), view("w2", done=4), view("w3", done=6)]
     d = decide(views, NOW, Phase.ROLLOUT, 60.0, 3, S)
-    assert d.classes["w0"] == d.classes["w1"] == WorkerClass.IDLE
-    assert d.classes["w2"] == WorkerClass.STRAGGLER  # half the workers are done
+    assert d.classes["w0"] == d.classes["w1"] == IDLE
+    assert d.classes["w2"] == STRAGGLER  # half the workers are done
     assert d.long_tail
     assert [g.worker_id for g in d.grants] == ["w0", "w1"]
     # slowest is half done after 60 s: ~60 s left; leases stop at 80% of it, on the serving version
@@ -43,18 +50,28 @@ def test_idle_workers_in_the_long_tail_get_leases_with_a_deadline_before_rollout
 def test_far_behind_the_median_is_a_straggler_even_early():
     views = [view("w0", done=6), view("w1", done=6), view("w2", done=5), view("w3", done=1)]
     classes = classify(views, NOW, S)
-    assert classes["w3"] == WorkerClass.STRAGGLER and classes["w0"] == WorkerClass.ROLLING_OUT
+    assert classes["w3"] == STRAGGLER and classes["w0"] == ROLLING_OUT
 
 
-def test_end_of_rollout_preempts_trainers():
-    views = [view("w0", "TRAINING", 8), view("w1", "TRAINING", 8), view("w2", "IDLE", 8), view("w3", "IDLE", 8)]
-    d = decide(views, NOW, Phase.UPDATE, 60.0, 3, S)
-    assert sorted(d.preempt) == ["w0", "w1"] and d.grants == []
+def test_a_swapping_worker_counts_as_generating():
+    classes = classify([view("w0", WorkerState.SWAPPING, 3), view("w1", done=3)], NOW, S)
+    assert classes == {"w0": ROLLING_OUT, "w1": ROLLING_OUT}
+
+
+@pytest.mark.parametrize("phase", [Phase.SYNC, Phase.UPDATE, Phase.DONE])
+def test_outside_the_rollout_trainers_are_preempted_and_nothing_is_granted(phase):
+    views = [view("w0", TRAINING, 8), view("w1", TRAINING, 8), view("w2", IDLE, 8), view("w3", IDLE, 8)]
+    d = decide(views, NOW, phase, 60.0, 3, S)
+    assert sorted(d.preempt) == ["w0", "w1"] and d.grants == [] and not d.long_tail
+
+
+def test_only_the_rollout_phase_lets_idle_workers_train():
+    assert [p for p in Phase if rollout_under_way(p)] == [Phase.ROLLOUT]
 
 
 def test_leases_not_progress_records_decide_preemption():
     # w0's record lags (IDLE) and w1 already rolls out the next step: both still hold leases
-    views = [view("w0", "IDLE", 8), view("w1", done=1), view("w2", "IDLE", 8), view("w3", "IDLE", 8)]
+    views = [view("w0", IDLE, 8), view("w1", done=1), view("w2", IDLE, 8), view("w3", IDLE, 8)]
     assert decide(views, NOW, Phase.UPDATE, 60.0, 3, S, leased=frozenset({"w0", "w1"})).preempt == ["w0", "w1"]
     d = decide(views, NOW, Phase.ROLLOUT, 60.0, 3, S, leased=frozenset({"w0", "w1"}))
     assert d.preempt == ["w1"]  # given rollouts again: its GPU is needed
@@ -62,28 +79,66 @@ def test_leases_not_progress_records_decide_preemption():
     assert sorted(g.worker_id for g in d.grants) == ["w2", "w3"]
 
 
-def test_stale_and_failed_records_are_ignored():
-    views = [view("w0", "IDLE", 8, age=30), view("w1", "FAILED", 0), view("w2", done=4), view("w3", done=4)]
+def test_the_scorer_gets_no_lease():
+    views = [view("w0", IDLE, 8), view("w1", IDLE, 8), view("w2", done=2)]
+    d = decide(views, NOW, Phase.ROLLOUT, 60.0, 3, S, busy=frozenset({"w0"}))
+    assert d.long_tail and [g.worker_id for g in d.grants] == ["w1"]
+
+
+def test_stale_and_failed_records_are_neither_counted_nor_given_work():
+    views = [view("w0", IDLE, 8, age=30), view("w1", FAILED, 0), view("w2", done=4), view("w3", done=4)]
     d = decide(views, NOW, Phase.ROLLOUT, 60.0, 1, S)
-    assert d.classes["w0"] == d.classes["w1"] == WorkerClass.STALE
+    assert d.classes["w0"] == STALE and d.classes["w1"] == FAILED
     assert not d.long_tail and d.grants == []
+    # a failed worker's record may be old too: it still says FAILED, the more useful of the two
+    assert classify([view("w1", FAILED, 0, age=30)], NOW, S) == {"w1": FAILED}
+    assert set(classify(views, NOW, S).values()) <= set(CLASSES)
 
 
 def test_no_lease_when_too_little_time_or_data_is_left():
-    views = [view("w0", "IDLE", 8), view("w1", "IDLE", 8, buffer=10), view("w2", done=7)]
+    views = [view("w0", IDLE, 8), view("w1", IDLE, 8, buffer=10), view("w2", done=7)]
     assert decide(views, NOW, Phase.ROLLOUT, 20.0, 1, S).grants == []  # 7/8 done: ~2.9 s left
-    d = decide([view("w0", "IDLE", 8), view("w1", "IDLE", 8, buffer=10), view("w2", done=2)],
+    d = decide([view("w0", IDLE, 8), view("w1", IDLE, 8, buffer=10), view("w2", done=2)],
                NOW, Phase.ROLLOUT, 20.0, 1, S)
     assert [g.worker_id for g in d.grants] == ["w0"]  # w1's buffer is too small
 
 
-def test_publish_only_if_not_worse():
+def test_the_scorer_is_a_free_worker_that_did_not_train_in_the_round():
+    classes = {"w0": IDLE, "w1": IDLE, "w2": STRAGGLER, "w3": TRAINING}
+    assert choose_scorer(classes, Phase.ROLLOUT, trained=["w0"]) == ("w1", True)
+    assert choose_scorer(classes, Phase.ROLLOUT, trained=["w0", "w1"]) == ("w0", False)  # else any free one
+    assert choose_scorer(classes, Phase.ROLLOUT, trained=[], leased=["w0", "w1"]) == (None, False)
+    # the generating and the training are not free during a rollout
+    assert choose_scorer({"w0": STRAGGLER, "w1": TRAINING}, Phase.ROLLOUT, trained=[]) == (None, False)
+    # outside the rollout nothing generates: any live worker scores, never a failed or stale one
+    outside = {"w0": FAILED, "w1": STALE, "w2": ROLLING_OUT, "w3": IDLE}
+    assert choose_scorer(outside, Phase.UPDATE, trained=["w3"]) == ("w2", True)
+    assert choose_scorer({"w0": FAILED, "w1": STALE}, Phase.UPDATE, trained=[]) == (None, False)
+
+
+def test_copies_group_by_merge_key_and_the_largest_group_by_steps_is_merged():
+    a, b, c = CopyView(1, 3, "k1"), CopyView(2, 4, "k1"), CopyView(3, 5, "k2")
+    assert group_copies([a, b, c]) == ([1, 2], [3])  # 7 steps beat 5
+    d = CopyView(4, 9, "k2")
+    assert group_copies([a, b, c, d]) == ([3, 4], [1, 2])
+    # on equal steps the larger group wins, then the first
+    assert group_copies([CopyView(1, 4, "x"), CopyView(2, 2, "y"), CopyView(3, 2, "y")]) == ([2, 3], [1])
+    assert group_copies([CopyView(1, 4, "x"), CopyView(2, 4, "y")]) == ([1], [2])
+    # a copy with no key averages with nothing, not even another keyless one
+    assert group_copies([CopyView(1, 3, None), CopyView(2, 3, None), CopyView(3, 1, "k")]) == ([1], [2, 3])
+    assert group_copies([]) == ([], [])
+
+
+def test_publish_only_if_scored_and_not_worse():
     assert should_publish(2.1, 2.0, S) and should_publish(2.0, 2.0, S) and should_publish(1.2, None, S)
     assert not should_publish(1.9, 2.0, S)
+    assert not should_publish(None, None, S) and not should_publish(None, 1.0, S)
+    assert should_publish(1.9, 2.0, PolicySettings(publish_tolerance=0.1))
 
 
-@pytest.mark.parametrize("kwargs", [{"lease_margin": 0}, {"straggler_done_fraction": 1.5},
-                                    {"min_lease_s": 10, "max_lease_s": 5}])
-def test_bad_settings_are_rejected(kwargs):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(("kwargs", "field"), [({"lease_margin": 0}, "lease_margin"),
+                                               ({"straggler_done_fraction": 1.5}, "straggler_done_fraction"),
+                                               ({"min_lease_s": 10, "max_lease_s": 5}, "min_lease_s")])
+def test_bad_settings_are_rejected_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
         PolicySettings(**kwargs)

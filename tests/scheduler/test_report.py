@@ -13,11 +13,12 @@ from scheduler.app import Settings
 from scheduler.cli import main
 from scheduler.client import call
 from scheduler.demo import start_server
-from scheduler.jobs import JobSpec, JobState, JobStore
+from scheduler.jobs import JobStore
 from scheduler.report import spans, totals
 from workers.progress import ProgressReporter
-from workers.protocol import ProgressRecord, WorkerState, job_drafts_key, job_steps_key, job_tlt_key
+from workers.protocol import JobState, ProgressRecord, WorkerState, job_drafts_key, job_steps_key, job_tlt_key
 from workers.redis_server import PrivateRedis
+from workers.spec import JobSpec
 
 
 def ev(worker, to, ts, step=0):
@@ -63,7 +64,7 @@ def server(tmp_path):
 def test_report_writes_plots_and_a_summary(server, tmp_path, capsys):
     url, redis = server
     store = JobStore(redis)
-    job_id = store.create(JobSpec(model="tiny", num_gpus=2, num_steps=2))[0]["job_id"]
+    job_id = store.create(JobSpec(model="tiny", num_workers=2, num_steps=2))[0]["job_id"]
     store.transition(job_id, JobState.RUNNING, {JobState.PENDING})
     t0 = time.time()
     for wid, states in (("w0", ["ROLLING_OUT", "IDLE", "TRAINING", "IDLE", "ROLLING_OUT", "IDLE"]),
@@ -88,7 +89,7 @@ def test_report_writes_plots_and_a_summary(server, tmp_path, capsys):
             **({"reason": reason} if reason else {})}))
     redis.hset(job_tlt_key(job_id), mapping={"reclaimed_worker_s": 3.0, "num_leases": 2, "num_published": 1,
                                              "num_rejected": 1})
-    store.transition(job_id, JobState.SUCCEEDED, {JobState.RUNNING}, steps=2)
+    store.transition(job_id, JobState.SUCCEEDED, {JobState.RUNNING})
     out = tmp_path / "report"
     assert main(["report", job_id, "--out", str(out), "--url", url]) == 0
     printed = capsys.readouterr().out
@@ -98,6 +99,7 @@ def test_report_writes_plots_and_a_summary(server, tmp_path, capsys):
         assert f"{name}: {out / name}.png" in printed
     summary = (out / "summary.md").read_text()
     assert f"# Job {job_id}" in summary and "SUCCEEDED" in summary
+    assert "2 rollout workers" in summary and "2 of 2 steps done" in summary  # steps: the step records
     assert "reclaimed for drafter training: 3.0 (75%)" in summary  # 3.0 of 2 x 2.0 idle worker-seconds
     assert all(f"({name}.png)" in summary for name in ("timeline", "steps", "phases"))
     assert "versions published 1, candidates rejected 1, serving draft none" in summary

@@ -28,7 +28,7 @@ from workers.protocol import drafts_index_key, job_steps_key, job_tlt_key
 from workers.redis_server import PrivateRedis, free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
-SPEC = {"num_steps": 8, "num_prompts_per_step": 3, "group_size": 4, "max_new_tokens": 300, "num_gpus": 2,
+SPEC = {"num_steps": 8, "num_prompts_per_step": 3, "group_size": 4, "max_new_tokens": 300, "num_workers": 2,
         "draft_k": 2}
 
 

@@ -1,9 +1,11 @@
-"""The watcher scores a round's candidate without waiting for the answer inside a tick, decides it
-on a later tick, survives a restart in between, and deletes the decided round's copies.
+"""The watcher's rounds: a round's copies are scored by a worker without a tick waiting for it, the
+answer is read from Redis on a later tick (also by a restarted scheduler), a candidate that is not
+worse is published by a worker, and the decided round's copies are deleted.
 
-The worker here is a Ray actor that answers `evaluate_drafts` only when the test releases it: what
-is under test is the watcher's bookkeeping around a slow call (the real worker's scoring runs in
-tests/scheduler/test_watcher.py's end-to-end job)."""
+The worker here is a Ray actor under the rollout worker's name that merges the copies for real
+(DraftStore) and publishes with the real workers.scoring.Scorer, but answers scoring only when the
+test releases it, with the accepted lengths the test gives: what is under test is the watcher's
+bookkeeping around slow work (the real worker's scoring runs in test_watcher.py's end-to-end job)."""
 
 from __future__ import annotations
 
@@ -15,35 +17,60 @@ import pytest
 import ray
 
 from drafter.checkpoint import DraftMeta
-from drafter.eagle import EagleHead
-from drafter.warmstart import head_config
+from drafter.head import EagleHead, head_config
 from scheduler.jobs import JobStore
 from scheduler.policy import PolicySettings
-from scheduler.watcher import JobTLT, Watcher
+from scheduler.state import JobTLT
+from scheduler.watcher import Watcher
 from tests.conftest import tiny_model
-from workers.protocol import job_drafts_key
+from workers.protocol import (
+    RAY_NAMESPACE,
+    Phase,
+    ProgressRecord,
+    ScoringRequest,
+    ScoringResult,
+    WorkerState,
+    connect,
+    job_drafts_key,
+    job_scoring_key,
+    worker_actor_name,
+)
 from workers.redis_server import PrivateRedis
+from workers.scoring import Scorer
+from workers.store import job_stores
 
 JOB = "job1"
+IDLE = {"w0": WorkerState.IDLE, "w1": WorkerState.IDLE}
 
 
 @ray.remote(num_cpus=0)
 class SlowScorer:
-    """Answers evaluate_drafts once released, with the accepted lengths it is given (or an error)."""
-
-    def __init__(self) -> None:
+    def __init__(self, redis_url: str, store_dir: str, worker_id: str) -> None:
+        self.redis, self.worker_id = connect(redis_url), worker_id
+        served, self.copies = job_stores(self.redis, store_dir, JOB)
+        self.scorer = Scorer(self.redis, None, None, served, self.copies, None)  # publish_candidate's parts
         self.released = asyncio.Event()
         self.answer: list[float] | str = []
-        self.asked: list[list[dict]] = []
+        self.asked: list[dict] = []
 
-    async def evaluate_drafts(self, drafts: list[dict], k: int, greedy: bool) -> dict:
-        self.asked.append(drafts)
+    async def score_round(self, request: dict) -> None:
+        self.asked.append(request)
+        asyncio.get_running_loop().create_task(self._score(ScoringRequest.from_dict(request)))
+
+    async def _score(self, req: ScoringRequest) -> None:
         await self.released.wait()
+        result = ScoringResult(req.round_id, self.worker_id, num_tokens=100)
         if isinstance(self.answer, str):
-            raise ValueError(self.answer)
-        # a calibrated draft is answered at draft temperature 0.6, as a worker whose rollouts preferred it
-        return {"accepted_lengths": self.answer[: len(drafts)], "num_tokens": 100,
-                "draft_temperatures": [0.6 if d.get("calibrate") else None for d in drafts]}
+            result.error = self.answer
+        else:  # a calibrated candidate, answered at draft temperature 0.6
+            result.candidate = self.copies.merge_and_publish(list(req.copies))
+            result.candidate_accepted_length, result.candidate_draft_temperature = self.answer[0], 0.6
+            if req.serving_version is not None:
+                result.serving_accepted_length = self.answer[1]
+        self.redis.set(job_scoring_key(JOB), result.to_json())
+
+    async def publish_candidate(self, candidate: int, draft_temperature: float | None, extra: dict) -> int:
+        return self.scorer.publish_candidate(candidate, draft_temperature, extra)
 
     async def release(self, answer: list[float] | str) -> None:
         self.answer = answer
@@ -52,7 +79,7 @@ class SlowScorer:
     async def block(self) -> None:
         self.released.clear()
 
-    async def questions(self) -> list[list[dict]]:
+    async def questions(self) -> list[dict]:
         return self.asked
 
 
@@ -68,18 +95,26 @@ def setup(cluster, tmp_path):
     with PrivateRedis() as server:
         redis = server.client()
         watcher = Watcher(JobStore(redis), str(tmp_path), PolicySettings())
-        yield watcher, redis, tmp_path
+        scorer = SlowScorer.options(name=worker_actor_name(JOB, "w0"), namespace=RAY_NAMESPACE).remote(
+            server.url, str(tmp_path), "w0")
+        yield watcher, redis, tmp_path, scorer
+        ray.kill(scorer)
 
 
-def add_copies(watcher: Watcher, n: int, parent: int = 0) -> list[int]:
+def live(*worker_ids: str) -> dict[str, ProgressRecord]:
+    return {w: ProgressRecord(JOB, w, WorkerState.IDLE, 0, 4, 4, 10, 1.0, 1.0, 0, 0, 0, time.time())
+            for w in worker_ids}
+
+
+def add_copies(tmp_path, redis, n: int, parent: int = 0) -> list[int]:
     model = tiny_model()
-    _, copies = watcher.stores(JOB)
+    _, copies = job_stores(redis, tmp_path, JOB)
     out = []
     for i in range(n):
         head = EagleHead(model.cfg)
         out.append(copies.publish(head.state_dict(), DraftMeta(
             version=0, parent_version=parent, policy_version=0, num_steps=3 + i, total_steps=3 + i, num_tokens=10,
-            head_config=head_config(head))))
+            head_config=head_config(head), extra={"merge_key": f"parent-{parent}"})))
     return out
 
 
@@ -87,97 +122,109 @@ def decisions(redis) -> list[dict]:
     return [json.loads(r) for r in redis.lrange(job_drafts_key(JOB), 0, -1)]
 
 
+def start(watcher: Watcher, st: JobTLT, classes=IDLE) -> None:
+    watcher.jobs[JOB] = st
+    watcher.rounds.start(JOB, st, classes, Phase.ROLLOUT, 2)
+
+
 def wait_decided(watcher: Watcher, st: JobTLT, workers: dict, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while st.scoring is not None and time.monotonic() < deadline:
-        watcher._poll_scoring(JOB, st, workers)
+        watcher.commands.poll()
+        if st.scoring is not None:
+            watcher.rounds.poll(JOB, st, workers)
         time.sleep(0.05)
     assert st.scoring is None, "the watcher never decided the round"
 
 
 def test_scoring_is_collected_by_a_later_tick_and_the_round_is_pruned(setup):
-    watcher, redis, tmp_path = setup
-    scorer = SlowScorer.remote()
-    workers = {"w0": scorer, "w1": scorer}
-    st = JobTLT(copies=add_copies(watcher, 2), trained=["w1"])
-    served, copies = watcher.stores(JOB)
-    watcher._start_scoring(JOB, st, workers, ["w0", "w1"], 2)
+    watcher, redis, tmp_path, scorer = setup
+    st = JobTLT(copies=add_copies(tmp_path, redis, 2), trained=["w1"])
+    served, copies = job_stores(redis, tmp_path, JOB)
+    start(watcher, st)
     assert st.scoring is not None and st.copies == [] and st.trained == []  # the next round starts empty
-    candidate = st.scoring["candidate"]
-    assert st.scoring["merged"] == [1, 2] and candidate == 3
+    assert st.scoring["merged"] == [1, 2] and st.scoring["round_id"] == f"{JOB}-r1"
     assert st.scoring["evaluated_by"] == "w0" and st.scoring["held_out"]  # w1 trained on this round's data
     for _ in range(3):  # the scorer has not answered: polling returns at once and decides nothing
-        watcher._poll_scoring(JOB, st, workers)
+        watcher.commands.poll()
+        watcher.rounds.poll(JOB, st, live("w0", "w1"))
     assert st.scoring is not None and decisions(redis) == [] and served.latest_version() is None
     ray.get(scorer.release.remote([1.7]))
-    wait_decided(watcher, st, workers)
+    wait_decided(watcher, st, live("w0", "w1"))
     [d] = decisions(redis)
-    assert d["candidate"] == candidate and d["candidate_accepted_length"] == 1.7 and d["published_version"] == 1
-    assert d["serving_accepted_length"] is None and "serving_version" not in d
-    assert st.num_published == 1 and served.load(1)[1].extra["candidate"] == candidate
+    assert d["candidate"] == 3 and d["candidate_accepted_length"] == 1.7 and d["published_version"] == 1
+    assert d["serving_accepted_length"] is None and d["eval_tokens"] == 100 and d["reason"] is None
+    assert "serving_version" not in d and "stage" not in d
+    assert st.num_published == 1 and served.load(1)[1].extra["candidate"] == 3
     # published at the draft temperature it was scored at; the copies it came from said 1.0
     assert d["candidate_draft_temperature"] == 0.6
     meta = served.load(1)[1]
     assert meta.head_config["eagle"]["draft_temperature"] == 0.6 and meta.extra["draft_temperature"] == 0.6
+    assert meta.extra["accepted_length"] == 1.7 and meta.extra["round_id"] == d["round_id"]
     # decided: the round's copies and candidate are gone from the copies store, index and files
     assert copies.versions() == [] and not list((tmp_path / JOB / "copies").glob("*.safetensors"))
-    assert ray.get(scorer.questions.remote()) == [[{"store": "copies", "version": candidate, "calibrate": True}]]
+    [asked] = ray.get(scorer.questions.remote())
+    assert asked == {"round_id": f"{JOB}-r1", "copies": [1, 2], "serving_version": None, "k": 2}
 
 
-def test_a_restarted_watcher_asks_again_and_a_worse_candidate_is_not_published(setup):
-    watcher, redis, _ = setup
-    scorer = SlowScorer.remote()
-    workers = {"w0": scorer}
-    st = JobTLT(copies=add_copies(watcher, 1))
-    watcher._start_scoring(JOB, st, workers, ["w0"], 2)
+def test_a_restarted_watcher_reads_the_answer_and_a_worse_candidate_is_not_published(setup):
+    watcher, redis, tmp_path, scorer = setup
+    st = JobTLT(copies=add_copies(tmp_path, redis, 1))
+    start(watcher, st)
     ray.get(scorer.release.remote([1.5]))
-    wait_decided(watcher, st, workers)  # v1 served, scored 1.5
+    wait_decided(watcher, st, live("w0"))  # v1 served, scored 1.5
     ray.get(scorer.block.remote())
-    st.copies = add_copies(watcher, 2, parent=1)
-    watcher._start_scoring(JOB, st, workers, ["w0"], 2)
-    candidate = st.scoring["candidate"]
+    st.copies = add_copies(tmp_path, redis, 2, parent=1)
+    start(watcher, st)
+    round_id = st.scoring["round_id"]
     st.save(redis, JOB)
-    # the scheduler restarts: the question in flight is lost with the old process, the round is not
-    restarted = Watcher(JobStore(redis), watcher.store_dir, PolicySettings())
+    # the scheduler restarts while the worker scores: the answer lands in Redis, the new process reads it
+    restarted = Watcher(JobStore(redis), str(tmp_path), PolicySettings())
     st2 = JobTLT.load(redis, JOB)
-    assert st2.scoring is not None and st2.scoring["candidate"] == candidate
-    restarted._poll_scoring(JOB, st2, workers)
+    assert st2.scoring is not None and st2.scoring["round_id"] == round_id and st2.scoring["serving_version"] == 1
+    restarted.jobs[JOB] = st2
+    restarted.rounds.poll(JOB, st2, live("w0"))
+    assert st2.scoring is not None  # not answered yet
     ray.get(scorer.release.remote([1.4, 1.6]))  # the candidate scores below the serving draft
-    wait_decided(restarted, st2, workers)
+    wait_decided(restarted, st2, live("w0"))
     d = decisions(redis)[-1]
-    assert (d["candidate"], d["candidate_accepted_length"], d["serving_accepted_length"]) == (candidate, 1.4, 1.6)
+    assert (d["round_id"], d["candidate_accepted_length"], d["serving_accepted_length"]) == (round_id, 1.4, 1.6)
     assert d["published_version"] is None and d["reason"] == "scored worse than the serving draft"
-    served, copies = restarted.stores(JOB)
+    served, copies = job_stores(redis, tmp_path, JOB)
     assert served.latest_version() == 1 and st2.num_rejected == 1 and copies.versions() == []
-    asked = ray.get(scorer.questions.remote())
-    assert asked[-1] == asked[-2] == [{"store": "copies", "version": candidate, "calibrate": True},
-                                      {"store": "served", "version": 1}]
+    assert len(ray.get(scorer.questions.remote())) == 2  # asked once per round, not again after the restart
 
 
 def test_a_failed_or_vanished_scorer_rejects_the_round(setup):
-    watcher, redis, _ = setup
-    scorer = SlowScorer.remote()
-    st = JobTLT(copies=add_copies(watcher, 1))
-    watcher._start_scoring(JOB, st, {"w0": scorer}, ["w0"], 2)
-    ray.get(scorer.release.remote("no recorded rollouts"))
-    wait_decided(watcher, st, {"w0": scorer})
+    watcher, redis, tmp_path, scorer = setup
+    st = JobTLT(copies=add_copies(tmp_path, redis, 1))
+    start(watcher, st)
+    ray.get(scorer.release.remote("ValueError: worker w0 has no rollouts to score drafts on"))
+    wait_decided(watcher, st, live("w0"))
     d = decisions(redis)[-1]
-    assert d["published_version"] is None and "no recorded rollouts" in d["reason"] and st.num_rejected == 1
-    # after a restart the evaluator is gone: the round is decided unscored, not left hanging
-    st.copies = add_copies(watcher, 1)
-    watcher._start_scoring(JOB, st, {"w0": scorer}, ["w0"], 2)
-    restarted = Watcher(JobStore(redis), watcher.store_dir, PolicySettings())
-    restarted._poll_scoring(JOB, st, {"w9": scorer})
+    assert d["published_version"] is None and "no rollouts" in d["reason"] and st.num_rejected == 1
+    assert d["reason"].startswith("not scored: ")
+    # the scorer's progress record is gone (or says FAILED): the round is decided unscored, not left hanging
+    ray.get(scorer.block.remote())
+    st.copies = add_copies(tmp_path, redis, 1)
+    start(watcher, st)
+    watcher.rounds.poll(JOB, st, live("w1"))
     assert st.scoring is None and decisions(redis)[-1]["reason"] == "not scored: evaluator w0 is gone"
-    assert watcher.stores(JOB)[1].versions() == [] and watcher.stores(JOB)[0].latest_version() is None
+    # a worker with no actor refuses at once
+    st.copies = add_copies(tmp_path, redis, 1)
+    start(watcher, st, {"w7": WorkerState.IDLE})
+    assert st.scoring is None and decisions(redis)[-1]["reason"].startswith("not scored: worker w7 has no actor")
+    served, copies = job_stores(redis, tmp_path, JOB)
+    assert copies.versions() == [] and served.latest_version() is None
 
 
-def test_pruning_can_be_turned_off(setup):
-    watcher, redis, _ = setup
-    watcher.settings = PolicySettings(prune_copies=False)
-    scorer = SlowScorer.remote()
-    st = JobTLT(copies=add_copies(watcher, 2))
-    watcher._start_scoring(JOB, st, {"w0": scorer}, ["w0"], 2)
+def test_no_free_worker_means_no_round_yet_and_pruning_can_be_turned_off(setup):
+    watcher, redis, tmp_path, scorer = setup
+    st = JobTLT(copies=add_copies(tmp_path, redis, 2))
+    start(watcher, st, {"w0": WorkerState.STRAGGLER, "w1": WorkerState.TRAINING})
+    assert st.scoring is None and st.copies == [1, 2]  # kept for a later tick
+    watcher.settings = watcher.rounds.settings = PolicySettings(prune_copies=False)
+    start(watcher, st)
     ray.get(scorer.release.remote([1.2]))
-    wait_decided(watcher, st, {"w0": scorer})
-    assert [e["version"] for e in watcher.stores(JOB)[1].versions()] == [1, 2, 3]
+    wait_decided(watcher, st, live("w0"))
+    assert [e["version"] for e in job_stores(redis, tmp_path, JOB)[1].versions()] == [1, 2, 3]

@@ -21,7 +21,7 @@ from workers.store import DraftStore
 
 # A tiny model with an EOS token: sampled responses end at random lengths (geometric, mean ~256), so
 # one worker finishes its share well before the other and waits at the barrier: a real long tail.
-SPEC = {"num_steps": 6, "num_prompts_per_step": 3, "group_size": 4, "max_new_tokens": 900, "num_gpus": 2,
+SPEC = {"num_steps": 6, "num_prompts_per_step": 3, "group_size": 4, "max_new_tokens": 900, "num_workers": 2,
         "draft_k": 2}
 # tiny-model steps are seconds long: allow short leases and small buffers
 POLICY = PolicySettings(min_lease_s=0.05, min_buffer_tokens=16)

@@ -1,4 +1,4 @@
-"""GRPO math on hand-computed examples, and the update on a tiny model."""
+"""GRPO math on hand-computed examples, and the update on a tiny model; settings come off a JobSpec."""
 
 from __future__ import annotations
 
@@ -8,21 +8,25 @@ import pytest
 import torch
 
 from tests.conftest import tiny_model
-from workers.grpo import GRPOConfig, group_advantages, grpo_loss, grpo_update, sequence_logprobs
+from workers.grpo import group_advantages, grpo_loss, grpo_update, sequence_logprobs
+from workers.spec import JobSpec
 
 
 def test_group_advantages_hand_computed():
     # group 0: mean 0.5, population std 0.5 -> (r - 0.5) / 0.5 = +-1; group 1 is unanimous -> 0
-    adv = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]]))
+    adv = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]]), JobSpec(group_size=4))
     torch.testing.assert_close(adv, torch.tensor([[1.0, -1.0, -1.0, 1.0], [0.0, 0.0, 0.0, 0.0]]),
                                atol=1e-5, rtol=0)
     # [3, 0, 0]: mean 1, std sqrt((4 + 1 + 1) / 3) = sqrt(2) -> [2, -1, -1] / sqrt(2)
-    adv = group_advantages(torch.tensor([[3.0, 0.0, 0.0]]))
+    adv = group_advantages(torch.tensor([[3.0, 0.0, 0.0]]), JobSpec(group_size=3))
     s = math.sqrt(2)
     torch.testing.assert_close(adv, torch.tensor([[2 / s, -1 / s, -1 / s]]), atol=1e-5, rtol=0)
-    assert group_advantages(torch.tensor([[3.0, 1.0]]), normalize_std=False).tolist() == [[1.0, -1.0]]
+    dr_grpo = JobSpec(group_size=2, normalize_std=False)
+    assert group_advantages(torch.tensor([[3.0, 1.0]]), dr_grpo).tolist() == [[1.0, -1.0]]
     with pytest.raises(ValueError, match="num_groups, group_size"):
-        group_advantages(torch.tensor([1.0, 0.0]))
+        group_advantages(torch.tensor([1.0, 0.0]), dr_grpo)
+    with pytest.raises(ValueError, match="group_size=2"):  # groups of another size than the job's
+        group_advantages(torch.tensor([[1.0, 0.0, 1.0]]), dr_grpo)
 
 
 def _loss_example():
@@ -43,7 +47,7 @@ def _loss_example():
 def test_grpo_loss_hand_computed():
     logp, old, adv, mask = _loss_example()
     logp.requires_grad_(True)
-    loss, stats = grpo_loss(logp, old, adv, mask, clip_eps=0.2)
+    loss, stats = grpo_loss(logp, old, adv, mask, clip_eps=0.2, kl_coef=0.0)
     e = math.exp
     expected = (-1.2 - 1.0 - e(-0.5) + 0.8 + e(0.1)) / 5
     assert math.isclose(float(loss.detach()), expected, rel_tol=1e-5)
@@ -58,7 +62,7 @@ def test_grpo_loss_hand_computed():
 
 def test_grpo_loss_k3_kl_term():
     logp, old, adv, mask = _loss_example()
-    base, _ = grpo_loss(logp, old, adv, mask, clip_eps=0.2)
+    base, _ = grpo_loss(logp, old, adv, mask, clip_eps=0.2, kl_coef=0.0)
     # d = ref - logp per token; k3(d) = e^d - d - 1:
     #   k3(0.2) = 0.02140, k3(0) = 0, k3(-0.2) = 0.01873, k3(0.1) = 0.00517, k3(0.3) = 0.04986; the
     #   padded token's d = 5 (k3 = 142.4) must not count. mean over 5 tokens = 0.019033
@@ -107,7 +111,7 @@ def test_micro_batches_give_the_full_batch_gradient_and_stats():
             logp, mask = sequence_logprobs(model, seqs, plens)
         old = logp - 0.3 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(0)) * mask  # r != 1
         opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the step leaves the weights alone
-        cfg = GRPOConfig(micro_batch_size=mb, max_grad_norm=1e9, kl_coef=0.1)
+        cfg = JobSpec(micro_batch_size=mb, max_grad_norm=1e9, kl_coef=0.1)
         stats.append(grpo_update(model, opt, seqs, plens, adv, old, mask, cfg, ref_model=ref_model))
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     for g, s in zip(grads[1:], stats[1:]):
@@ -123,7 +127,7 @@ def test_update_raises_the_logprob_of_a_rewarded_sequence():
     with torch.no_grad():
         old, mask = sequence_logprobs(model, seqs, plens)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    stats = grpo_update(model, opt, seqs, plens, torch.tensor([1.0, -1.0]), old, mask, GRPOConfig())
+    stats = grpo_update(model, opt, seqs, plens, torch.tensor([1.0, -1.0]), old, mask, JobSpec())
     assert stats["grad_norm"] > 0 and math.isclose(stats["mean_ratio"], 1.0, rel_tol=1e-5)
     with torch.no_grad():
         new, _ = sequence_logprobs(model, seqs, plens)
@@ -138,7 +142,7 @@ def test_update_with_nothing_generated_takes_no_step():
     with torch.no_grad():
         old, mask = sequence_logprobs(model, seqs, plens)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    stats = grpo_update(model, opt, seqs, plens, torch.tensor([1.0, -1.0]), old, mask, GRPOConfig())
+    stats = grpo_update(model, opt, seqs, plens, torch.tensor([1.0, -1.0]), old, mask, JobSpec())
     assert stats["num_tokens"] == 0 and stats["grad_norm"] == 0.0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
@@ -150,15 +154,15 @@ def test_update_input_errors():
         old, mask = sequence_logprobs(model, seqs, plens)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="ref_model"):
-        grpo_update(model, opt, seqs, plens, torch.tensor([1.0]), old, mask, GRPOConfig(kl_coef=0.1))
+        grpo_update(model, opt, seqs, plens, torch.tensor([1.0]), old, mask, JobSpec(kl_coef=0.1))
     with pytest.raises(ValueError, match="advantages"):
-        grpo_update(model, opt, seqs, plens, torch.tensor([1.0, 2.0]), old, mask, GRPOConfig())
+        grpo_update(model, opt, seqs, plens, torch.tensor([1.0, 2.0]), old, mask, JobSpec())
 
 
 @pytest.mark.parametrize("field", ["group_size", "clip_eps", "kl_coef", "lr", "max_grad_norm",
                                    "micro_batch_size", "num_updates_per_step"])
-def test_config_errors_name_the_field(field):
+def test_grpo_settings_are_checked_by_the_spec_naming_the_field(field):
     bad = {"group_size": 1, "clip_eps": 1.5, "kl_coef": -0.1, "lr": 0.0, "max_grad_norm": 0.0,
            "micro_batch_size": 0, "num_updates_per_step": 0}
     with pytest.raises(ValueError, match=field):
-        GRPOConfig(**{field: bad[field]})
+        JobSpec(**{field: bad[field]})

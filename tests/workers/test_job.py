@@ -1,18 +1,35 @@
-"""A GRPO job on a real local Ray cluster (logical GPUs on CPU) with a real redis-server."""
+"""A GRPO job on a real local Ray cluster (logical GPUs on CPU) with a real redis-server: the driver's
+records (phase, steps, the one JobResult), and the worker commands the scheduler sends by actor name."""
 
 from __future__ import annotations
 
-import json
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 import ray
 
-from workers.driver import JobConfig, JobDriver
-from workers.grpo import GRPOConfig
-from workers.protocol import WorkerState, job_steps_key, read_events, read_progress
-from workers.rollout import WorkerConfig
-from workers.store import DraftStore
+from workers.actors import get_worker, start_driver
+from workers.progress import read_events, read_json_list, read_progress
+from workers.protocol import (
+    JobResult,
+    LeaseOutcome,
+    LeaseState,
+    Phase,
+    PhaseRecord,
+    ScoringResult,
+    StepRecord,
+    WorkerState,
+    job_leases_key,
+    job_phase_key,
+    job_result_key,
+    job_scoring_key,
+    job_steps_key,
+    job_totals_key,
+)
+from workers.spec import JobSpec
+from workers.store import job_stores
 
 
 @pytest.fixture(scope="module")
@@ -22,81 +39,161 @@ def ray_cluster():
     ray.shutdown()
 
 
-def job(tmp_path, job_id="j1", **kw) -> JobConfig:
-    args = dict(job_id=job_id, model="tiny", num_steps=2, num_prompts_per_step=4, max_new_tokens=12,
-                num_workers=2, store_dir=str(tmp_path), worker=WorkerConfig(model="tiny", k=2),
-                grpo=GRPOConfig(group_size=2, lr=1e-3))
-    return JobConfig(**(args | kw))
+def spec(**kw) -> JobSpec:
+    return JobSpec(**({"model": "tiny", "num_steps": 2, "num_prompts_per_step": 4, "max_new_tokens": 12,
+                       "num_workers": 2, "group_size": 2, "lr": 1e-3, "draft_k": 2} | kw))
 
 
-def test_two_step_job_runs_end_to_end(ray_cluster, private_redis, redis_client, tmp_path):
-    driver = JobDriver.remote(job(tmp_path), private_redis.url)
-    steps = ray.get(driver.run.remote(), timeout=300)
-    assert [s["rl_step"] for s in steps] == [0, 1]
-    assert [s["policy_version"] for s in steps] == [1, 2]
+@contextmanager
+def job(job_id: str, redis_url: str, store_dir, **kw) -> Iterator:
+    """A job's driver; killed at the end, and its workers with it (they are the driver's)."""
+    driver = start_driver(job_id, spec(**kw), redis_url, str(store_dir), is_detached=False)
+    try:
+        yield driver
+    finally:
+        ray.kill(driver)
+
+
+@contextmanager
+def writes_to(redis_client, key: str) -> Iterator[list[str]]:
+    """The commands that write `key` while the block runs (Redis keyspace notifications)."""
+    redis_client.config_set("notify-keyspace-events", "K$")
+    sub = redis_client.pubsub(ignore_subscribe_messages=True)
+    sub.subscribe(f"__keyspace@0__:{key}")
+    seen: list[str] = []
+    try:
+        yield seen
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            msg = sub.get_message(timeout=0.1)
+            if msg is not None:
+                seen.append(msg["data"])
+    finally:
+        sub.close()
+
+
+def until(condition: Callable[[], object], timeout_s: float = 120.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_two_step_job_records_its_steps_and_one_result(ray_cluster, private_redis, redis_client, tmp_path):
+    with writes_to(redis_client, job_result_key("j1")) as writes, job("j1", private_redis.url, tmp_path) as driver:
+        result = ray.get(driver.run.remote(), timeout=300)
+        assert ray.get(driver.wait.remote(0)) == result
+    assert writes == ["set"]  # exactly once
+    assert result["ok"] and result["steps"] == 2 and result["error"] is None
+    assert JobResult.from_json(redis_client.get(job_result_key("j1"))).to_dict() == result
+    phase = PhaseRecord.from_json(redis_client.get(job_phase_key("j1")))
+    assert phase.phase == Phase.DONE and phase.rl_step == 2
+    steps = [StepRecord.from_dict(d) for d in read_json_list(redis_client, job_steps_key("j1"))]
+    assert [s.rl_step for s in steps] == [0, 1] and [s.policy_version for s in steps] == [1, 2]
     for s in steps:
-        assert set(s["timings"]) == {"weight_sync", "rollout", "reward", "logprob", "update"}
-        assert s["num_rollouts"] == 8 and not s["failures"] and s["idle_worker_s"] >= 0
-    stored = [json.loads(x) for x in redis_client.lrange(job_steps_key("j1"), 0, -1)]
-    assert [s["rl_step"] for s in stored] == [0, 1]
+        assert set(s.timings) == {"weight_sync", "rollout", "reward", "logprob", "update"}
+        assert s.num_rollouts == 8 and not s.failures and s.num_tokens > 0 and set(s.draft_versions) == {"w0", "w1"}
+        assert s.grpo["num_tokens"] == s.num_tokens
+    idle = float(redis_client.hget(job_totals_key("j1"), "idle_worker_s"))
+    assert idle == pytest.approx(sum(s.idle_worker_s for s in steps))
     progress = read_progress(redis_client, "j1")
     assert sorted(p.worker_id for p in progress) == ["w0", "w1"]
-    assert all(p.policy_version == 1 and p.rl_step == 1 and p.num_finished == 4 for p in progress)
+    assert all(p.policy_version == 1 and p.rl_step == 1 and p.num_finished == 4 and p.buffer_tokens > 0
+               for p in progress)
     assert {e["to"] for e in read_events(redis_client, "j1")} >= {"ROLLING_OUT", "IDLE"}
 
 
-def test_lease_trains_merges_and_the_other_worker_swaps(ray_cluster, private_redis, redis_client, tmp_path):
-    driver = JobDriver.remote(job(tmp_path, job_id="j2", num_steps=1), private_redis.url)
-    ray.get(driver.run.remote(), timeout=300)
-    w0, w1 = ray.get(driver.worker_handles.remote())
-    result = ray.get(w0.train_drafter.remote({"lease_id": "l1", "parent_version": 0, "deadline_s": 2.0}))
-    assert result["steps"] >= 1 and result["version"] == 1
-    import redis as redis_lib
-
-    client = redis_lib.Redis.from_url(private_redis.url, decode_responses=True)
-    copies = DraftStore(client, tmp_path / "copies", "j2:copies")
-    served = DraftStore(client, tmp_path / "served", "j2")
-    version = copies.merge_and_publish([result["version"]], into=served)
-    for _ in range(100):  # the workers' listeners load it and queue the swap
-        if all(ray.get(w.swap_log.remote()) for w in (w0, w1)):
-            break
-        ray.get(w1.status.remote())
-        time.sleep(0.1)
-    assert ray.get(w1.swap_log.remote())[-1]["version"] == version
-    assert served.load(version)[1].parent_version == 0
+def test_a_failing_job_records_one_result_with_a_one_line_error(ray_cluster, private_redis, redis_client, tmp_path):
+    missing = tmp_path / "missing.jsonl"
+    with writes_to(redis_client, job_result_key("j2")) as writes, \
+            job("j2", private_redis.url, tmp_path, task="dataset", dataset_path=str(missing)) as driver:
+        with pytest.raises(ValueError, match="dataset_path"):
+            ray.get(driver.run.remote(), timeout=300)
+        waited = ray.get(driver.wait.remote(0))
+    assert writes == ["set"]
+    result = JobResult.from_json(redis_client.get(job_result_key("j2")))
+    assert result.to_dict() == waited and not result.ok and result.steps == 0
+    assert result.error == f"ValueError: dataset_path: no such file {missing}"  # one line, no traceback
+    assert PhaseRecord.from_json(redis_client.get(job_phase_key("j2"))).phase == Phase.DONE
 
 
-def test_stop_mid_lease_stops_fast_and_publishes_only_whole_copies(ray_cluster, private_redis, tmp_path):
-    driver = JobDriver.remote(job(tmp_path, job_id="j3", num_steps=1), private_redis.url)
-    ray.get(driver.run.remote(), timeout=300)
-    w0, _ = ray.get(driver.worker_handles.remote())
-    lease = w0.train_drafter.remote({"lease_id": "l2", "parent_version": 0, "deadline_s": 60.0})
-    time.sleep(1.5)
-    t0 = time.perf_counter()
-    assert ray.get(w0.stop_training.remote())
-    result = ray.get(lease, timeout=30)
-    assert time.perf_counter() - t0 < 5.0 and result["stopped"]
-    if result["version"] is not None:  # whatever was published loads cleanly
-        import redis as redis_lib
+def test_worker_commands_lease_score_publish_and_every_worker_swaps(ray_cluster, private_redis, redis_client,
+                                                                    tmp_path):
+    with job("j3", private_redis.url, tmp_path, num_steps=1) as driver:
+        ray.get(driver.run.remote(), timeout=300)
+        w0, w1 = get_worker("j3", "w0"), get_worker("j3", "w1")
 
-        client = redis_lib.Redis.from_url(private_redis.url, decode_responses=True)
-        DraftStore(client, tmp_path / "copies", "j3:copies").load(result["version"])
+        def outcome(lease_id: str) -> LeaseOutcome | None:
+            raw = redis_client.hget(job_leases_key("j3"), lease_id)
+            return LeaseOutcome.from_json(raw) if raw else None
+
+        assert ray.get(w0.start_lease.remote({"lease_id": "l1", "parent_version": 0, "deadline_s": 2.0})) is None
+        assert outcome("l1").state == LeaseState.RUNNING  # accepted: written before the call returned
+        with pytest.raises(ValueError, match="already holds lease l1"):
+            ray.get(w0.start_lease.remote({"lease_id": "l2", "parent_version": 0, "deadline_s": 2.0}))
+        with pytest.raises(ValueError, match="deadline_s"):
+            ray.get(w1.start_lease.remote({"lease_id": "l3", "parent_version": 0, "deadline_s": 0}))
+        done = until(lambda: (o := outcome("l1")) and o.state != LeaseState.RUNNING and o, what="lease l1")
+        assert done.state == LeaseState.DONE and done.steps >= 1 and done.version == 1
+
+        request = {"round_id": "r1", "copies": [done.version], "serving_version": None, "k": 2}
+        assert ray.get(w1.score_round.remote(request)) is None  # w1 did not train on its rollouts: held out
+        raw = until(lambda: redis_client.get(job_scoring_key("j3")), what="the scoring result")
+        scored = ScoringResult.from_json(raw)
+        assert scored.round_id == "r1" and scored.worker_id == "w1" and scored.error is None
+        assert scored.candidate is not None and 1.0 <= scored.candidate_accepted_length <= 3.0
+
+        version = ray.get(w1.publish_candidate.remote(scored.candidate, scored.candidate_draft_temperature,
+                                                      {"accepted_length": scored.candidate_accepted_length}))
+        served, _ = job_stores(redis_client, tmp_path, "j3")
+        assert served.latest_version() == version == 1 and served.load(version)[1].parent_version == 0
+        # both workers' listeners swap it in; their progress records say so
+        def swapped() -> list:
+            records = [p for p in read_progress(redis_client, "j3") if p.last_swap_version == version]
+            return records if len(records) == 2 else []
+
+        records = until(swapped, what="both workers swapping")
+        assert all(p.num_swaps == 1 and p.draft_version == version and p.last_swap_at > 0 for p in records)
+        assert [e["version"] for e in ray.get(w0.describe.remote())["swap_log"]] == [version]
 
 
-def test_worker_killed_mid_rollout_is_reported_and_others_results_kept(ray_cluster, private_redis, redis_client,
-                                                                        tmp_path):
-    driver = JobDriver.remote(job(tmp_path, job_id="j4", num_steps=1, max_new_tokens=400), private_redis.url)
-    w0, w1 = ray.get(driver.worker_handles.remote())
-    run = driver.run.remote()
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # wait until w1 is generating, then kill it
-        states = {p.worker_id: p.state for p in read_progress(redis_client, "j4")}
-        if states.get("w1") == WorkerState.ROLLING_OUT:
-            break
-        time.sleep(0.02)
-    ray.kill(w1)
-    steps = ray.get(run, timeout=300)
-    assert [f["worker"] for f in steps[0]["failures"]] == ["w1"]
-    assert steps[0]["num_rollouts"] == 4  # w0's two groups of two are kept
-    assert steps[0]["policy_version"] == 1  # and the update ran on them
-    assert DraftStore(redis_client, tmp_path / "served", "j4").consistency_check() == {"bad": [], "orphans": []}
+def test_stop_training_stops_a_lease_fast_and_it_publishes_only_whole_copies(ray_cluster, private_redis,
+                                                                                redis_client, tmp_path):
+    with job("j4", private_redis.url, tmp_path, num_steps=1) as driver:
+        ray.get(driver.run.remote(), timeout=300)
+        w0 = get_worker("j4", "w0")
+        ray.get(w0.start_lease.remote({"lease_id": "l1", "parent_version": 0, "deadline_s": 60.0}))
+        until(lambda: any(p.worker_id == "w0" and p.state == WorkerState.TRAINING
+                          for p in read_progress(redis_client, "j4")), what="w0 training")
+        time.sleep(0.5)
+        t0 = time.perf_counter()
+        assert ray.get(w0.stop_training.remote(5.0))
+        assert time.perf_counter() - t0 < 5.0
+        raw = until(lambda: (r := redis_client.hget(job_leases_key("j4"), "l1")) and "RUNNING" not in r and r,
+                    timeout_s=30, what="the lease's outcome")
+        out = LeaseOutcome.from_json(raw)
+        assert out.state == LeaseState.DONE and out.stopped
+        if out.version is not None:  # whatever was published loads cleanly
+            job_stores(redis_client, tmp_path, "j4")[1].load(out.version)
+        assert not ray.get(w0.stop_training.remote(0.0))
+
+
+def test_a_worker_killed_mid_rollout_is_reported_and_the_others_results_kept(ray_cluster, private_redis,
+                                                                             redis_client, tmp_path):
+    with writes_to(redis_client, job_result_key("j5")) as writes, \
+            job("j5", private_redis.url, tmp_path, num_steps=1, max_new_tokens=400) as driver:
+        run = driver.run.remote()
+        until(lambda: any(p.worker_id == "w1" and p.state == WorkerState.ROLLING_OUT
+                          for p in read_progress(redis_client, "j5")), timeout_s=120, what="w1 generating")
+        ray.kill(get_worker("j5", "w1"))
+        result = ray.get(run, timeout=300)
+    assert result["ok"] and writes == ["set"]
+    step = StepRecord.from_dict(read_json_list(redis_client, job_steps_key("j5"))[0])
+    assert [f["worker"] for f in step.failures] == ["w1"] and "\n" not in step.failures[0]["error"]
+    assert step.num_rollouts == 4  # w0's two groups of two are kept
+    assert step.policy_version == 1  # and the update ran on them
+    served, _ = job_stores(redis_client, tmp_path, "j5")
+    assert served.consistency_check() == {"bad": [], "orphans": []}

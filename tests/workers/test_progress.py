@@ -8,8 +8,8 @@ import pytest
 import redis as redis_lib
 
 from tests.workers.test_protocol import record
-from workers.progress import ProgressReporter
-from workers.protocol import EVENTS_MAXLEN, PROGRESS_TTL_S, WorkerState, job_events_key, read_events, read_progress
+from workers.progress import ProgressReporter, read_events, read_progress
+from workers.protocol import EVENTS_MAXLEN, PROGRESS_TTL_S, WorkerState, job_events_key
 
 
 class FakeClock:

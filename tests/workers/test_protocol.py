@@ -1,4 +1,5 @@
-"""Key schema, progress records and their reader, the event stream reader, and the private server."""
+"""Key schema, the messages (progress records, lease, scoring, step and result records, announcements),
+the progress and event readers, and the private server."""
 
 from __future__ import annotations
 
@@ -9,21 +10,32 @@ from pathlib import Path
 
 import pytest
 
+from workers.progress import read_events, read_progress
 from workers.protocol import (
     PREFIX,
+    Announcement,
+    JobResult,
+    LeaseOffer,
+    LeaseOutcome,
+    LeaseState,
+    Phase,
+    PhaseRecord,
     ProgressRecord,
     ProtocolError,
+    ScoringRequest,
+    ScoringResult,
+    StepRecord,
     WorkerState,
+    draft_namespaces,
     drafts_index_key,
+    driver_actor_name,
     event_fields,
     job_events_key,
     job_key,
     job_scan_pattern,
     job_workers_key,
-    parse_announcement,
     progress_key,
-    read_events,
-    read_progress,
+    worker_actor_name,
 )
 from workers.redis_server import PrivateRedis
 
@@ -98,7 +110,7 @@ def test_reader_skips_each_bad_record_with_a_log_line(redis_client, caplog, fiel
     put(redis_client, record("w0"), "w0")
     put(redis_client, json.dumps(json.loads(record("w1").to_json()) | {field: value}), "w1")
     put(redis_client, record("w2"), "w2")
-    with caplog.at_level(logging.ERROR, logger="workers.protocol"):
+    with caplog.at_level(logging.ERROR, logger="workers.progress"):
         got = read_progress(redis_client, "j1")
     assert [r.worker_id for r in got] == ["w0", "w2"]
     assert progress_key("j1", "w1") in caplog.text and f"bad field {field}" in caplog.text
@@ -110,10 +122,11 @@ def test_reader_skips_expired_garbage_and_mismatched_records(redis_client, caplo
     put(redis_client, "\x00garbage", "w1")
     put(redis_client, record("w0"), "w2")  # a record filed under another worker's key
     redis_client.sadd(job_workers_key("j1"), "bad:id")
-    with caplog.at_level(logging.ERROR, logger="workers.protocol"):
+    with caplog.at_level(logging.ERROR, logger="workers.progress"):
         got = read_progress(redis_client, "j1")
     assert [r.worker_id for r in got] == ["w0"]
-    assert "bad field record" in caplog.text and "bad field worker_id" in caplog.text and "bad:id" in caplog.text
+    assert "bad field ProgressRecord" in caplog.text and "bad field worker_id" in caplog.text
+    assert "bad:id" in caplog.text
     assert read_progress(redis_client, "nobody") == []
 
 
@@ -122,7 +135,7 @@ def test_read_events_parses_oldest_first_and_skips_malformed(redis_client, caplo
     redis_client.xadd(key, event_fields("w0", None, WorkerState.ROLLING_OUT, 1.5, 0))
     redis_client.xadd(key, {"worker": "w0", "to": "DANCING"})
     redis_client.xadd(key, event_fields("w0", WorkerState.ROLLING_OUT, WorkerState.IDLE, 2.5, 0))
-    with caplog.at_level(logging.ERROR, logger="workers.protocol"):
+    with caplog.at_level(logging.ERROR, logger="workers.progress"):
         events = read_events(redis_client, "j1", count=10)
     assert [(e["from"], e["to"], e["ts"], e["rl_step"]) for e in events] == [
         ("", "ROLLING_OUT", 1.5, 0), ("ROLLING_OUT", "IDLE", 2.5, 0)]
@@ -132,12 +145,63 @@ def test_read_events_parses_oldest_first_and_skips_malformed(redis_client, caplo
         read_events(redis_client, "j1", count=0)
 
 
-def test_parse_announcement_names_the_field():
+def test_announcement_names_the_bad_field():
     good = {"version": 3, "sha256": "ab", "path": "draft-v000003.safetensors", "published_at": 1.0}
-    assert parse_announcement(json.dumps(good)) == good
+    assert Announcement.from_json(json.dumps(good)).to_dict() == good
     for field, value in (("version", "3"), ("version", 0), ("sha256", None), ("published_at", True)):
         with pytest.raises(ProtocolError, match=f"^{field}:"):
-            parse_announcement(json.dumps(good | {field: value}))
+            Announcement.from_json(json.dumps(good | {field: value}))
+
+
+def test_the_new_progress_fields_default_to_nothing_yet_and_round_trip():
+    r = record()
+    assert (r.buffer_tokens, r.num_swaps, r.last_swap_version, r.last_swap_at) == (0, 0, 0, 0.0)
+    r = record(buffer_tokens=900, num_swaps=2, last_swap_version=5, last_swap_at=12.5)
+    assert ProgressRecord.from_json(r.to_json()) == r
+    for field in ("buffer_tokens", "num_swaps", "last_swap_version", "last_swap_at"):
+        with pytest.raises(ProtocolError, match=f"^{field}:"):
+            record(**{field: -1})
+    with pytest.raises(ProtocolError, match="^state: a worker reports"):
+        record(state=WorkerState.STRAGGLER)  # the scheduler's view, never the worker's
+
+
+def test_lease_scoring_step_phase_and_result_messages_round_trip():
+    offer = LeaseOffer("l1", parent_version=2, deadline_s=3.0)
+    assert LeaseOffer.from_dict(offer.to_dict()) == offer
+    with pytest.raises(ProtocolError, match="^deadline_s:"):
+        LeaseOffer.from_dict({"lease_id": "l1", "parent_version": 0, "deadline_s": 0})
+    with pytest.raises(ProtocolError, match="^parent_version:"):
+        LeaseOffer.from_dict({"lease_id": "l1", "parent_version": -1, "deadline_s": 1})
+    with pytest.raises(ProtocolError, match="^lease_id: missing"):
+        LeaseOffer.from_dict({"parent_version": 0, "deadline_s": 1})
+    outcome = LeaseOutcome("l1", "w0", LeaseState.DONE, steps=3, version=4)
+    assert LeaseOutcome.from_json(outcome.to_json()) == outcome and outcome.state is LeaseState.DONE
+    req = ScoringRequest("r1", copies=[1, 2], serving_version=None, k=2)
+    assert ScoringRequest.from_json(req.to_json()) == req
+    res = ScoringResult("r1", "w1", candidate=3, candidate_accepted_length=1.7, error=None)
+    assert ScoringResult.from_json(res.to_json()) == res
+    step = StepRecord(rl_step=0, policy_version=1, timings={"rollout": 1.0}, worker_rollout_s={"w0": 1.0},
+                      idle_worker_s=0.0, mean_reward=-0.5, num_rollouts=4)
+    assert StepRecord.from_json(step.to_json()) == step  # a negative reward is allowed, nothing else is
+    with pytest.raises(ProtocolError, match="^idle_worker_s:"):
+        StepRecord.from_dict(step.to_dict() | {"idle_worker_s": -1.0})
+    assert PhaseRecord.from_json(PhaseRecord(Phase.DONE, 2, 1.0).to_json()).phase is Phase.DONE
+    result = JobResult(ok=False, steps=1, finished_at=2.0, error="ValueError: bad")
+    assert JobResult.from_json(result.to_json()) == result
+
+
+def test_a_protocol_error_survives_pickling_with_its_field():
+    import pickle
+
+    err = pickle.loads(pickle.dumps(ProtocolError("deadline_s", "must be > 0")))  # as Ray carries it back
+    assert err.field == "deadline_s" and str(err) == "deadline_s: must be > 0" and isinstance(err, ValueError)
+
+
+def test_actor_names_and_draft_namespaces():
+    assert driver_actor_name("j1") == "tlt-driver-j1" and worker_actor_name("j1", "w0") == "tlt-worker-j1-w0"
+    assert draft_namespaces("j1") == ("j1", "j1:copies")
+    with pytest.raises(ProtocolError, match="worker_id"):
+        worker_actor_name("j1", "w 0")
 
 
 def test_private_redis_starts_answers_and_cleans_up():
@@ -183,3 +247,17 @@ def test_private_redis_retries_when_its_port_is_taken(monkeypatch):
         monkeypatch.setattr(redis_server, "free_port", lambda: next(ports, None) or real())
         with PrivateRedis() as server:
             assert server.port != taken.getsockname()[1] and server.client().ping()
+
+
+def test_errors_are_told_in_one_line_naming_the_field():
+    from pydantic import ValidationError
+
+    from workers.errors import MAX_ERROR_CHARS, one_line
+    from workers.spec import JobSpec
+
+    with pytest.raises(ValidationError) as info:
+        JobSpec(num_steps=0)
+    line = one_line(info.value)
+    assert line.startswith("ValidationError: ") and "num_steps" in line and "\n" not in line
+    assert one_line(ValueError("a\n\n  b ")) == "ValueError: a; b" and one_line(KeyError()) == "KeyError"
+    assert len(one_line(ValueError("x" * 10_000))) == MAX_ERROR_CHARS

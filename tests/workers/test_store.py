@@ -1,4 +1,5 @@
-"""DraftStore against a real redis-server and a temp directory, with a tiny EagleHead."""
+"""DraftStore (and the torch-free DraftIndex under it) against a real redis-server and a temp directory,
+with a tiny EagleHead."""
 
 from __future__ import annotations
 
@@ -13,10 +14,17 @@ import torch
 
 from drafter.checkpoint import CheckpointError, DraftMeta, draft_path, save_draft
 from drafter.config import ModelConfig
-from drafter.eagle import EagleHead
-from drafter.warmstart import head_config
-from workers.protocol import drafts_channel, drafts_counter_key, drafts_index_key, drafts_latest_key
-from workers.store import DraftStore
+from drafter.head import EagleHead, head_config
+from workers.draft_index import DraftIndex
+from workers.protocol import (
+    Announcement,
+    ProtocolError,
+    drafts_channel,
+    drafts_counter_key,
+    drafts_index_key,
+    drafts_latest_key,
+)
+from workers.store import DraftStore, job_stores, merge_key
 
 CFG = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=16, max_position=256)
@@ -37,7 +45,7 @@ def snapshot(redis) -> dict:
     return {k: redis.dump(k) for k in redis.scan_iter("tlt:drafts:*") if not k.endswith(":next_version")}
 
 
-def drain(sub, timeout: float = 0.3) -> list[dict]:
+def drain(sub, timeout: float = 0.3) -> list[Announcement]:
     out = []
     while (msg := sub.get(timeout=timeout)) is not None:
         out.append(msg)
@@ -53,7 +61,8 @@ def test_publish_writes_index_latest_and_announces(redis_client, tmp_path):
     assert v == 1 and store.latest_version() == 1 and m.version == 0  # the caller's meta is not modified
     msg = sub.get(timeout=2.0)
     entry = store.entry(1)
-    assert msg["version"] == 1 and msg["sha256"] == entry["sha256"] and msg["path"] == "draft-v000001.safetensors"
+    assert isinstance(msg, Announcement) and msg.version == 1 and msg.sha256 == entry["sha256"]
+    assert msg.path == "draft-v000001.safetensors" and msg.published_at >= entry["created_at"]
     assert {k: entry[k] for k in ("version", "parent_version", "policy_version", "path", "num_steps", "total_steps",
                                   "num_tokens", "extra")} == {
         "version": 1, "parent_version": None, "policy_version": 3, "path": "draft-v000001.safetensors",
@@ -74,7 +83,7 @@ def test_latest_never_moves_backward_and_old_versions_are_not_announced(redis_cl
     assert not store._commit(3, entry)  # a slower publisher finishing later
     assert store.latest_version() == 5
     assert sorted(redis_client.hkeys(drafts_index_key("default"))) == ["3", "5"]
-    assert [m["version"] for m in drain(sub)] == [5]
+    assert [m.version for m in drain(sub)] == [5]
 
 
 def test_commit_retries_when_latest_moves_under_its_watch(redis_client, private_redis, tmp_path):
@@ -182,7 +191,7 @@ def test_consistency_check_and_recover_after_a_crash(redis_client, tmp_path):
     assert done["adopted"] == [7] and [r["path"] for r in done["rejected"]] == ["draft-v000009.safetensors"]
     assert done["removed_temp"] == [stale.name] and fresh.exists() and not stale.exists()
     assert store.latest_version() == 7 and store.load(7)[1].parent_version == 2
-    assert [m["version"] for m in drain(sub)] == [7]
+    assert [m.version for m in drain(sub)] == [7]
     assert int(redis_client.get(drafts_counter_key("default"))) == 7
     assert store.publish(state, meta(cfg, parent=7)) == 8  # never reuses an existing file's version
 
@@ -246,9 +255,10 @@ def test_reading_rejects_unknown_versions_and_bad_index_entries(redis_client, tm
              "num_steps": 0, "total_steps": 0, "num_tokens": 0, "created_at": 0.0, "extra": {}}
     redis_client.hset(drafts_index_key("default"), "1", json.dumps(entry))
     redis_client.hset(drafts_index_key("default"), "2", json.dumps(entry | {"path": "a", "num_steps": "1"}))
-    with pytest.raises(CheckpointError, match="field path"):
+    with pytest.raises(ProtocolError, match="field path") as info:
         store.load(1)
-    with caplog.at_level(logging.ERROR, logger="workers.store"):
+    assert info.value.field == "path"
+    with caplog.at_level(logging.ERROR, logger="workers.draft_index"):
         assert store.versions() == []
     assert "field path" in caplog.text and "field num_steps" in caplog.text
     with pytest.raises(ValueError, match="namespace"):
@@ -257,10 +267,56 @@ def test_reading_rejects_unknown_versions_and_bad_index_entries(redis_client, tm
 
 def test_subscription_skips_malformed_announcements(redis_client, tmp_path, caplog):
     store = DraftStore(redis_client, tmp_path)
-    with store.subscribe() as sub, caplog.at_level(logging.ERROR, logger="workers.store"):
+    with store.subscribe() as sub, caplog.at_level(logging.ERROR, logger="workers.draft_index"):
         redis_client.publish(drafts_channel("default"), "not json")
         redis_client.publish(drafts_channel("default"), json.dumps({"version": "2"}))
         store.publish({"w": torch.zeros(2)}, meta({}))
         msg = sub.get(timeout=2.0)
-        assert msg["version"] == 1 and sub.get(timeout=0.05) is None
+        assert msg.version == 1 and sub.get(timeout=0.05) is None
     assert caplog.text.count("ignoring malformed announcement") == 2
+
+
+def test_the_index_reads_what_the_store_published(redis_client, tmp_path):
+    store = DraftStore(redis_client, tmp_path, "j")
+    state, cfg = head_state(0)
+    v = store.publish(state, meta(cfg, extra={"merge_key": "ab"}))
+    index = DraftIndex(redis_client, "j")  # no directory, no weights: what the scheduler reads
+    assert index.latest_version() == v and index.entry(v) == store.entry(v)
+    assert [e["extra"]["merge_key"] for e in index.versions()] == ["ab"]
+    with index.subscribe() as sub:
+        v2 = store.publish(state, meta(cfg, parent=v))
+        assert sub.get(timeout=2.0).version == v2
+    assert DraftIndex(redis_client, "other").latest_version() is None
+    with pytest.raises(ValueError, match="namespace"):
+        DraftIndex(redis_client, "a b")
+
+
+def test_job_stores_keep_each_job_apart(redis_client, tmp_path):
+    served, copies = job_stores(redis_client, tmp_path, "j1")
+    other, _ = job_stores(redis_client, tmp_path, "j2")
+    assert (served.namespace, copies.namespace) == ("j1", "j1:copies")
+    assert served.directory == tmp_path / "j1" / "served" and copies.directory == tmp_path / "j1" / "copies"
+    state, cfg = head_state(0)
+    assert served.publish(state, meta(cfg)) == 1 and other.publish(state, meta(cfg)) == 1  # apart: no collision
+    assert served.load(1)[1].version == other.load(1)[1].version == 1
+    assert copies.latest_version() is None
+
+
+def test_merge_key_is_equal_exactly_for_copies_that_merge(redis_client, tmp_path):
+    torch.manual_seed(0)
+    head = EagleHead(CFG)
+    state, cfg = head.state_dict(), head_config(head)  # vocab_ids, the draft vocabulary, is an integer tensor
+    key = merge_key(3, cfg, state)
+    trained = {k: v + 1 if v.is_floating_point() else v.clone() for k, v in state.items()}  # other weights
+    assert merge_key(3, cfg, trained) == key and len(key) == 64
+    other_vocab = dict(state)
+    other_vocab["vocab_ids"] = state["vocab_ids"].flip(0)
+    changed = dict(cfg, eagle=dict(cfg["eagle"], draft_temperature=0.5))
+    assert len({key, merge_key(4, cfg, state), merge_key(3, changed, state), merge_key(3, cfg, other_vocab)}) == 4
+    store = DraftStore(redis_client, tmp_path)  # what the keys promise, merge_drafts keeps
+    a = store.publish(state, meta(cfg, parent=3, num_steps=1))
+    b = store.publish(trained, meta(cfg, parent=3, num_steps=1))
+    c = store.publish(other_vocab, meta(cfg, parent=3, num_steps=1))
+    store.merge_and_publish([a, b])
+    with pytest.raises(ValueError, match="non-float tensor"):
+        store.merge_and_publish([a, c])

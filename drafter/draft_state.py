@@ -1,0 +1,141 @@
+"""The state an EagleDrafter (drafter.eagle) keeps while it serves, in small parts: the draft LM head
+it scores with, the head waiting to be swapped in, what swaps have cost, and the live rows' draft state."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from drafter.head import EagleHead, draft_lm_weight
+from drafter.model import CausalLM, Int8Linear, KVCache, PackedWeight
+
+MAX_SWAP_LOG = 64  # swaps remembered with their times: a job swaps once per draft version, readers want the recent
+
+
+@dataclass
+class DraftLM:
+    """The policy's LM head restricted to the served head's draft vocabulary, in the serving precision."""
+
+    weight: torch.Tensor  # (V', D), sliced once, in the head's dtype
+    packed: PackedWeight  # its oneDNN copy for CPU inference, packed on first use (drafter.model.linear)
+    int8: Int8Linear | None  # its int8 copy, for an int8 drafter
+
+    @classmethod
+    def of(cls, head: EagleHead, policy: CausalLM, dtype: torch.dtype, int8: bool) -> DraftLM:
+        weight = draft_lm_weight(head, policy).to(dtype).contiguous()
+        return cls(weight, PackedWeight(), Int8Linear(weight) if int8 else None)
+
+    def logits(self, head: EagleHead, predicted: torch.Tensor) -> torch.Tensor:
+        """(B, T, D) predicted features -> (B, T, V') logits over the draft vocabulary."""
+        if self.int8 is not None:
+            return self.int8(predicted)
+        return head.draft_logits(predicted, self.weight, self.packed)
+
+
+class PendingSwap:
+    """The head to serve from the next draft step on: set from any thread, taken by the decode loop."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next: tuple[EagleHead, int | None] | None = None
+
+    def put(self, head: EagleHead, version: int | None, replace: bool = True) -> None:
+        """Queue `head`; a head already queued is replaced, unless not `replace` (then it keeps its place)."""
+        with self._lock:
+            if replace or self._next is None:
+                self._next = (head, version)
+
+    def take(self) -> tuple[EagleHead, int | None] | None:
+        with self._lock:
+            nxt, self._next = self._next, None
+        return nxt
+
+
+@dataclass
+class SwapStats:
+    """How many heads were swapped in, what it cost the decode loop, and when each began serving."""
+
+    num_swaps: int = 0
+    seconds: float = 0.0  # decode-loop time spent switching heads (re-feeding the history)
+    # (version, wall time it began serving) of the latest MAX_SWAP_LOG swaps
+    log: deque[tuple[int | None, float]] = field(default_factory=lambda: deque(maxlen=MAX_SWAP_LOG))
+
+    def record(self, version: int | None, seconds: float) -> None:
+        self.num_swaps += 1
+        self.seconds += seconds
+        self.log.append((version, time.time()))
+
+    @property
+    def last(self) -> tuple[int | None, float] | None:
+        """(version, wall time) of the latest swap, None before the first."""
+        return self.log[-1] if self.log else None
+
+
+@dataclass
+class DraftRows:
+    """Per-row draft state of the live batch: the head's KV cache over the true pairs fed so far, the
+    true (policy hidden state, token that followed) pairs not fed yet, and every true pair so far (the
+    history a newly swapped-in head is re-fed)."""
+
+    cache: KVCache | None = None
+    pending_hidden: list[torch.Tensor] = field(default_factory=list)  # per row: (n, D) states not yet fed
+    pending_tokens: list[list[int]] = field(default_factory=list)  # per row: the n tokens that followed them
+    history_hidden: list[list[torch.Tensor]] = field(default_factory=list)  # per row: every true pair so far
+    history_tokens: list[list[int]] = field(default_factory=list)
+
+    def begin(self, prompts: list[list[int]], prefill_hidden: torch.Tensor | None, empty: torch.Tensor) -> None:
+        """A new batch: each prompt's pairs (h_i, t_{i+1}) are pending; prefill_hidden (B, P, D)."""
+        self.cache = None
+        self.pending_hidden, self.pending_tokens = [], []
+        for b, p in enumerate(prompts):
+            n = len(p) - 1
+            self.pending_hidden.append(prefill_hidden[b, :n] if prefill_hidden is not None and n > 0 else empty)
+            self.pending_tokens.append(list(p[1:]))
+        self.history_hidden = [[h] for h in self.pending_hidden]
+        self.history_tokens = [list(t) for t in self.pending_tokens]
+
+    def replay(self, empty: torch.Tensor) -> None:
+        """A new head: its cache starts empty and every true pair so far is pending again."""
+        self.cache = None  # the old head's keys mean nothing to the new one
+        self.pending_hidden = [torch.cat(h) if h else empty for h in self.history_hidden]
+        self.pending_tokens = [list(t) for t in self.history_tokens]
+
+    def clear_pending(self, empty: torch.Tensor) -> None:
+        self.pending_hidden = [empty for _ in self.pending_tokens]
+        self.pending_tokens = [[] for _ in self.pending_tokens]
+
+    def observe(self, new_tokens: list[list[int]], hidden: torch.Tensor) -> None:
+        for b, toks in enumerate(new_tokens):
+            h = hidden[b, : len(toks)]
+            self.pending_hidden[b] = torch.cat([self.pending_hidden[b], h])  # pairs not fed yet stay queued
+            self.pending_tokens[b] = self.pending_tokens[b] + list(toks)
+            self.history_hidden[b].append(h)
+            self.history_tokens[b] += list(toks)
+
+    def ensure_cache(self, head: EagleHead, batch_size: int, needed: int, dtype: torch.dtype, device) -> KVCache:
+        """The head's cache with room for `needed` slots per row: a new one, or the old one grown."""
+        cache = self.cache
+        if cache is None:
+            cache = head.new_cache(batch_size, max(needed, 64), dtype, device)
+        elif needed > cache.max_len:  # grow geometrically; old slots keep their values
+            grown = head.new_cache(batch_size, max(needed, 2 * cache.max_len), dtype, device)
+            grown.k[:, :, : cache.max_len] = cache.k
+            grown.v[:, :, : cache.max_len] = cache.v
+            grown.lens = cache.lens
+            cache = grown
+        self.cache = cache
+        return cache
+
+    def keep(self, rows: torch.Tensor) -> None:
+        idx = rows.tolist()
+        self.pending_hidden = [self.pending_hidden[i] for i in idx]
+        self.pending_tokens = [self.pending_tokens[i] for i in idx]
+        self.history_hidden = [self.history_hidden[i] for i in idx]
+        self.history_tokens = [self.history_tokens[i] for i in idx]
+        if self.cache is not None:
+            self.cache.keep_rows(rows.to(self.cache.lens.device))
+

@@ -1,0 +1,161 @@
+"""Training-time unrolling (EAGLE-3's "training-time test"): the head's forward over packed rollouts
+for draft steps 0..num_unroll-1 at once, and the attention kernels it runs on.
+
+At inference, draft step s > 0 feeds the head its own previous prediction instead of the policy's
+feature. Unroll step s reproduces that: slot j's input feature is step s-1's prediction at slot j-1,
+and its attention sees exactly what it would see at inference: the true-feature keys of its chain's
+past (positions <= j - s) plus the keys its own chain produced at steps 1..s (one per step, on the
+diagonal). Step 0 is plain causal attention within each packed segment, so on a GPU it can run on
+flash-attn's varlen kernel over the real slots only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from drafter.buffer import PackedBatch
+from drafter.head import EagleHead
+from drafter.model import apply_rotary
+
+
+def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x (R, T, ...) -> y with y[:, j] = x[:, j - n] (the first n slots are zeros)."""
+    if n == 0:
+        return x
+    return torch.cat([torch.zeros_like(x[:, :n]), x[:, :-n]], dim=1)
+
+
+@dataclass
+class VarlenLayout:
+    """Packed rows flattened for a variable-length attention kernel: the real slots, segment by segment."""
+
+    index: torch.Tensor  # (N,) flat slot index into (R*T) of every real pair, in segment order
+    cu_seqlens: torch.Tensor  # (S+1,) int32 cumulative segment lengths
+    max_len: int
+
+
+def varlen_layout(seq_ids: torch.Tensor) -> VarlenLayout:
+    """Segments are contiguous runs of one seq id within a row (ids are unique across the batch) and
+    their slots are in position order, so flat slot order is segment order."""
+    flat = seq_ids.reshape(-1)
+    index = (flat >= 0).nonzero().squeeze(1)
+    _, counts = torch.unique_consecutive(flat[index], return_counts=True)
+    cu = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=seq_ids.device)
+    cu[1:] = counts.cumsum(0)
+    return VarlenLayout(index, cu, int(counts.max()) if counts.numel() else 0)
+
+
+def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True):
+    """flash_attn_varlen_func's contract in plain torch, (N, H, D) in and out: the CPU counterpart
+    the GPU kernel is tested against (training without flash-attn stays on masked SDPA, not this)."""
+    if not torch.equal(cu_seqlens_q, cu_seqlens_k):
+        raise ValueError("the reference kernel needs the same segments for queries and keys")
+    out = torch.empty_like(q)
+    bounds = cu_seqlens_q.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        out[a:b] = F.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=causal,
+            enable_gqa=q.shape[1] != k.shape[1]).transpose(0, 1)
+    return out
+
+
+def flash_varlen_kernel():
+    """flash-attn's varlen kernel when it is installed and a GPU is present, else None."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def varlen_step0_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: VarlenLayout,
+                           kernel) -> torch.Tensor:
+    """Unroll step 0 is plain causal attention within each packed segment: run it as a varlen kernel
+    over the real slots only. q (R, H, T, D), k/v (R, Hkv, T, D) -> (R, H, T, D); padding slots get
+    zeros (their outputs are never in a loss, and later steps only let them attend to themselves)."""
+    R, H, T, D = q.shape
+
+    def flat(x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2).reshape(R * T, x.shape[1], D)[layout.index]
+
+    qf, kf, vf = flat(q), flat(k), flat(v)
+    half = q.dtype if q.dtype in (torch.float16, torch.bfloat16) or kernel is varlen_attention_reference \
+        else torch.bfloat16  # flash-attn takes half precision only
+    out = kernel(qf.to(half), kf.to(half), vf.to(half), layout.cu_seqlens, layout.cu_seqlens, layout.max_len,
+                 layout.max_len, causal=True).to(q.dtype)
+    full = torch.zeros(R * T, H, D, dtype=q.dtype, device=q.device).index_copy(0, layout.index, out)
+    return full.view(R, T, H, D).transpose(1, 2)
+
+
+def _stop_in_backward(x: torch.Tensor, check_stop: Callable[[], None] | None) -> None:
+    """Check for a stop when backward reaches `x` too: the backward pass is most of a micro-step, and
+    an exception raised in a gradient hook aborts it (the trainer then drops the partial gradients)."""
+    if check_stop is not None and x.requires_grad:
+        x.register_hook(lambda grad: check_stop())
+
+
+def unrolled_predictions(head: EagleHead, embed: torch.nn.Embedding, batch: PackedBatch,
+                         num_unroll: int, check_stop: Callable[[], None] | None = None,
+                         varlen_kernel=None) -> list[torch.Tensor]:
+    """Predicted features for unroll steps 0..num_unroll-1, each (R, T, D). With `varlen_kernel`
+    (flash-attn's on a GPU) step 0 runs it over the packed segments; later steps need keys from
+    other steps on the diagonal, which no varlen kernel expresses, so they stay on masked SDPA."""
+    feats, positions, seq = batch.feats, batch.positions, batch.seq_ids
+    layout = varlen_layout(seq) if varlen_kernel is not None else None
+    R, T, _ = feats.shape
+    emb = embed(batch.tokens)  # (R, T, D), frozen
+    rope = head.rotary(positions, feats.dtype)
+    same = (seq[:, :, None] == seq[:, None, :]) & (seq[:, :, None] >= 0)  # (R, Tq, Tk)
+    eye = torch.eye(T, dtype=torch.bool, device=feats.device).expand(R, T, T)
+    layer_keys: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in head.layers]
+    preds, x_feats = [], feats
+    for s in range(num_unroll):
+        if check_stop is not None:
+            check_stop()
+        # keys visible to step s at query slot j: true keys at positions <= pos_j - s ...
+        base = same & (positions[:, None, :] <= positions[:, :, None] - s)  # (R, Tq, Tk)
+        # ... and step t's key at slot j - (s - t), t = 1..s (shifted onto the diagonal)
+        masks = [base] + [eye] * s
+        mask = torch.cat(masks, dim=-1).unsqueeze(1)  # (R, 1, T, T*(s+1))
+        # no chain of s steps inside the segment (or padding): attend to itself, never to nothing
+        lonely = (positions - batch.seg_start < s) | (seq < 0)
+        mask[..., :T] |= eye.unsqueeze(1) & lonely.view(R, 1, T, 1)
+        x = head.fc(torch.cat([emb, x_feats], dim=-1))  # (R, T, 2D) -> (R, T, D)
+        for li, layer in enumerate(head.layers):
+            attn = layer.attn
+            h = layer.input_norm(x)
+            q, k, v = attn.qkv_proj(h).split(attn.split, dim=-1)
+            q = apply_rotary(q.view(R, T, attn.num_heads, attn.head_dim), *rope).transpose(1, 2)  # (R, H, T, D)
+            k = apply_rotary(k.view(R, T, attn.num_kv_heads, attn.head_dim), *rope).transpose(1, 2)
+            v = v.view(R, T, attn.num_kv_heads, attn.head_dim).transpose(1, 2)  # (R, Hkv, T, D)
+            layer_keys[li].append((k, v))
+            ks = [layer_keys[li][0][0]] + [_shift_right(layer_keys[li][t][0].transpose(1, 2), s - t).transpose(1, 2)
+                                           for t in range(1, s + 1)]
+            vs = [layer_keys[li][0][1]] + [_shift_right(layer_keys[li][t][1].transpose(1, 2), s - t).transpose(1, 2)
+                                           for t in range(1, s + 1)]
+            if s == 0 and layout is not None:
+                out = varlen_step0_attention(q, k, v, layout, varlen_kernel)
+            else:
+                out = F.scaled_dot_product_attention(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), attn_mask=mask,
+                                                     enable_gqa=attn.num_heads != attn.num_kv_heads)  # (R, H, T, D)
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(R, T, -1))
+            _stop_in_backward(x, check_stop)
+            x = x + layer.mlp(layer.post_attn_norm(x))
+            _stop_in_backward(x, check_stop)
+        pred = head.norm(x)
+        preds.append(pred)
+        x_feats = _shift_right(pred, 1)  # slot j's next input is this step's prediction at slot j-1
+    return preds
+
+
+def loss_mask(batch: PackedBatch, step: int) -> torch.Tensor:
+    """(R, T-1) bool: the pairs whose unroll step `step` is trained: the prediction at pair j of step s
+    comes from a chain rooted at pair j - s, which must lie in the same packed segment (a long
+    rollout cut into chunks starts its chains afresh in each chunk), and the pair needs a target."""
+    return batch.target_mask[:, :-1] & (batch.positions[:, :-1] - step >= batch.seg_start[:, :-1])

@@ -1,0 +1,59 @@
+"""The API's dependencies, as Annotated aliases: what a handler needs is in its signature."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import redis as redis_lib
+from fastapi import Depends, HTTPException, Request, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from scheduler.jobs import JobStore
+from scheduler.launcher import Launcher
+from scheduler.settings import Settings
+
+_bearer = HTTPBearer(auto_error=False)
+
+
+def _settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def _store(request: Request) -> JobStore:
+    return request.app.state.store
+
+
+def _redis(request: Request) -> redis_lib.Redis:
+    return request.app.state.redis
+
+
+def _launcher(request: Request) -> Launcher:
+    return request.app.state.launcher
+
+
+def _require_token(settings: Annotated[Settings, Depends(_settings)],
+                   creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+    if settings.api_token is None:
+        return
+    if creds is None or creds.credentials != settings.api_token:
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing or wrong bearer token",
+                            headers={"WWW-Authenticate": "Bearer"})
+
+
+def _job(job_id: str, store: Annotated[JobStore, Depends(_store)]) -> dict:
+    """The job record the path names; 404 if there is none (or the id cannot be one)."""
+    try:
+        record = store.get(job_id)
+    except ValueError:
+        record = None
+    if record is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {job_id!r} not found")
+    return record
+
+
+AppSettings = Annotated[Settings, Depends(_settings)]
+Store = Annotated[JobStore, Depends(_store)]
+Redis = Annotated[redis_lib.Redis, Depends(_redis)]
+Launch = Annotated[Launcher, Depends(_launcher)]
+Auth = Annotated[None, Depends(_require_token)]
+Job = Annotated[dict, Depends(_job)]  # the record of the job in the path

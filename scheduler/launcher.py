@@ -1,0 +1,135 @@
+"""Starts each job's driver on Ray and records how the job ended.
+
+A driver is a detached, named Ray actor (workers.actors.JobDriver, torch-free at import): it outlives
+the scheduler process, and a restarted scheduler finds it again by name. How a job ended has ONE
+record: the JobResult the driver writes to job_result_key before its run returns or raises. The
+launcher reads it once the driver's `run` (or, after a restart, `wait`) call resolves or fails; a
+driver that is gone without one failed, and the job says so in one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import ray
+
+from scheduler.jobs import JobStore
+from scheduler.settings import Settings
+from workers.actors import start_driver
+from workers.errors import MAX_ERROR_CHARS, one_line
+from workers.protocol import (
+    RAY_NAMESPACE,
+    JobResult,
+    JobState,
+    ProtocolError,
+    driver_actor_name,
+    job_result_key,
+)
+from workers.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+
+
+class Launcher:
+    def __init__(self, store: JobStore, settings: Settings) -> None:
+        self.store, self.settings = store, settings
+        self.drivers: dict[str, object] = {}
+
+    def start(self, record: dict) -> None:
+        threading.Thread(target=self._run, args=(record,), daemon=True, name=f"job-{record['job_id']}").start()
+
+    def _run(self, record: dict) -> None:
+        job_id = record["job_id"]
+        if self.store.transition(job_id, JobState.RUNNING, {JobState.PENDING}) is None:
+            return  # cancelled before it started
+        try:
+            driver = start_driver(job_id, JobSpec.model_validate(record["spec"]), self.settings.redis_url,
+                                  self.settings.store_dir)
+            ref = driver.run.remote()
+        except Exception as exc:  # the job boundary: recorded on the job, logged with its id
+            log.exception("job %s could not start", job_id)
+            self._fail(job_id, f"its driver could not start: {one_line(exc)}")
+            return
+        self._follow(job_id, driver, ref)
+
+    def _follow(self, job_id: str, driver, ref) -> None:
+        """Wait for the driver's run (or wait) call, then record the job's end from its JobResult."""
+        self.drivers[job_id] = driver
+        cause = None
+        try:
+            ray.get(ref)
+        except SystemExit:  # Ray is shutting down under this scheduler: leave the detached driver running
+            self.drivers.pop(job_id, None)
+            return
+        except Exception as exc:  # the driver raised or died: its JobResult (if any) says how the job ended
+            cause = exc
+            log.info("job %s: its driver's call ended with %s", job_id, one_line(exc))
+        self.drivers.pop(job_id, None)
+        self.settle(job_id, cause)
+        if ray.is_initialized():
+            try:
+                ray.kill(driver)  # a finished or failed job's driver (and its workers) go away
+            except Exception as exc:
+                log.warning("job %s: could not kill its driver: %s", job_id, one_line(exc))
+
+    def result(self, job_id: str) -> JobResult | None:
+        raw = self.store.redis.get(job_result_key(job_id))
+        if raw is None:
+            return None
+        try:
+            return JobResult.from_json(raw)
+        except ProtocolError as exc:
+            log.error("job %s: unreadable result record (%s)", job_id, exc)
+            return None
+
+    def settle(self, job_id: str, cause: BaseException | None = None) -> None:
+        """Record a RUNNING job's end from its JobResult; none means the driver died without one."""
+        result = self.result(job_id)
+        if result is None:
+            why = f": {one_line(cause)}" if cause is not None else " (did the Ray cluster restart?)"
+            self._fail(job_id, f"its driver is gone and recorded no result{why}")
+        elif result.ok:
+            self.store.transition(job_id, JobState.SUCCEEDED, {JobState.RUNNING})
+        else:
+            self._fail(job_id, result.error or "its driver reported a failure without a message")
+
+    def _fail(self, job_id: str, error: str) -> None:
+        line = " ".join(error.split())[:MAX_ERROR_CHARS]
+        if self.store.transition(job_id, JobState.FAILED, {JobState.RUNNING}, error=line) is not None:
+            log.error("job %s failed: %s", job_id, line)
+
+    def reattach(self) -> dict[str, str]:
+        """After a (re)start: follow every RUNNING job's driver again, settle those that ended while no
+        scheduler was up, start the PENDING ones. Returns job id -> what was done."""
+        done = {}
+        for job_id in self.store.running_ids():
+            if job_id in self.drivers:
+                continue
+            try:
+                driver = ray.get_actor(driver_actor_name(job_id), namespace=RAY_NAMESPACE)
+            except ValueError:  # no such actor: it ended (or died) while we were away
+                self.settle(job_id)
+                done[job_id] = "settled"
+                continue
+            self.drivers[job_id] = driver
+            threading.Thread(target=self._follow, args=(job_id, driver, driver.wait.remote(None)), daemon=True,
+                             name=f"job-{job_id}").start()
+            done[job_id] = "reattached"
+        pending = [r for r in self.store.get_many(list(self.store.all_ids())) if r["state"] == JobState.PENDING]
+        for record in pending:
+            self.start(record)
+            done[record["job_id"]] = "started"
+        if done:
+            log.info("reattached: %s", done)
+        return done
+
+    def cancel(self, job_id: str) -> None:
+        driver = self.drivers.get(job_id)
+        if driver is None:
+            try:
+                driver = ray.get_actor(driver_actor_name(job_id), namespace=RAY_NAMESPACE)
+            except ValueError:
+                return
+        ray.kill(driver)

@@ -1,0 +1,44 @@
+"""/v1/jobs/{id}/drafts: the served draft versions, the publish decisions and the TLT counters."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import APIRouter
+from pydantic import ValidationError
+
+from scheduler.deps import Job, Redis
+from scheduler.schemas import DraftsOut, DraftVersionOut, PublishDecision
+from workers.draft_index import DraftIndex
+from workers.progress import read_json_list
+from workers.protocol import draft_namespaces, job_drafts_key, job_tlt_key
+
+router = APIRouter(prefix="/v1/jobs", tags=["drafts"])
+log = logging.getLogger(__name__)
+
+
+def _decisions(redis, job_id: str) -> list[PublishDecision]:
+    out = []
+    for d in read_json_list(redis, job_drafts_key(job_id)):
+        try:
+            out.append(PublishDecision.model_validate(d))
+        except ValidationError as exc:
+            log.error("job %s: skipping a malformed publish decision: %s", job_id, exc.errors()[0])
+    return out
+
+
+@router.get("/{job_id}/drafts")
+def drafts(job: Job, redis: Redis) -> DraftsOut:
+    """Served versions (parent, policy version, acceptance when published), every publish decision
+    with the accepted lengths it compared, and the job's TLT counters."""
+    job_id = job["job_id"]
+    served = DraftIndex(redis, draft_namespaces(job_id)[0])
+    versions = [DraftVersionOut(**{k: e[k] for k in DraftVersionOut.model_fields if k in e},
+                                **{k: e["extra"].get(k) for k in ("accepted_length", "serving_accepted_length",
+                                                                  "draft_temperature")})
+                for e in served.versions()]
+    reclaimed, leases, published, rejected = redis.hmget(
+        job_tlt_key(job_id), "reclaimed_worker_s", "num_leases", "num_published", "num_rejected")
+    return DraftsOut(job_id=job_id, serving_version=served.latest_version(), versions=versions,
+                     decisions=_decisions(redis, job_id), reclaimed_worker_s=float(reclaimed or 0.0),
+                     num_leases=int(leases or 0), num_published=int(published or 0), num_rejected=int(rejected or 0))

@@ -1,0 +1,74 @@
+"""/v1/jobs: submit, list, read and cancel jobs; a job's step records and worker events."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, HTTPException, status
+
+from scheduler.deps import Auth, Job, Launch, Store
+from scheduler.schemas import JobOut
+from workers.progress import read_events, read_json_list
+from workers.protocol import TERMINAL_JOB_STATES, JobState, job_steps_key
+from workers.spec import JobSpec
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+MAX_JOBS_LISTED = 1000
+MAX_EVENTS_READ = 100_000
+
+
+def job_out(record: dict, num_steps: int) -> JobOut:
+    return JobOut(**{k: v for k, v in record.items() if k in JobOut.model_fields and k != "steps"}, steps=num_steps)
+
+
+@router.post("", status_code=status.HTTP_201_CREATED)
+def submit(_: Auth, spec: JobSpec, store: Store, launcher: Launch,
+           idempotency_key: Annotated[str | None, Header()] = None) -> JobOut:
+    try:
+        record, created = store.create(spec, idempotency_key)
+    except ValueError as exc:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"idempotency-key: {exc}") from None
+    if created:
+        launcher.start(record)
+    return job_out(record, 0 if created else store.num_steps([record["job_id"]])[0])
+
+
+@router.get("")
+def list_jobs(store: Store, limit: int = 100) -> list[JobOut]:
+    """The newest jobs first (at most 1000)."""
+    records = store.list(max(1, min(limit, MAX_JOBS_LISTED)))
+    return [job_out(r, n) for r, n in zip(records, store.num_steps(r["job_id"] for r in records))]
+
+
+@router.get("/{job_id}")
+def get_job(job: Job, store: Store) -> JobOut:
+    return job_out(job, store.num_steps([job["job_id"]])[0])
+
+
+@router.post("/{job_id}/cancel")
+def cancel(_: Auth, job: Job, store: Store, launcher: Launch) -> JobOut:  # 401 before 404
+    job_id = job["job_id"]
+    if JobState(job["state"]) in TERMINAL_JOB_STATES:
+        raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} already ended ({job['state']})")
+    record = store.transition(job_id, JobState.CANCELLED, {JobState.PENDING, JobState.RUNNING}) or store.get(job_id)
+    launcher.cancel(job_id)
+    return job_out(record, store.num_steps([job_id])[0])
+
+
+@router.get("/{job_id}/steps")
+def steps(job: Job, store: Store, start: int = 0) -> list[dict]:
+    """One StepRecord (workers/protocol.py) per finished RL step: timings by phase, per-worker rollout
+    seconds, idle worker-seconds, tokens, accepted length, draft versions served, reward, failures.
+    `start`: from that step index on (pollers fetch each record once). Validated when written."""
+    return read_json_list(store.redis, job_steps_key(job["job_id"]), start)
+
+
+@router.get("/{job_id}/events")
+def events(job: Job, store: Store, limit: int = 10_000, after: str | None = None) -> list[dict]:
+    """Worker state transitions, oldest first (the newest `limit`, at most 100000): the per-GPU
+    timeline, {id, worker, from, to, ts, rl_step}. `after`: only those after that event id (pollers
+    fetch each event once). Checked on read; left as dicts, the first load is 100k of them."""
+    try:
+        return read_events(store.redis, job["job_id"], count=max(1, min(limit, MAX_EVENTS_READ)), after=after)
+    except ValueError as exc:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from None

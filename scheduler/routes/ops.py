@@ -1,0 +1,40 @@
+"""Operations: Prometheus metrics, liveness and readiness."""
+
+from __future__ import annotations
+
+import ray
+import redis as redis_lib
+from fastapi import APIRouter, HTTPException, Request, status
+from fastapi.responses import PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from scheduler.deps import Redis
+from scheduler.metrics import exposition
+from scheduler.schemas import HealthOut
+
+router = APIRouter(tags=["ops"])
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+def metrics(request: Request) -> PlainTextResponse:
+    return PlainTextResponse(exposition(request.app.state.registry, request.app.state.collector),
+                             media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/healthz")
+def healthz() -> HealthOut:
+    return HealthOut(status="ok")
+
+
+@router.get("/readyz")
+def readyz(redis: Redis) -> HealthOut:
+    problems = []
+    try:
+        redis.ping()
+    except redis_lib.RedisError as exc:
+        problems.append(f"redis: {exc}")
+    if not ray.is_initialized():
+        problems.append("ray: not initialised")
+    if problems:
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "; ".join(problems))
+    return HealthOut(status="ready")

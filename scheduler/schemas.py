@@ -1,0 +1,78 @@
+"""The REST API's output models (the input model is workers.spec.JobSpec) and the publish decision
+record the watcher writes to job_drafts_key and GET /v1/jobs/{id}/drafts returns."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from pydantic import BaseModel, create_model
+
+from workers.protocol import JobState, ProgressRecord, WorkerState
+
+
+class JobOut(BaseModel):
+    job_id: str
+    state: JobState
+    spec: dict  # the JobSpec as submitted, every default filled in
+    created_at: float
+    updated_at: float
+    error: str | None = None  # one line, when the job failed
+    steps: int = 0  # RL steps finished: the length of the job's step records
+
+
+# A worker's latest ProgressRecord (every field but job_id) and the watcher's class for it: built
+# from the message type, so the two cannot drift apart.
+_PROGRESS_HINTS = typing.get_type_hints(ProgressRecord)
+WorkerOut = create_model(
+    "WorkerOut",
+    **{f.name: (_PROGRESS_HINTS[f.name], ...) for f in dataclasses.fields(ProgressRecord) if f.name != "job_id"},
+    scheduler_class=(WorkerState | None, None),  # the watcher's view: ROLLING_OUT, STRAGGLER, IDLE, ...
+)
+
+
+class PublishDecision(BaseModel):
+    """One round: the copies merged into a candidate, how it and the serving draft scored on the
+    scorer's recent rollouts, and whether it was published (or why not)."""
+
+    round_id: str | None = None
+    candidate: int | None = None  # the merged version in the copies store (None: never merged)
+    merged: list[int]
+    dropped: list[int] = []  # copies that could not be averaged with the merged ones
+    parent_version: int
+    evaluated_by: str
+    held_out: bool  # the scorer did not train in the round: its rollouts are unseen by the copies
+    at: float  # wall clock the round was asked to be scored
+    candidate_accepted_length: float | None = None
+    serving_accepted_length: float | None = None
+    candidate_draft_temperature: float | None = None
+    eval_tokens: int | None = None  # recorded pairs the scores were measured on
+    published_version: int | None = None
+    reason: str | None = None  # why not published
+
+
+class DraftVersionOut(BaseModel):
+    version: int
+    parent_version: int | None
+    policy_version: int
+    num_steps: int
+    num_tokens: int
+    created_at: float
+    accepted_length: float | None = None  # measured when it was published
+    serving_accepted_length: float | None = None  # the draft it replaced, on the same rollouts
+    draft_temperature: float | None = None  # the temperature it drafts at
+
+
+class DraftsOut(BaseModel):
+    job_id: str
+    serving_version: int | None
+    versions: list[DraftVersionOut]
+    decisions: list[PublishDecision]
+    reclaimed_worker_s: float
+    num_leases: int
+    num_published: int
+    num_rejected: int
+
+
+class HealthOut(BaseModel):
+    status: str

@@ -1,0 +1,22 @@
+"""The scheduler process's settings: one place for each of their defaults (the CLI reads them here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.policy import PolicySettings
+
+TICK_S = 0.5  # progress arrives at <= 10/s per worker; leases last seconds to minutes
+
+
+@dataclass
+class Settings:
+    redis_url: str
+    api_token: str | None = None  # when set, mutating routes need "Authorization: Bearer <token>"
+    store_dir: str = "/tmp/tlt-drafts"  # draft stores' root, a job's under store_dir/JOB (shared FS on a cluster)
+    ray_num_gpus: int = 4  # logical GPUs declared when this process starts a local Ray
+    start_ray: bool = True
+    ray_address: str | None = None  # join this Ray cluster ("auto", "host:port"); jobs then outlive a restart
+    policy: PolicySettings = field(default_factory=PolicySettings)
+    watch: bool = True  # run the long-tail watcher (grants and preempts drafter-training leases)
+    watch_tick_s: float = TICK_S

@@ -1,0 +1,87 @@
+"""Job records and the running set in a real redis-server, and the watcher following every RUNNING
+job however many jobs the store holds (the 100-newest bug)."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.jobs import JobStore
+from scheduler.policy import PolicySettings
+from scheduler.state import JobTLT, read_classes
+from scheduler.watcher import Watcher
+from tests.scheduler.running import running_job
+from workers.protocol import (
+    JobState,
+    LeaseOutcome,
+    LeaseState,
+    Phase,
+    WorkerState,
+    job_key,
+    job_leases_key,
+    job_steps_key,
+    job_tlt_key,
+    running_jobs_key,
+)
+from workers.redis_server import PrivateRedis
+from workers.spec import JobSpec
+
+
+@pytest.fixture
+def redis():
+    with PrivateRedis() as server:
+        yield server.client()
+
+
+def test_the_running_set_changes_with_the_record(redis):
+    store = JobStore(redis)
+    job_id = store.create(JobSpec(model="tiny"))[0]["job_id"]
+    assert store.running_ids() == []
+    assert store.transition(job_id, JobState.RUNNING, {JobState.PENDING})["state"] == "RUNNING"
+    assert store.running_ids() == [job_id]
+    assert store.transition(job_id, JobState.RUNNING, {JobState.PENDING}) is None  # not from RUNNING
+    assert store.running_ids() == [job_id]
+    assert store.transition(job_id, JobState.CANCELLED, {JobState.RUNNING})["state"] == "CANCELLED"
+    assert store.running_ids() == [] and redis.scard(running_jobs_key()) == 0
+    assert store.transition("nosuchjob", JobState.RUNNING, {JobState.PENDING}) is None
+    assert store.running_ids() == []
+
+
+def test_steps_are_the_length_of_the_step_records_not_a_field(redis):
+    store = JobStore(redis)
+    record, _ = store.create(JobSpec(model="tiny"))
+    assert "steps" not in record and "steps" not in store.get(record["job_id"])
+    redis.rpush(job_steps_key(record["job_id"]), "{}", "{}")
+    assert store.num_steps([record["job_id"], "other"]) == [2, 0]
+
+
+def test_every_job_is_walked_in_batches(redis, monkeypatch):
+    monkeypatch.setattr("scheduler.jobs.SCAN_BATCH", 7)
+    store = JobStore(redis)
+    ids = [store.create(JobSpec(model="tiny"))[0]["job_id"] for _ in range(22)]
+    assert sorted(store.all_ids()) == sorted(ids) and len(list(store.all_ids())) == 22
+
+
+def test_an_old_running_job_among_many_is_watched_and_keeps_its_leases(redis, tmp_path):
+    store = JobStore(redis)
+    # the driver is in its rollout; w0 trains on a lease it accepted, w1 still generates
+    old, lease_id = running_job(store, Phase.ROLLOUT, {"w0": (WorkerState.TRAINING, 4),
+                                                       "w1": (WorkerState.ROLLING_OUT, 1)}, leased="w0", phase_age_s=5)
+    for _ in range(120):
+        store.create(JobSpec(model="tiny"))
+    assert old not in [j["job_id"] for j in store.list()]  # not among the newest 100
+
+    watcher = Watcher(store, str(tmp_path), PolicySettings())
+    watcher.tick()
+    assert read_classes(redis.hget(job_tlt_key(old), "classes")) == {"w0": "TRAINING", "w1": "STRAGGLER"}
+    assert JobTLT.load(redis, old).leases["w0"]["lease_id"] == lease_id  # still open, not dropped
+    # the worker writes the lease's end: the next tick collects it
+    redis.hset(job_leases_key(old), lease_id, LeaseOutcome(lease_id, "w0", LeaseState.DONE, steps=3, tokens=300,
+                                                           seconds=1.5, version=7).to_json())
+    watcher.tick()
+    st = JobTLT.load(redis, old)
+    assert st.leases == {} and st.reclaimed_worker_s == 1.5 and st.trained == ["w0"] and st.copies == [7]
+    # once the job ends it is no longer watched, and its record is untouched by the watcher
+    store.transition(old, JobState.SUCCEEDED, {JobState.RUNNING})
+    before = redis.get(job_key(old))
+    watcher.tick()
+    assert old not in watcher.jobs and redis.get(job_key(old)) == before

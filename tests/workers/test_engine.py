@@ -1,0 +1,83 @@
+"""The built-in engine behind the RolloutEngine seam: lossless speculation, harvesting, draft installs,
+policy loads and the counters it reports (real tiny model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter.buffer import RolloutBuffer
+from drafter.head import head_config, new_head
+from tests.conftest import tiny_model
+from workers.builtin_engine import BuiltinEngine
+from workers.engine import Completion, RolloutEngine
+from workers.spec import JobSpec
+
+PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], [4, 4]]
+
+
+def params(temperature: float, max_new_tokens: int = 24) -> list[dict]:
+    return [{"temperature": temperature, "max_new_tokens": max_new_tokens, "seed": 10 + i, "ignore_eos": True}
+            for i in range(len(PROMPTS))]
+
+
+def engine(**kw) -> BuiltinEngine:
+    return BuiltinEngine(tiny_model(), None, JobSpec(model="tiny", draft_k=3, **kw))
+
+
+def test_speculation_is_lossless_and_reported():
+    """Greedy, so token for token (sampled rollouts are lossless in distribution: tests/drafter)."""
+    e = engine()
+    assert isinstance(e, RolloutEngine) and e.draft_version == 0
+    plain = e.generate(PROMPTS, params(0.0), speculate=False)
+    assert e.stats().num_draft_tokens == 0 and e.stats().mean_accepted_length == 1.0
+    spec = e.generate(PROMPTS, params(0.0), speculate=True)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    s = e.stats()
+    assert s.num_draft_tokens > 0 and s.num_generated == 2 * 3 * 24 and s.tokens_per_s > 0
+    assert all(isinstance(o, Completion) and o.finish_reason == "length" and o.draft_version == 0 for o in spec)
+    assert sum(o.num_steps for o in spec) < sum(o.num_steps for o in plain)  # drafts were accepted
+    assert spec[0].to_dict()["prompt_ids"] == PROMPTS[0]
+
+
+def test_harvest_feeds_the_buffer_with_the_policy_version():
+    e, buffer = engine(), RolloutBuffer(max_bytes=1 << 20, hidden_dtype=torch.float32)
+    e.generate(PROMPTS, params(1.0), speculate=False)
+    assert len(buffer) == 0
+    e.load_policy({k: v.clone() for k, v in e.policy.state_dict().items()}, policy_version=3)
+    outs = e.generate(PROMPTS, params(1.0), speculate=True, harvest_into=buffer)
+    assert buffer.policy_versions == [3] and len(buffer) == len(PROMPTS)
+    # every token of each prompt and response but the last is a training pair
+    assert buffer.num_tokens == sum(len(p) + len(o.token_ids) - 1 for p, o in zip(PROMPTS, outs))
+
+
+def test_load_policy_changes_what_is_generated():
+    e = engine()
+    before = e.generate(PROMPTS, params(0.0), speculate=False)
+    other = tiny_model(seed=7).state_dict()
+    e.load_policy({k: v.numpy() for k, v in other.items()}, policy_version=1)  # as Ray maps them: numpy
+    after = e.generate(PROMPTS, params(0.0), speculate=True)
+    assert torch.equal(e.policy.lm_head.weight, other["lm_head.weight"] if "lm_head.weight" in other
+                       else other["embed.weight"])
+    assert [o.token_ids for o in after] != [o.token_ids for o in before]
+    assert [o.token_ids for o in after] == [o.token_ids for o in e.generate(PROMPTS, params(0.0), speculate=False)]
+
+
+def test_install_draft_serves_the_version_from_the_next_step():
+    e = engine()
+    head = new_head(e.policy, None, None, seed=4)
+    e.install_draft(5, head.state_dict(), head_config(head))
+    assert e.draft_version == 5 and e.stats().num_swaps == 1
+    outs = e.generate(PROMPTS, params(0.0), speculate=True)
+    assert {o.draft_version for o in outs} == {5}
+    with pytest.raises(RuntimeError):  # a state that does not fit its config: the draft serving stays
+        e.install_draft(6, {k: v for k, v in head.state_dict().items() if k != "fc.weight"}, head_config(head))
+    assert e.draft_version == 5 and e.stats().num_swaps == 1
+
+
+def test_params_must_match_the_prompts():
+    e = engine()
+    with pytest.raises(ValueError, match="params has 1 entries for 3 prompts"):
+        e.generate(PROMPTS, params(0.0)[:1], speculate=False)
+    with pytest.raises(ValueError, match="temperature"):
+        e.generate(PROMPTS[:1], [{"temperature": -1.0}], speculate=False)

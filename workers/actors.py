@@ -1,0 +1,170 @@
+"""The Ray actors of a job: its driver (the RL loop) and its rollout workers (one per GPU).
+
+Torch-free at import: the scheduler starts drivers and sends workers commands without loading torch;
+the torch-using implementations (workers.driver, workers.rollout) are imported inside the actors.
+Both are found by name in RAY_NAMESPACE (protocol.driver_actor_name / worker_actor_name).
+
+Worker commands return quickly; the work they start runs in the background and reports in Redis:
+    start_lease(offer)            LeaseOutcome in job_leases_key: RUNNING now, DONE or FAILED at its end
+    stop_training(wait_s)         whether a lease was training (it stops within one micro-step)
+    score_round(request)          ScoringResult in job_scoring_key (with `error` if it could not score)
+    publish_candidate(candidate, draft_temperature, extra)  the served version it became
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+import ray
+
+from workers.errors import one_line
+from workers.protocol import (
+    RAY_NAMESPACE,
+    JobResult,
+    Phase,
+    PhaseRecord,
+    check_id,
+    connect,
+    driver_actor_name,
+    job_phase_key,
+    job_result_key,
+    worker_actor_name,
+)
+from workers.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+
+def write_end(redis, job_id: str, result: JobResult) -> None:
+    """The run's one JobResult, and phase DONE, in one MULTI/EXEC."""
+    with redis.pipeline(transaction=True) as pipe:
+        pipe.set(job_phase_key(job_id), PhaseRecord(Phase.DONE, result.steps, result.finished_at).to_json())
+        pipe.set(job_result_key(job_id), result.to_json())
+        pipe.execute()
+
+
+@ray.remote(num_cpus=0)
+class JobDriver:
+    """Runs one job's GRPO steps (workers.driver.Driver). Start it with `start_driver`; `run` builds the
+    driver (model, workers) and runs every step, so whatever fails, setup included, ends in the JobResult
+    that `run` writes to job_result_key before it returns (or raises)."""
+
+    def __init__(self, job_id: str, spec: dict, redis_url: str, store_dir: str) -> None:
+        self.job_id = check_id("job_id", job_id)  # every key of the job is built from it
+        self.spec, self.redis_url, self.store_dir = spec, redis_url, store_dir
+        self._result: dict | None = None
+        self._finished = threading.Event()
+        self._lock = threading.Lock()
+        self._is_started = False
+        self._driver = None  # kept: its worker handles keep the workers alive until this actor ends
+
+    def run(self) -> dict:
+        """Every RL step; returns the JobResult dict (raises the error on failure, after recording it)."""
+        with self._lock:
+            if self._is_started:
+                raise RuntimeError(f"job {self.job_id}: run was already called")
+            self._is_started = True
+        redis = connect(self.redis_url)
+        driver, result = None, None
+        try:
+            from workers.driver import Driver  # torch, here only
+
+            spec = JobSpec.model_validate(self.spec)
+            driver = self._driver = Driver(self.job_id, spec, redis, self.redis_url, self.store_dir)
+            driver.run()
+            result = JobResult(ok=True, steps=driver.num_steps_done, finished_at=time.time())
+            return result.to_dict()
+        except BaseException as exc:
+            log.exception("job %s failed", self.job_id)
+            result = JobResult(ok=False, steps=driver.num_steps_done if driver else 0, finished_at=time.time(),
+                               error=one_line(exc))
+            raise
+        finally:
+            try:
+                write_end(redis, self.job_id, result)
+            finally:
+                self._result = result.to_dict()
+                self._finished.set()
+
+    def wait(self, timeout_s: float | None = None) -> dict | None:
+        """The JobResult dict once `run` has ended (a restarted scheduler reattaches with this), or None
+        if it is still running after timeout_s."""
+        return self._result if self._finished.wait(timeout_s) else None
+
+
+def start_driver(job_id: str, spec: JobSpec, redis_url: str, store_dir: str, is_detached: bool = True):
+    """A job's driver as a named actor in RAY_NAMESPACE; detached, it outlives the process that started it.
+    `store_dir` is the root of every job's draft stores (the job's own are under store_dir/job_id)."""
+    options = {"name": driver_actor_name(job_id), "namespace": RAY_NAMESPACE, "max_concurrency": 4}
+    if is_detached:
+        options["lifetime"] = "detached"
+    return JobDriver.options(**options).remote(job_id, spec.model_dump(), redis_url, store_dir)
+
+
+@ray.remote(num_cpus=0)
+class RolloutWorker:
+    """Ray actor around workers.rollout.RolloutRunner. Async: blocking work runs in threads, so commands
+    answer while it generates, trains or scores."""
+
+    def __init__(self, job_id: str, worker_id: str, spec: dict, redis_url: str, store_dir: str,
+                 **runtime) -> None:
+        from workers.rollout import RolloutRunner  # torch, here only
+
+        self.runner = RolloutRunner(job_id, worker_id, JobSpec.model_validate(spec), connect(redis_url), store_dir,
+                                    **runtime)
+        self.runner.swapper.start()
+        self._tasks: set[asyncio.Task] = set()  # background leases and scoring (kept referenced until done)
+
+    def _background(self, fn, *args) -> None:
+        task = asyncio.get_running_loop().create_task(asyncio.to_thread(fn, *args))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ----- the driver's calls ------------------------------------------------------------------
+    async def load_policy(self, state_ref, policy_version: int) -> None:
+        state = state_ref[0] if isinstance(state_ref, list) else state_ref
+        await asyncio.to_thread(self.runner.load_policy, state, policy_version)
+
+    async def generate(self, prompts: list[list[int]], params: list[dict], rl_step: int) -> list[dict]:
+        return await asyncio.to_thread(self.runner.generate, prompts, params, rl_step)
+
+    # ----- the scheduler's commands -------------------------------------------------------------
+    async def start_lease(self, offer: dict) -> None:
+        """Accept a LeaseOffer and train in the background. ValueError naming the field if it is
+        malformed, or saying why this worker cannot take it (it holds a lease, or it failed)."""
+        lease = self.runner.leases.accept(offer)
+        self._background(self.runner.leases.run, lease)
+
+    async def stop_training(self, wait_s: float = 0.0) -> bool:
+        return await asyncio.to_thread(self.runner.leases.stop, wait_s)
+
+    async def score_round(self, request: dict) -> None:
+        """Merge and score a ScoringRequest in the background. ValueError naming the field if it is
+        malformed, or if this worker is scoring another round."""
+        req = self.runner.scorer.accept(request)
+        self._background(self.runner.scorer.run, req)
+
+    async def publish_candidate(self, candidate: int, draft_temperature: float | None, extra: dict) -> int:
+        return await asyncio.to_thread(self.runner.scorer.publish_candidate, candidate, draft_temperature, extra)
+
+    # ----- tests and benchmarks -----------------------------------------------------------------
+    async def describe(self) -> dict:
+        return self.runner.describe()
+
+    async def set_reporting(self, is_reporting: bool) -> None:
+        self.runner.status.is_reporting = is_reporting
+
+
+def start_worker(job_id: str, worker_id: str, spec: JobSpec, redis_url: str, store_dir: str):
+    """A job's rollout worker as a named actor (owned by the caller, the driver: it dies with it)."""
+    return RolloutWorker.options(name=worker_actor_name(job_id, worker_id), namespace=RAY_NAMESPACE,
+                                 num_gpus=1, num_cpus=0).remote(job_id, worker_id, spec.model_dump(), redis_url,
+                                                                store_dir)
+
+
+def get_worker(job_id: str, worker_id: str):
+    """A running job's worker by name; ValueError if there is none."""
+    return ray.get_actor(worker_actor_name(job_id, worker_id), namespace=RAY_NAMESPACE)

@@ -1,0 +1,96 @@
+"""The built-in RolloutEngine: drafter.engine.Engine (batched speculative decoding in PyTorch) with an
+EAGLE drafter (drafter.eagle.EagleDrafter), on CPU or one GPU.
+
+It shares its policy module with the worker (the learner-side copy the drafter trains against):
+load_policy writes the weights into that module.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from drafter.buffer import RolloutBuffer
+from drafter.eagle import EagleDrafter
+from drafter.engine import Engine, Request
+from drafter.head import head_from_state, new_head
+from drafter.model import CausalLM
+from drafter.sampling import SamplingParams
+from workers.engine import Completion, EngineStats, ProgressCallback, RolloutEngine
+from workers.spec import JobSpec
+
+
+def as_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Tensors as they are; numpy arrays (read-only, mapped from Ray's object store) wrapped without a copy."""
+    with warnings.catch_warnings():  # from_numpy on a read-only array: it is only read
+        warnings.simplefilter("ignore", UserWarning)
+        return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in state.items()}
+
+
+class BuiltinEngine(RolloutEngine):
+    def __init__(self, policy: CausalLM, tokenizer, spec: JobSpec) -> None:
+        self.policy, self.draft_k = policy, spec.draft_k
+        self.engine = Engine(policy, tokenizer)
+        # version 0: an untrained head, served until the first published version arrives
+        self.drafter = EagleDrafter(policy, new_head(policy, None, spec.draft_vocab_size), spec.draft_dtype,
+                                    tree=spec.draft_tree)
+        self.drafter.version = 0
+        self.policy_version = 0
+        self._lock = threading.Lock()  # guards the counters below
+        self._generate_seconds = 0.0
+        self._num_installs = 0
+
+    def load_policy(self, state: dict[str, Any], policy_version: int) -> None:
+        self.policy.load_state_dict(as_tensors(state))
+        self.policy.requires_grad_(False)
+        self.policy_version = policy_version
+        # the drafter slices the policy's LM head: refresh it for the new weights (never dropping a
+        # draft version that arrived meanwhile and is waiting for the next decode step)
+        self.drafter.refresh()
+
+    def generate(self, prompts: list[list[int]], params: list[dict], *, speculate: bool,
+                 harvest_into: RolloutBuffer | None = None,
+                 on_progress: ProgressCallback | None = None) -> list[Completion]:
+        if len(params) != len(prompts):
+            raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts")
+        reqs = [Request(list(p), SamplingParams(**kw)) for p, kw in zip(prompts, params)]
+        k = self.draft_k if speculate else 0
+        if not k:  # not drafting: a version installed meanwhile starts serving now, between batches
+            self.drafter.apply_pending_swap()
+        start = time.perf_counter()
+        try:
+            outs = self.engine.generate(reqs, k=k, drafter=self.drafter if k else None,
+                                        record_hidden=harvest_into is not None, on_step=on_progress)
+        finally:
+            with self._lock:
+                self._generate_seconds += time.perf_counter() - start
+        if harvest_into is not None:
+            harvest_into.add_outputs(outs, self.policy_version)
+        version = self.draft_version
+        return [Completion(o.prompt_ids, o.token_ids, o.text, o.finish_reason, o.num_steps, o.num_accepted, version)
+                for o in outs]
+
+    def install_draft(self, version: int, state: dict[str, Any], head_config: dict) -> None:
+        head = head_from_state(head_config, as_tensors(state))
+        # freshly built, so converted in place: request_swap then has no copy to make
+        self.drafter.request_swap(self.drafter.convert(head), version)
+        self.drafter.apply_pending_swap()  # between two of a running batch's draft-state updates
+        with self._lock:
+            self._num_installs += 1
+
+    @property
+    def draft_version(self) -> int:
+        return int(self.drafter.version or 0)
+
+    def stats(self) -> EngineStats:
+        s = self.engine.stats
+        with self._lock:
+            return EngineStats(num_generated=s.num_generated, num_seq_steps=s.num_seq_steps,
+                               num_draft_tokens=s.num_draft_tokens, num_accepted=s.num_accepted,
+                               generate_seconds=self._generate_seconds, num_swaps=self._num_installs,
+                               swap_seconds=self.drafter.swaps.seconds)

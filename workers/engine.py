@@ -1,0 +1,93 @@
+"""The RolloutEngine seam: what a rollout worker asks of the inference engine it drives.
+
+A worker (workers.rollout.RolloutRunner) loads policy weights into its engine, has it generate a
+batch with per-request sampling settings and seeds, collects the training pairs the engine harvested
+for the drafter, installs draft versions as they are published, and reports the engine's acceptance
+and throughput. Nothing here names a built-in class: the built-in engine (workers.builtin_engine) is
+the first implementation, vLLM and SGLang engines come next behind the same calls.
+
+Per-request sampling settings are plain dicts (they cross Ray from the driver):
+    temperature (0: greedy), top_k (0: off), top_p (1.0: off), max_new_tokens, seed (None: drawn),
+    stop_token_ids, stop_strings, ignore_eos
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from drafter.buffer import RolloutBuffer
+
+# on_progress(num_finished, num_generated): called by the engine as its batch advances (it may be often;
+# the caller rate-limits what it does with it)
+ProgressCallback = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One finished response, as the driver receives it."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str | None  # decoded, cut before a matched stop string; None without a tokenizer
+    finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
+    num_steps: int  # policy forwards this response took part in (len(token_ids) with plain decoding)
+    num_accepted: int  # drafted tokens the policy accepted
+    draft_version: int  # the draft version serving when the batch finished (0: the untrained init)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """An engine's counters since it started (cumulative: callers take differences)."""
+
+    num_generated: int = 0  # tokens generated
+    num_seq_steps: int = 0  # sum over policy forwards of the sequences in them
+    num_draft_tokens: int = 0  # drafted tokens proposed
+    num_accepted: int = 0  # drafted tokens accepted
+    generate_seconds: float = 0.0  # wall time inside generate
+    num_swaps: int = 0  # draft versions installed
+    swap_seconds: float = 0.0  # time the decode loop spent switching drafts
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per sequence per policy forward (1.0: plain decoding)."""
+        return self.num_generated / self.num_seq_steps if self.num_seq_steps else 1.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_generated / self.generate_seconds if self.generate_seconds > 0 else 0.0
+
+
+class RolloutEngine(ABC):
+    """An inference engine with speculative decoding and a hot-swappable draft."""
+
+    @abstractmethod
+    def load_policy(self, state: dict[str, Any], policy_version: int) -> None:
+        """Serve the policy weights `state` (name -> tensor) from the next batch on."""
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], params: list[dict], *, speculate: bool,
+                 harvest_into: RolloutBuffer | None = None,
+                 on_progress: ProgressCallback | None = None) -> list[Completion]:
+        """One rollout per prompt, as one batch. `speculate`: draft with the installed version (lossless:
+        the outputs follow the policy's distribution either way). `harvest_into`: add the batch's
+        (token, policy hidden state) training pairs to this buffer, tagged with the policy version."""
+
+    @abstractmethod
+    def install_draft(self, version: int, state: dict[str, Any], head_config: dict) -> None:
+        """Serve draft `version` (its weights and the head_config that rebuilds it) from the next draft
+        step on, without pausing a batch under way. Thread-safe: called from the swap listener."""
+
+    @property
+    @abstractmethod
+    def draft_version(self) -> int:
+        """The draft version serving now (0: the untrained initial draft)."""
+
+    @abstractmethod
+    def stats(self) -> EngineStats:
+        """Acceptance and throughput so far."""

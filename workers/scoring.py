@@ -1,0 +1,109 @@
+"""Merging and scoring draft copies, on a worker (the scheduler does no tensor work).
+
+score_round: average exactly the copies it is given (the scheduler grouped them by merge_key) into a
+candidate in the copies store, then measure the candidate (at the draft temperature that accepts the
+most) and the serving version offline on this worker's most recent rollouts (drafter.evaluate), and
+write the ScoringResult to job_scoring_key; a round that could not be scored gets one with `error`.
+publish_candidate: serve a scored candidate at its draft temperature, in the served store.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+
+import redis as redis_lib
+
+from drafter.buffer import Rollout, RolloutBuffer
+from drafter.evaluate import calibrate_draft_temperature, expected_accepted_length
+from drafter.model import CausalLM
+from workers.errors import one_line
+from workers.message import Message
+from workers.protocol import ScoringRequest, ScoringResult, job_scoring_key
+from workers.status import WorkerStatus
+from workers.store import DraftStore
+
+log = logging.getLogger(__name__)
+EVAL_TOKENS = 2048  # recorded pairs a round is scored on: ~1 s of a SmolLM2 forward on CPU
+
+
+def recent_rollouts(buffer: RolloutBuffer, max_tokens: int = EVAL_TOKENS) -> tuple[list[Rollout], int]:
+    """The newest rollouts of the buffer's newest policy version, up to `max_tokens` pairs, and their pairs."""
+    rollouts = buffer.rollouts
+    if not rollouts:
+        return [], 0
+    newest = max(r.policy_version for r in rollouts)
+    recent, num_tokens = [], 0
+    for r in sorted((r for r in rollouts if r.policy_version == newest), key=lambda r: -r.order):
+        if num_tokens >= max_tokens:
+            break
+        recent.append(r)
+        num_tokens += r.num_pairs
+    return recent, num_tokens
+
+
+class Scorer:
+    def __init__(self, redis: redis_lib.Redis, policy: CausalLM, buffer: RolloutBuffer, served: DraftStore,
+                 copies: DraftStore, status: WorkerStatus) -> None:
+        self.redis, self.policy, self.buffer = redis, policy, buffer
+        self.served, self.copies, self.status = served, copies, status
+        self.scoring: str | None = None  # the round under scoring
+        self._lock = threading.Lock()
+
+    def accept(self, request: dict) -> ScoringRequest:
+        """The request, checked (ValueError naming the field), or ValueError if a round is under scoring."""
+        req = ScoringRequest.from_dict(request) if not isinstance(request, Message) else request
+        if not req.copies or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in req.copies):
+            raise ValueError(f"copies must be a non-empty list of versions >= 1, got {req.copies!r}")
+        if req.k < 1:
+            raise ValueError(f"k must be >= 1, got {req.k}")
+        with self._lock:
+            if self.scoring is not None:
+                raise ValueError(f"worker {self.status.worker_id} is scoring round {self.scoring}")
+            self.scoring = req.round_id
+        return req
+
+    def run(self, req: ScoringRequest) -> ScoringResult:
+        """Merge and score an accepted request; the result (or the error) is written and returned."""
+        result = ScoringResult(req.round_id, self.status.worker_id)
+        try:
+            result.candidate = self.copies.merge_and_publish(list(req.copies))
+            recent, result.num_tokens = recent_rollouts(self.buffer)
+            if not recent:
+                raise ValueError(f"worker {self.status.worker_id} has no rollouts to score drafts on")
+            head, _ = self.copies.load_head(result.candidate, self.policy.dtype)
+            tau, scores = calibrate_draft_temperature(head, self.policy, recent, req.k)
+            result.candidate_accepted_length, result.candidate_draft_temperature = scores[tau], tau
+            if req.serving_version is not None:
+                serving, _ = self.served.load_head(req.serving_version, self.policy.dtype)
+                result.serving_accepted_length = expected_accepted_length(serving, self.policy, recent, req.k,
+                                                                          greedy=False)
+        except Exception as exc:
+            log.exception("worker %s: scoring round %s failed", self.status.worker_id, req.round_id)
+            result.error = one_line(exc)
+        finally:
+            with self._lock:
+                self.scoring = None
+        result = ScoringResult.from_dict(result.to_dict())  # validated as it is written
+        self.redis.set(job_scoring_key(self.status.job_id), result.to_json())
+        return result
+
+    def publish_candidate(self, candidate: int, draft_temperature: float | None, extra: dict) -> int:
+        """Serve candidate `candidate` of the copies store: at `draft_temperature` (None: its own), with
+        `extra` merged into its meta (the scheduler's scores: "accepted_length" is what a worker's
+        min_accepted_length is compared with). Returns the version in the served store."""
+        if isinstance(candidate, bool) or not isinstance(candidate, int) or candidate < 1:
+            raise ValueError(f"candidate must be a version >= 1, got {candidate!r}")
+        if draft_temperature is not None and (isinstance(draft_temperature, bool)
+                                              or not isinstance(draft_temperature, int | float)
+                                              or not math.isfinite(draft_temperature) or draft_temperature < 0):
+            raise ValueError(f"draft_temperature must be a number >= 0 or None, got {draft_temperature!r}")
+        if not isinstance(extra, dict):
+            raise ValueError(f"extra must be a dict, got {type(extra).__name__}")
+        state, meta = self.copies.load(candidate)
+        if draft_temperature is not None:
+            meta.head_config["eagle"]["draft_temperature"] = float(draft_temperature)
+        meta.extra.update(extra)
+        meta.extra.update(candidate=candidate, draft_temperature=meta.head_config["eagle"].get("draft_temperature"))
+        return self.served.publish(state, meta)
