@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 from scheduler.commands import COMMAND_TIMEOUT_S, Commands, Reply
 from scheduler.policy import CopyView, PolicySettings, choose_scorer, group_copies, should_publish
 from scheduler.schemas import PublishDecision
 from scheduler.state import JobTLT
-from workers.draft_index import DraftIndex
+from workers.draft_index import DraftIndex, job_draft_dirs
 from workers.protocol import (
     Phase,
     ProgressRecord,
@@ -28,7 +27,6 @@ from workers.protocol import (
     ScoringResult,
     WorkerState,
     draft_namespaces,
-    drafts_index_key,
     job_drafts_key,
     job_scoring_key,
 )
@@ -46,7 +44,7 @@ class Rounds:
         self.redis, self.store_dir, self.commands, self.settings = redis, store_dir, commands, settings
         self.jobs = jobs  # the watcher's TLT state of each watched job
 
-    def start(self, job_id: str, st: JobTLT, classes: dict[str, WorkerState], phase: Phase, k: int) -> None:
+    def start(self, job_id: str, st: JobTLT, classes: dict[str, WorkerState], phase: Phase, draft_k: int) -> None:
         """Ask a free worker to merge the round's copies and score the candidate."""
         scorer, held_out = choose_scorer(classes, phase, st.trained, leased=st.leases)
         if scorer is None:
@@ -76,7 +74,7 @@ class Rounds:
                       "parent_version": serving or 0, "serving_version": serving, "evaluated_by": scorer,
                       "held_out": held_out, "at": time.time()}
         log.info("job %s: round %s: %s merges copies %s and scores the candidate", job_id, round_id, scorer, merged)
-        self.commands.send(job_id, scorer, "score_round", ScoringRequest(round_id, merged, serving, k).to_dict(),
+        self.commands.send(job_id, scorer, "score_round", ScoringRequest(round_id, merged, serving, draft_k).to_dict(),
                            on_reply=lambda r: self._asked(r, round_id))
 
     def _round(self, job_id: str, round_id: str) -> tuple[JobTLT | None, dict | None]:
@@ -154,7 +152,6 @@ class Rounds:
     def _record_published(self, job_id: str, st: JobTLT, version: int) -> None:
         record = st.scoring
         record["published_version"] = version
-        st.published_at[str(version)] = time.time()
         st.num_published += 1
         log.info("job %s: published draft v%d (accepted length %.2f vs serving %s)", job_id, version,
                  record["candidate_accepted_length"], record["serving_accepted_length"])
@@ -188,17 +185,7 @@ class Rounds:
             self._prune(job_id, record["merged"] + record["dropped"] + [v for v in [record.get("candidate")] if v])
 
     def _prune(self, job_id: str, versions: list[int]) -> None:
-        """Delete the decided round's copies and candidate: index entries first, then files (a crash in
-        between leaves an orphan file that DraftStore.recover may adopt, never an entry without its file)."""
-        copies_ns = draft_namespaces(job_id)[1]
-        index, directory = DraftIndex(self.redis, copies_ns), Path(self.store_dir) / job_id / "copies"
-        removed = []
-        for v in sorted(set(versions)):
-            try:
-                name = index.entry(v)["path"]
-            except ValueError:  # never indexed, or unreadable: nothing the scheduler can safely delete
-                continue
-            if self.redis.hdel(drafts_index_key(copies_ns), str(v)):
-                (directory / name).unlink(missing_ok=True)
-                removed.append(v)
+        """Delete the decided round's copies and candidate (a published one lives on in the served store)."""
+        removed = DraftIndex(self.redis, draft_namespaces(job_id)[1]).remove(
+            sorted(set(versions)), job_draft_dirs(self.store_dir, job_id)[1])
         log.info("job %s: removed copies %s of the decided round", job_id, removed)

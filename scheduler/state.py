@@ -23,7 +23,6 @@ class JobTLT:
     num_rounds: int = 0
     num_published: int = 0
     num_rejected: int = 0
-    published_at: dict = field(default_factory=dict)  # served version -> wall time it was published
     swaps_seen: dict = field(default_factory=dict)  # worker id -> num_swaps last observed
     scoring: dict | None = None  # the round being scored or published (scheduler/rounds.py)
 

@@ -143,12 +143,16 @@ class Watcher:
 
     # ----- the steps of a tick ------------------------------------------------------------------
     def _observe_swaps(self, job_id: str, st: JobTLT, records: list[ProgressRecord]) -> None:
-        """Swap latency: a served version's publish to a worker beginning to install it (the worker's
-        record keeps its newest swap; the scheduler saw the publish answered)."""
+        """Swap latency: a served version's publish (its index entry's created_at) to a worker beginning
+        to install it (the worker's record keeps its newest swap)."""
+        served = DraftIndex(self.store.redis, draft_namespaces(job_id)[0])
         for r in records:
-            if r.num_swaps > st.swaps_seen.get(r.worker_id, 0):
-                published_at = st.published_at.get(str(r.last_swap_version))
-                if published_at is not None:
+            if r.num_swaps > st.swaps_seen.get(r.worker_id, 0) and r.last_swap_version > 0:
+                try:
+                    published_at = float(served.entry(r.last_swap_version)["created_at"])
+                except ValueError as exc:  # pruned or unreadable: nothing to measure against
+                    log.info("job %s: no publish time for v%d: %s", job_id, r.last_swap_version, exc)
+                else:
                     self.metrics.swap.labels(job_id).observe(max(r.last_swap_at - published_at, 0.0))
             st.swaps_seen[r.worker_id] = r.num_swaps
 

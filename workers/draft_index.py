@@ -16,7 +16,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from pathlib import PurePath
+from pathlib import Path, PurePath
 from typing import Any, TypeVar
 
 import redis as redis_lib
@@ -25,6 +25,7 @@ from workers.message import ProtocolError
 from workers.protocol import (
     Announcement,
     check_namespace,
+    draft_namespaces,
     drafts_channel,
     drafts_counter_key,
     drafts_index_key,
@@ -66,11 +67,44 @@ def parse_entry(raw: str | bytes, where: str) -> dict:
     return d
 
 
+def job_draft_dirs(store_dir: str | Path, job_id: str) -> tuple[Path, Path]:
+    """A job's two draft directories under the store root, (served, copies): jobs sharing a root
+    never collide. The namespaces beside them are protocol.draft_namespaces(job_id)."""
+    draft_namespaces(job_id)  # checks the id: it becomes a directory name
+    root = Path(store_dir) / job_id
+    return root / "served", root / "copies"
+
+
 class DraftIndex:
     """One namespace's index of draft versions in Redis (no weights: see workers.store.DraftStore)."""
 
     def __init__(self, redis: redis_lib.Redis, namespace: str) -> None:
         self.redis, self.namespace = redis, check_namespace(namespace)
+
+    def remove(self, versions: list[int], directory: str | Path) -> list[int]:
+        """Delete versions no one will load again (the copies of a round already decided) from this
+        index and their files from `directory`: entries first, then files, so a crash in between
+        leaves an orphan file that DraftStore.recover may adopt, never an entry without its file. The
+        latest pointer is left alone: versions are never reused. Returns the versions removed here;
+        unknown ones, and entries too unreadable to name their file, are skipped."""
+        if not isinstance(versions, list | tuple):
+            raise ValueError(f"versions must be a list of versions, got {versions!r}")
+        for v in versions:
+            check_version(v, "versions")
+        index, removed = drafts_index_key(self.namespace), []
+        for v in sorted(set(versions)):
+            raw = self.redis.hget(index, str(v))
+            if raw is None:
+                continue  # never indexed here, or another remover took it
+            try:
+                name = parse_entry(raw, f"{self.namespace}/v{v}")["path"]
+            except ProtocolError as exc:
+                log.error("draft store %s: not removing v%d: %s", self.namespace, v, exc)
+                continue
+            if self.redis.hdel(index, str(v)):
+                (Path(directory) / name).unlink(missing_ok=True)
+                removed.append(v)
+        return removed
 
     # ----- reading ----------------------------------------------------------------------------
     def entry(self, version: int) -> dict:

@@ -334,7 +334,7 @@ class ScoringRequest(Message):
     round_id: str
     copies: list  # copy versions to average, weighted by their training steps
     serving_version: int | None
-    k: int  # draft length the accepted lengths are measured at
+    draft_k: int  # draft length the accepted lengths are measured at
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 
 import redis as redis_lib
 
@@ -56,8 +57,8 @@ class Scorer:
         req = ScoringRequest.from_dict(request) if not isinstance(request, Message) else request
         if not req.copies or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in req.copies):
             raise ValueError(f"copies must be a non-empty list of versions >= 1, got {req.copies!r}")
-        if req.k < 1:
-            raise ValueError(f"k must be >= 1, got {req.k}")
+        if req.draft_k < 1:
+            raise ValueError(f"draft_k must be >= 1, got {req.draft_k}")
         with self._lock:
             if self.scoring is not None:
                 raise ValueError(f"worker {self.status.worker_id} is scoring round {self.scoring}")
@@ -73,11 +74,11 @@ class Scorer:
             if not recent:
                 raise ValueError(f"worker {self.status.worker_id} has no rollouts to score drafts on")
             head, _ = self.copies.load_head(result.candidate, self.policy.dtype)
-            tau, scores = calibrate_draft_temperature(head, self.policy, recent, req.k)
+            tau, scores = calibrate_draft_temperature(head, self.policy, recent, req.draft_k)
             result.candidate_accepted_length, result.candidate_draft_temperature = scores[tau], tau
             if req.serving_version is not None:
                 serving, _ = self.served.load_head(req.serving_version, self.policy.dtype)
-                result.serving_accepted_length = expected_accepted_length(serving, self.policy, recent, req.k,
+                result.serving_accepted_length = expected_accepted_length(serving, self.policy, recent, req.draft_k,
                                                                           greedy=False)
         except Exception as exc:
             log.exception("worker %s: scoring round %s failed", self.status.worker_id, req.round_id)
@@ -106,4 +107,5 @@ class Scorer:
             meta.head_config["eagle"]["draft_temperature"] = float(draft_temperature)
         meta.extra.update(extra)
         meta.extra.update(candidate=candidate, draft_temperature=meta.head_config["eagle"].get("draft_temperature"))
+        meta.created_at = time.time()  # the served entry's time is its publish: swap latency counts from it
         return self.served.publish(state, meta)

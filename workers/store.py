@@ -27,8 +27,8 @@ from safetensors import safe_open
 
 from drafter.checkpoint import CheckpointError, DraftMeta, draft_path, load_draft, merge_drafts, save_draft
 from drafter.head import EagleHead, head_from_state
-from workers.draft_index import DraftIndex, check_version, parse_entry
-from workers.protocol import ProtocolError, draft_namespaces, drafts_counter_key, drafts_index_key, text
+from workers.draft_index import DraftIndex, check_version, job_draft_dirs, parse_entry
+from workers.protocol import draft_namespaces, drafts_counter_key, drafts_index_key, text
 
 STALE_TEMP_S = 3600.0  # a temp file untouched this long belongs to a crashed writer (writes take seconds)
 
@@ -90,27 +90,8 @@ class DraftStore(DraftIndex):
         return (into or self).publish(state, meta)
 
     def remove(self, versions: list[int]) -> list[int]:
-        """Delete versions no one will load again (the copies of a round already decided): index
-        entries first, then files, so a crash in between leaves an orphan file that recover() may
-        adopt, never an index entry without its file. The latest pointer is left alone: versions are
-        never reused. Returns the versions that were indexed here; unknown ones are skipped."""
-        if not isinstance(versions, list | tuple):
-            raise ValueError(f"versions must be a list of versions, got {versions!r}")
-        for v in versions:
-            check_version(v, "versions")
-        index = drafts_index_key(self.namespace)
-        removed = []
-        for v in sorted(set(versions)):
-            raw = self.redis.hget(index, str(v))
-            if raw is None or not self.redis.hdel(index, str(v)):
-                continue  # never indexed here, or another remover took it
-            removed.append(v)
-            try:
-                name = parse_entry(raw, f"{self.namespace}/v{v}")["path"]
-            except ProtocolError:
-                name = draft_path(self.directory, v).name
-            (self.directory / name).unlink(missing_ok=True)
-        return removed
+        """DraftIndex.remove over this store's directory."""
+        return super().remove(versions, self.directory)
 
     # ----- reading ----------------------------------------------------------------------------
     def load(self, version: int, device: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], DraftMeta]:
@@ -179,6 +160,5 @@ def job_stores(redis: redis_lib.Redis, directory: str | Path, job_id: str) -> tu
     the directories `directory`/job_id/served and .../copies (so jobs sharing a root never collide).
     Served holds the versions workers swap in; copies holds each lease's trained copy and the merged
     candidates."""
-    served_ns, copies_ns = draft_namespaces(job_id)
-    root = Path(directory) / job_id
-    return DraftStore(redis, root / "served", served_ns), DraftStore(redis, root / "copies", copies_ns)
+    (served_ns, copies_ns), (served_dir, copies_dir) = draft_namespaces(job_id), job_draft_dirs(directory, job_id)
+    return DraftStore(redis, served_dir, served_ns), DraftStore(redis, copies_dir, copies_ns)

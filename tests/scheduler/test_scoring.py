@@ -97,6 +97,7 @@ def setup(cluster, tmp_path):
         watcher = Watcher(JobStore(redis), str(tmp_path), PolicySettings())
         scorer = SlowScorer.options(name=worker_actor_name(JOB, "w0"), namespace=RAY_NAMESPACE).remote(
             server.url, str(tmp_path), "w0")
+        ray.get(scorer.questions.remote())  # started: a command's timeout measures the answer, not the start-up
         yield watcher, redis, tmp_path, scorer
         ray.kill(scorer)
 
@@ -164,7 +165,7 @@ def test_scoring_is_collected_by_a_later_tick_and_the_round_is_pruned(setup):
     # decided: the round's copies and candidate are gone from the copies store, index and files
     assert copies.versions() == [] and not list((tmp_path / JOB / "copies").glob("*.safetensors"))
     [asked] = ray.get(scorer.questions.remote())
-    assert asked == {"round_id": f"{JOB}-r1", "copies": [1, 2], "serving_version": None, "k": 2}
+    assert asked == {"round_id": f"{JOB}-r1", "copies": [1, 2], "serving_version": None, "draft_k": 2}
 
 
 def test_a_restarted_watcher_reads_the_answer_and_a_worse_candidate_is_not_published(setup):
