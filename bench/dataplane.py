@@ -51,10 +51,10 @@ def bench_dataplane(model: str = SMOLLM2_SPEC, num_workers: int = 4, num_steps: 
     try:
         with PrivateRedis() as redis_server:
             client = redis_server.client()
-            # min_accepted_length 0: every worker drafts with whatever is served, so swaps land mid-draft
+            # speculation "always": every worker drafts with whatever is served, so swaps land mid-draft
             spec = JobSpec(model=model, num_steps=num_steps, num_prompts_per_step=prompts_per_step,
                            group_size=group_size, max_new_tokens=max_new_tokens, num_workers=num_workers,
-                           min_accepted_length=0.0)
+                           speculation="always")
             log(f"(1) GRPO job: {num_steps} step(s), {num_workers} workers, {prompts_per_step}x{group_size} rollouts")
             driver = start_driver("bench", spec, redis_server.url, store_dir, is_detached=False)
             outcome = ray.get(driver.run.remote())

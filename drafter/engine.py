@@ -10,9 +10,11 @@ the policy (the correction or the bonus): n+1 new tokens for one policy forward.
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -58,6 +60,15 @@ class EngineStats:
     @property
     def mean_accepted_length(self) -> float:
         return self.num_generated / max(self.num_seq_steps, 1)
+
+
+class DraftLengthChooser(Protocol):
+    """Chooses each step's draft length from the live batch size and learns from what the step gave
+    (drafter.adaptive.DraftLengthTuner; FixedDraftLength for a fixed k)."""
+
+    def choose(self, batch_size: int) -> int: ...
+
+    def record(self, batch_size: int, k: int, num_tokens: int, seconds: float) -> None: ...
 
 
 class _Row:
@@ -136,9 +147,14 @@ class Engine:
     @torch.inference_mode()
     def generate(self, requests: list[Request], k: int = 0, drafter: Drafter | None = None,
                  record_hidden: bool = False,
-                 on_step: Callable[[int, int], None] | None = None) -> list[GenerationOutput]:
+                 on_step: Callable[[int, int], None] | None = None,
+                 tuner: DraftLengthChooser | None = None) -> list[GenerationOutput]:
         """Generate for all requests as one batch. k: max draft tokens per step (0 = plain).
-        on_step(num_finished, num_generated) is called after every step (progress reporting)."""
+        on_step(num_finished, num_generated) is called after every step (progress reporting).
+        tuner: chooses each step's draft length in [0, k] from the live batch size, and is told the
+        tokens the step emitted and its seconds (drafting + verifying); None: k every step. The KV
+        caches are sized for k, so the choice may change from step to step; it depends only on past
+        steps, so the outputs stay the policy's (greedy: identical to plain decoding)."""
         self.validate(requests, k, drafter)
         model, device = self.model, self.model.device
         drafter = drafter if k > 0 else None
@@ -159,13 +175,19 @@ class Engine:
             drafter.begin([r.tokens for r in rows], prefill_hidden)
         while order:
             live = [rows[i] for i in order]
-            tree = drafter.tree_for(k, len(live)) if largest is not None else None  # the tail: a tree
+            step_k = k if tuner is None or drafter is None else max(0, min(int(tuner.choose(len(live))), k))
+            num_before = sum(len(r.tokens) for r in live)
+            start = time.perf_counter()
+            tree = drafter.tree_for(step_k, len(live)) if largest is not None else None  # the tail: a tree
             if tree is not None:
                 uniforms = None if sampling.all_greedy else self._uniforms(live, tree.num_uniforms + tree.num_nodes)
-                self._tree_step(live, cache, tree, drafter, sampling, uniforms, k)
+                self._tree_step(live, cache, tree, drafter, sampling, uniforms, step_k)
             else:
-                uniforms = None if sampling.all_greedy else self._uniforms(live, 2 * k + 1)
-                self._chain_step(live, cache, drafter, sampling, uniforms, k)
+                uniforms = None if sampling.all_greedy else self._uniforms(live, 2 * step_k + 1)
+                self._chain_step(live, cache, drafter, sampling, uniforms, step_k)
+            if tuner is not None:
+                tuner.record(len(live), step_k, sum(len(r.tokens) for r in live) - num_before,
+                             time.perf_counter() - start)
             done = [j for j, r in enumerate(live) if r.finish_reason]
             if on_step is not None:
                 on_step(len(rows) - len(order) + len(done), sum(len(r.tokens) - r.num_prompt for r in rows))
@@ -179,9 +201,10 @@ class Engine:
         return [self._output(r) for r in rows]
 
     def _chain_step(self, live, cache, drafter, sampling, uniforms, k) -> None:
-        """One verify forward of [last, d_1..d_K] per row (K = 0: plain decoding)."""
+        """One verify forward of [last, d_1..d_K] per row (K = 0: plain decoding; a drafter still
+        observes what the policy emitted, so it can draft again at a later step)."""
         model, device = self.model, self.model.device
-        if drafter is not None:
+        if drafter is not None and k > 0:
             caps = [r.cap(k) for r in live]
             prop = drafter.propose([r.tokens for r in live], caps, sampling,
                                    None if uniforms is None else uniforms[:, k + 1 :])

@@ -168,12 +168,6 @@ def warm_start(policy: CausalLM, tokenizer, prompts: list[list[int]], out_dir: s
         if progress:
             progress(f"draft temperature {tau} (expected tokens per step at T=1, k={max(eval_ks)}: "
                      f"{scores[tau]:.2f}; at 1.0: {scores.get(1.0, float('nan')):.2f})")
-    meta = DraftMeta(version=1, parent_version=0, policy_version=0, num_steps=rep.num_steps,
-                     total_steps=rep.num_steps, num_tokens=rep.num_tokens, head_config=head_config(head),
-                     created_at=time.time(), extra={"warm_start": True, "num_prompts": len(prompts)})
-    path = draft_path(out_dir, 1)
-    save_draft(path, head.state_dict(), meta)
-    report.path = str(path)
     if eval_prompts:
         drafter = EagleDrafter(policy, head)
         for k in eval_ks:
@@ -182,4 +176,15 @@ def warm_start(policy: CausalLM, tokenizer, prompts: list[list[int]], out_dir: s
             if progress:
                 progress(f"acceptance k={k}: mean accepted length {acc.mean_accepted_length:.2f}, "
                          f"draft acceptance {acc.acceptance_rate:.0%}")
+    # the file describes what was measured: greedy accepted length per k on the held-out prompts, and the
+    # expected tokens per step at T=1 (k = the largest evaluated) that the draft temperature was picked by
+    extra = {"warm_start": True, "num_prompts": len(prompts), "acceptance": dict(report.acceptance)}
+    if report.draft_temperature_scores:
+        extra["expected_accepted_length_t1"] = report.draft_temperature_scores[str(report.draft_temperature)]
+    meta = DraftMeta(version=1, parent_version=0, policy_version=0, num_steps=rep.num_steps,
+                     total_steps=rep.num_steps, num_tokens=rep.num_tokens, head_config=head_config(head),
+                     created_at=time.time(), extra=extra)
+    path = draft_path(out_dir, 1)
+    save_draft(path, head.state_dict(), meta)
+    report.path = str(path)
     return head, report

@@ -10,6 +10,9 @@ import sys
 
 from drafter.config import SMOLLM2_SPEC, TrainConfig
 from workers.spec import JobSpec
+from workers.warm import WarmRecipe
+
+_RECIPE = WarmRecipe()  # `tlt drafter train --task`'s defaults
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
@@ -61,6 +64,17 @@ def _bench_observability(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_scheduler(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from bench.scheduler import bench_scheduler
+
+    print(json.dumps(bench_scheduler(num_trials=args.trials, num_workers=args.workers, num_ticks=args.ticks,
+                                     tick_s=args.tick_s, short_s=args.short_s, long_s=args.long_s,
+                                     out_dir=Path(args.out_dir) if args.out_dir else None)))
+    return 0
+
+
 def _read_prompts(path: str) -> list[str]:
     from pathlib import Path
 
@@ -88,22 +102,39 @@ def _drafter_train(args: argparse.Namespace) -> int:
 
     from drafter.loading import encode_prompt, load_model
     from drafter.warmstart import HarvestConfig, warm_start
+    from workers.warm import WARM_EVAL_SEED, WARM_TRAIN_SEED, task_prompts
 
-    texts = _read_prompts(args.prompts)
-    if args.steps is None and args.seconds is None:
-        raise ValueError("give --steps or --seconds")
+    if (args.prompts is None) == (args.task is None):
+        raise ValueError("give --prompts FILE or --task NAME (one of them)")
+    recipe = _RECIPE
+    if args.task is not None:  # the task's own prompts; a held-out set drawn with another seed
+        texts = task_prompts(args.task, WARM_TRAIN_SEED, args.num_prompts or recipe.num_prompts)
+        eval_texts = task_prompts(args.task, WARM_EVAL_SEED, args.num_eval_prompts)
+        steps = args.steps if args.steps is not None or args.seconds is not None else recipe.num_steps
+    else:
+        texts = _read_prompts(args.prompts)
+        if args.steps is None and args.seconds is None:
+            raise ValueError("give --steps or --seconds")
+        held = max(1, len(texts) // 10) if len(texts) > 1 else 0
+        texts, eval_texts, steps = texts[held:] or texts, texts[:held][:8], args.steps
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
-    prompts = [encode_prompt(loaded.tokenizer, t) for t in texts]
-    held = max(1, len(prompts) // 10) if len(prompts) > 1 else 0
-    train_prompts, eval_prompts = prompts[held:] or prompts, prompts[:held][:8]
-    _, report = warm_start(loaded.model, loaded.tokenizer, train_prompts, args.out,
-                           train_cfg=TrainConfig(total_steps=args.steps or 1000, num_unroll=args.unroll,
+    if args.task is not None:  # as the job encodes them (a tokenizer-less preset folds bytes: tests only)
+        from workers.driver import encode_text
+
+        prompts = [encode_text(loaded.tokenizer, t, loaded.model.cfg.vocab_size) for t in texts]
+        eval_prompts = [encode_text(loaded.tokenizer, t, loaded.model.cfg.vocab_size) for t in eval_texts]
+    else:
+        prompts = [encode_prompt(loaded.tokenizer, t) for t in texts]
+        eval_prompts = [encode_prompt(loaded.tokenizer, t) for t in eval_texts]
+    _, report = warm_start(loaded.model, loaded.tokenizer, prompts, args.out,
+                           train_cfg=TrainConfig(total_steps=steps or 1000, num_unroll=args.unroll,
                                                   anneal_to_budget=False, bf16_autocast=False),
-                           harvest_cfg=HarvestConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size),
-                           max_steps=args.steps, max_seconds=args.seconds, draft_vocab_size=args.draft_vocab,
+                           harvest_cfg=HarvestConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                                                     temperature=args.temperature, top_p=1.0),
+                           max_steps=steps, max_seconds=args.seconds, draft_vocab_size=args.draft_vocab,
                            eval_prompts=eval_prompts, harvest_file=args.harvest_file)
-    print(json.dumps(report.__dict__))
+    print(json.dumps({"model": loaded.name, "task": args.task, **report.__dict__}))
     return 0
 
 
@@ -181,20 +212,39 @@ def add_tool_commands(sub) -> None:
     ob.add_argument("--repeats", type=int, default=20)
     ob.add_argument("--json", action="store_true", help="accepted for symmetry; the JSON object is always last")
     ob.set_defaults(func=_bench_observability)
+    sc = bench_sub.add_parser("scheduler", help="dispatch and preemption latency on real workers; the policy pass "
+                              "at N simulated workers")
+    sc.add_argument("--trials", type=int, default=60, help="leases dispatched and preempted on the real workers")
+    sc.add_argument("--workers", type=int, default=2048, help="simulated workers of the policy pass")
+    sc.add_argument("--ticks", type=int, default=300, help="policy passes timed")
+    sc.add_argument("--tick-s", type=float, default=0.1, help="the watcher's tick")
+    sc.add_argument("--short-s", type=float, default=0.8, help="the rollout of the worker that goes idle first")
+    sc.add_argument("--long-s", type=float, default=1.4, help="the straggler's rollout")
+    sc.add_argument("--out-dir", default=None, help="where scheduler.json goes (default docs/bench)")
+    sc.add_argument("--json", action="store_true", help="accepted for symmetry; the JSON object is always last")
+    sc.set_defaults(func=_bench_scheduler)
 
     dr = sub.add_parser("drafter", help="drafter tools")
     dr_sub = dr.add_subparsers(dest="drafter", required=True)
     tr = dr_sub.add_parser("train", help="offline warm start: generate, harvest, train a draft head")
     tr.add_argument("--model", default=SMOLLM2_SPEC)
-    tr.add_argument("--prompts", required=True, help='JSONL file, one {"prompt": "..."} per line')
+    tr.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": "..."} per line')
+    tr.add_argument("--task", default=None, help="a built-in task's own prompts (arithmetic, longtail), with "
+                    "the recipe's defaults (workers.warm.WarmRecipe); held-out prompts of the task are evaluated")
+    tr.add_argument("--num-prompts", type=int, default=None,
+                    help=f"task prompts harvested (default {_RECIPE.num_prompts})")
+    tr.add_argument("--num-eval-prompts", type=int, default=_RECIPE.num_eval_prompts,
+                    help="held-out task prompts the accepted length is measured on")
     tr.add_argument("--out", required=True, help="directory for draft-v000001.safetensors")
-    tr.add_argument("--steps", type=int, default=None, help="training micro-steps")
+    tr.add_argument("--steps", type=int, default=None,
+                    help=f"training micro-steps (with --task, default {_RECIPE.num_steps})")
     tr.add_argument("--seconds", type=float, default=None, help="training time budget")
-    tr.add_argument("--max-new-tokens", type=int, default=128)
-    tr.add_argument("--batch-size", type=int, default=16)
+    tr.add_argument("--max-new-tokens", type=int, default=_RECIPE.max_new_tokens)
+    tr.add_argument("--temperature", type=float, default=_RECIPE.temperature, help="harvest sampling temperature")
+    tr.add_argument("--batch-size", type=int, default=_RECIPE.batch_size)
     tr.add_argument("--draft-vocab", type=int, default=JobSpec.model_fields["draft_vocab_size"].default,
                     help="draft vocabulary size (most frequent tokens)")
-    tr.add_argument("--unroll", type=int, default=TrainConfig.num_unroll, help="training-time unrolled draft positions")
+    tr.add_argument("--unroll", type=int, default=_RECIPE.num_unroll, help="training-time unrolled draft positions")
     tr.add_argument("--threads", type=int, default=2)
     tr.add_argument("--harvest-file", default=None,
                     help="keep the harvest here (safetensors); an existing file is read instead of generating")

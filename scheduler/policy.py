@@ -3,9 +3,10 @@
 Given every worker's latest progress and the driver's phase, `decide` classifies the workers in the
 one vocabulary of workers/protocol.py (ROLLING_OUT, STRAGGLER, IDLE, TRAINING, FAILED, STALE), says
 whether the long tail has begun, which idle workers get a drafter-training lease and until when, and
-which trainers to preempt. Between rounds, `choose_scorer` picks the worker that merges and scores
-the round's copies, `group_copies` picks the copies that can be averaged, and `should_publish` says
-whether the merged draft may replace the one being served.
+which trainers to preempt. `track_rollouts` and `reclaimed_by_step` count a lease's time only while
+the step's rollout was under way (some worker still generating). Between rounds, `choose_scorer`
+picks the worker that merges and scores the round's copies, `group_copies` picks the copies that can
+be averaged, and `should_publish` says whether the merged draft may replace the one being served.
 """
 
 from __future__ import annotations
@@ -94,6 +95,48 @@ def rollout_under_way(phase: Phase) -> bool:
     return phase == Phase.ROLLOUT
 
 
+@dataclass(frozen=True)
+class RolloutWindow:
+    """One step's rollout phase: from the driver's ROLLOUT record to the moment the phase left ROLLOUT
+    (None: still under way)."""
+
+    rl_step: int
+    start: float
+    end: float | None = None
+
+
+def track_rollouts(windows: list[RolloutWindow], phase: Phase, rl_step: int, since: float,
+                   max_kept: int = 8) -> list[RolloutWindow]:
+    """The rollout windows after seeing the driver's phase record (phase, rl_step, since). A ROLLOUT
+    record opens its step's window; any other phase closes the open one at its `since` (the moment
+    the rollout ended: the driver writes the next phase as it ends). A window left open when a later
+    step's record is seen (its end was missed) closes at that record's `since`: an upper bound."""
+    out = list(windows)
+    if out and out[-1].end is None and (phase != Phase.ROLLOUT or rl_step != out[-1].rl_step):
+        out[-1] = RolloutWindow(out[-1].rl_step, out[-1].start, max(since, out[-1].start))
+    if phase == Phase.ROLLOUT and not any(w.rl_step == rl_step for w in out):
+        out.append(RolloutWindow(rl_step, since))
+    return out[-max_kept:]
+
+
+def overlap_s(start: float, end: float, window_start: float, window_end: float | None) -> float:
+    """Seconds of [start, end] within [window_start, window_end] (None: open-ended)."""
+    upper = end if window_end is None else min(end, window_end)
+    return max(0.0, upper - max(start, window_start))
+
+
+def reclaimed_by_step(started_at: float, ended_at: float, windows: list[RolloutWindow]) -> dict[int, float]:
+    """A lease's reclaimed worker-seconds per step: the part of [started_at, ended_at] that fell within
+    the step's rollout window. Time after the rollout ended (everyone waits for the update) is not
+    reclaimed, so a step's reclaimed time never exceeds its workers' time idle at the barrier."""
+    out: dict[int, float] = {}
+    for w in windows:
+        seconds = overlap_s(started_at, ended_at, w.start, w.end)
+        if seconds > 0:
+            out[w.rl_step] = out.get(w.rl_step, 0.0) + seconds
+    return out
+
+
 def classify(views: list[WorkerView], now: float, s: PolicySettings) -> dict[str, WorkerState]:
     classes: dict[str, WorkerState] = {}
     fresh = []
@@ -110,7 +153,7 @@ def classify(views: list[WorkerView], now: float, s: PolicySettings) -> dict[str
     for v in fresh:
         if v.state == WorkerState.TRAINING:
             classes[v.worker_id] = WorkerState.TRAINING
-        elif v not in generating:
+        elif v.state not in GENERATING_STATES:
             classes[v.worker_id] = WorkerState.IDLE
         elif done_fraction >= s.straggler_done_fraction or v.progress < s.straggler_progress_ratio * median:
             classes[v.worker_id] = WorkerState.STRAGGLER

@@ -1,7 +1,8 @@
 """`tlt report JOB --out DIR`: PNG plots and a Markdown summary of one job, from the REST API.
 
-- timeline.png: per worker (GPU), its state over time (generating, idle at the barrier, training
-  the drafter, swapping, failed), with step starts marked;
+- timeline.png: per worker (GPU), its state over time (generating, idle at the barrier while others
+  still generate, the learner phase when every worker waits for the update, training the drafter,
+  swapping, failed), with step starts marked;
 - steps.png: accepted length, rollout tokens/s and the draft versions served, per RL step;
 - phases.png: step time by phase, stacked;
 - summary.md: the totals (idle and reclaimed worker-seconds and their ratio), the publish decisions,
@@ -22,11 +23,12 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from scheduler.client import call  # noqa: E402
 from workers.protocol import WorkerState  # noqa: E402
 
-COLORS = {WorkerState.ROLLING_OUT: "#3b82f6", WorkerState.IDLE: "#d1d5db", WorkerState.TRAINING: "#16a34a",
-          WorkerState.SWAPPING: "#f59e0b", WorkerState.FAILED: "#dc2626"}
-LABELS = {WorkerState.ROLLING_OUT: "generating", WorkerState.IDLE: "idle at the barrier",
-          WorkerState.TRAINING: "training the drafter", WorkerState.SWAPPING: "swapping a draft in",
-          WorkerState.FAILED: "failed"}
+LEARNER = "LEARNER"  # drawn only: waiting while no worker generates (weight sync, log-probs, update)
+COLORS = {WorkerState.ROLLING_OUT: "#3b82f6", WorkerState.IDLE: "#d1d5db", LEARNER: "#c4b5fd",
+          WorkerState.TRAINING: "#16a34a", WorkerState.SWAPPING: "#f59e0b", WorkerState.FAILED: "#dc2626"}
+LABELS = {WorkerState.ROLLING_OUT: "generating", WorkerState.IDLE: "idle at the barrier (others generate)",
+          LEARNER: "learner phase (all wait for the update)", WorkerState.TRAINING: "training the drafter",
+          WorkerState.SWAPPING: "swapping a draft in", WorkerState.FAILED: "failed"}
 PHASES = ("weight_sync", "rollout", "reward", "logprob", "update")
 
 
@@ -41,6 +43,41 @@ def spans(events: list[dict], end: float | None = None) -> dict[str, list[tuple[
             state, start, _, step = runs[-1]
             runs[-1] = (state, start, e["ts"], step)
         runs.append((e["to"], e["ts"], max(end, e["ts"]), e["rl_step"]))
+    return out
+
+
+def generating(runs: dict[str, list[tuple[str, float, float, int]]]) -> list[tuple[float, float]]:
+    """The times some worker generates: the union of every ROLLING_OUT span, merged, in order."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted((a, b) for r in runs.values() for state, a, b, _ in r if state == WorkerState.ROLLING_OUT):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def split_waits(runs: dict[str, list[tuple[str, float, float, int]]]) -> dict[str, list[tuple[str, float, float, int]]]:
+    """Each IDLE span cut where the rollout ends: IDLE while another worker still generates (idle at
+    the barrier: the time TLT reclaims), LEARNER while none does (everyone waits for the update)."""
+    busy = generating(runs)
+    out: dict[str, list] = {}
+    for worker, spans_ in runs.items():
+        pieces = out.setdefault(worker, [])
+        for state, start, end, step in spans_:
+            if state != WorkerState.IDLE:
+                pieces.append((state, start, end, step))
+                continue
+            t = start
+            for a, b in busy:
+                if b <= t or a >= end:
+                    continue
+                if a > t:
+                    pieces.append((LEARNER, t, a, step))
+                pieces.append((WorkerState.IDLE, max(a, t), min(b, end), step))
+                t = min(b, end)
+            if t < end:
+                pieces.append((LEARNER, t, end, step))
     return out
 
 
@@ -60,7 +97,7 @@ def plot_timeline(events: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(11, 1.8 + 0.45 * max(len({e["worker"] for e in events}), 1)))
     if events:
         t0 = events[0]["ts"]
-        runs = spans(events)
+        runs = split_waits(spans(events))
         workers = sorted(runs, key=lambda w: (len(w), w))
         for row, worker in enumerate(workers):
             for state, start, end, _ in runs[worker]:
@@ -75,12 +112,12 @@ def plot_timeline(events: list[dict], path: Path) -> None:
         ax.set_yticks(range(len(workers)), workers)
         ax.invert_yaxis()  # w0 on top
         ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()],
-                  labels=list(LABELS.values()), loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=5, fontsize=8,
+                  labels=list(LABELS.values()), loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, fontsize=8,
                   frameon=False)
     else:
         ax.text(0.5, 0.5, "no worker events yet", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("seconds since the job's first worker event")
-    ax.set_title("Per-GPU state over time", pad=24)
+    ax.set_title("Per-GPU state over time", pad=36)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -72,6 +72,9 @@ class DraftsOut(BaseModel):
     num_leases: int
     num_published: int
     num_rejected: int
+    idle_worker_s: float = 0.0  # the driver's running total over the steps (its step records have each step's)
+    # rl_step -> reclaimed worker-seconds within that step's rollout (the newest 1000 steps)
+    reclaimed_by_step: dict[int, float] = {}
 
 
 class HealthOut(BaseModel):

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
+from scheduler.policy import RolloutWindow
 from workers.protocol import job_tlt_key
 
 log = logging.getLogger(__name__)
+MAX_STEPS_KEPT = 1000  # per-step reclaimed counters kept (GET /v1/jobs/{id}/drafts: reclaimed_by_step)
 
 
 @dataclass
@@ -25,12 +27,38 @@ class JobTLT:
     num_rejected: int = 0
     swaps_seen: dict = field(default_factory=dict)  # worker id -> num_swaps last observed
     scoring: dict | None = None  # the round being scored or published (scheduler/rounds.py)
+    rollouts: list = field(default_factory=list)  # recent steps' rollout windows [rl_step, start, end or None]
+    # rl_step (str, JSON keys) -> worker-seconds of leases within that step's rollout, the newest MAX_STEPS_KEPT
+    reclaimed_by_step: dict = field(default_factory=dict)
+
+    def windows(self) -> list[RolloutWindow]:
+        return [RolloutWindow(*w) for w in self.rollouts]
+
+    def set_windows(self, windows: list[RolloutWindow]) -> None:
+        self.rollouts = [[w.rl_step, w.start, w.end] for w in windows]
+
+    def add_reclaimed(self, by_step: dict[int, float]) -> None:
+        for step, seconds in by_step.items():
+            self.reclaimed_by_step[str(step)] = self.reclaimed_by_step.get(str(step), 0.0) + seconds
+            self.reclaimed_worker_s += seconds
+        for step in sorted(self.reclaimed_by_step, key=int)[:-MAX_STEPS_KEPT]:
+            del self.reclaimed_by_step[step]
 
     def save(self, redis, job_id: str) -> None:
         redis.hset(job_tlt_key(job_id), mapping={
             "reclaimed_worker_s": self.reclaimed_worker_s, "num_published": self.num_published,
             "num_rejected": self.num_rejected, "num_leases": self.num_leases, "active_leases": len(self.leases),
-            "state": json.dumps(asdict(self))})
+            "state": json.dumps({f.name: getattr(self, f.name) for f in fields(self)})})  # plain JSON already
+
+    @staticmethod
+    def read_reclaimed_by_step(redis, job_id: str) -> dict[int, float]:
+        """rl_step -> reclaimed worker-seconds of that step's rollout, from the saved state ({} if none)."""
+        raw = redis.hget(job_tlt_key(job_id), "state")
+        try:
+            return {int(k): float(v) for k, v in json.loads(raw or "{}").get("reclaimed_by_step", {}).items()}
+        except (json.JSONDecodeError, TypeError, ValueError, AttributeError):
+            log.error("job %s: unreadable per-step reclaimed counters", job_id)
+            return {}
 
     @classmethod
     def load(cls, redis, job_id: str) -> JobTLT:

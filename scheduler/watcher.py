@@ -4,9 +4,10 @@ Each `tick()`, for every RUNNING job (the running set: however many jobs the sto
 on, it reads the driver's phase, the workers' progress records, the lease outcomes the workers write
 and the served draft index; then it `decide`s, preempts trainers whose GPU is needed (the rollout
 phase ended, or the worker got rollouts again), offers leases to idle workers in the long tail,
-collects finished leases, and once a round's leases have all come back hands the round to
-scheduler/rounds.py (merge, score, publish: done by workers, never by this process). The tick reads
-Redis only; Ray carries commands, sent without waiting (scheduler/commands.py).
+collects finished leases (reclaimed time: each lease's overlap with its step's rollout phase), and
+once a round's leases have all come back hands the round to scheduler/rounds.py (merge, score,
+publish: done by workers, never by this process). The tick reads Redis only; Ray carries commands,
+sent without waiting (scheduler/commands.py).
 
 Everything a restarted scheduler needs lives in Redis (job_tlt_key: open leases, unmerged copies,
 the round under scoring, counters; job_leases_key: the workers' lease outcomes), so a restart loses
@@ -23,7 +24,7 @@ import time
 from scheduler.commands import COMMAND_TIMEOUT_S, Commands, Reply
 from scheduler.jobs import JobStore
 from scheduler.metrics import Latencies
-from scheduler.policy import Lease, PolicySettings, WorkerView, decide
+from scheduler.policy import Lease, PolicySettings, WorkerView, decide, reclaimed_by_step, track_rollouts
 from scheduler.rounds import SCORING, Rounds
 from scheduler.settings import TICK_S
 from scheduler.state import JobTLT
@@ -118,6 +119,7 @@ class Watcher:
             log.error("job %s: unreadable phase record (%s)", job_id, exc)
             return
         st = self._state(job_id)
+        st.set_windows(track_rollouts(st.windows(), phase.phase, phase.rl_step, phase.since))
         records = read_progress(redis, job_id)
         live = {r.worker_id: r for r in records}
         self._observe_swaps(job_id, st, records)
@@ -219,10 +221,14 @@ class Watcher:
             if outcome.state == LeaseState.FAILED:
                 log.error("job %s: lease %s on %s failed: %s", job_id, lease_id, worker_id, outcome.error)
                 continue
-            st.reclaimed_worker_s += outcome.seconds
+            # reclaimed: only the part of the lease while the rollout was under way (some worker generating)
+            by_step = reclaimed_by_step(outcome.started_at, outcome.ended_at or time.time(), st.windows()) \
+                if outcome.started_at > 0 else {}
+            st.add_reclaimed(by_step)
             if worker_id not in st.trained:
                 st.trained.append(worker_id)
             if outcome.version is not None:
                 st.copies.append(outcome.version)
-            log.info("job %s: lease %s on %s done: %d steps in %.1f s -> copy %s", job_id, lease_id, worker_id,
-                     outcome.steps, outcome.seconds, outcome.version)
+            log.info("job %s: lease %s on %s done: %d steps in %.1f s (%.1f s within the rollout) -> copy %s",
+                     job_id, lease_id, worker_id, outcome.steps, outcome.seconds, sum(by_step.values()),
+                     outcome.version)

@@ -110,13 +110,34 @@ class RolloutWorker:
     answer while it generates, trains or scores."""
 
     def __init__(self, job_id: str, worker_id: str, spec: dict, redis_url: str, store_dir: str,
-                 **runtime) -> None:
+                 index: int = 0, **runtime) -> None:
         from workers.rollout import RolloutRunner  # torch, here only
 
-        self.runner = RolloutRunner(job_id, worker_id, JobSpec.model_validate(spec), connect(redis_url), store_dir,
-                                    **runtime)
+        job_spec = JobSpec.model_validate(spec)
+        self.placement = self._place(worker_id, index, job_spec.num_workers)
+        if self.placement is not None:
+            runtime.setdefault("num_threads", self.placement.num_threads)
+        self.runner = RolloutRunner(job_id, worker_id, job_spec, connect(redis_url), store_dir, **runtime)
         self.runner.swapper.start()
         self._tasks: set[asyncio.Task] = set()  # background leases and scoring (kept referenced until done)
+
+    @staticmethod
+    def _place(worker_id: str, index: int, num_workers: int):
+        """On CPU, pin this process to worker `index`'s cores (workers.pinning); on GPU, nothing (one per GPU)."""
+        import torch
+
+        from workers.pinning import pin_process, place_worker, usable_cores
+
+        if torch.cuda.is_available():
+            return None
+        placement = place_worker(index, num_workers, usable_cores())
+        if placement.is_dedicated:
+            pin_process(placement.cores)
+            log.info("worker %s: pinned to cores %s, %d threads", worker_id, placement.cores, placement.num_threads)
+        else:
+            log.warning("worker %s: %d workers on %d cores: sharing them, %d threads each", worker_id, num_workers,
+                        len(placement.cores), placement.num_threads)
+        return placement
 
     def _background(self, fn, *args) -> None:
         task = asyncio.get_running_loop().create_task(asyncio.to_thread(fn, *args))
@@ -152,17 +173,25 @@ class RolloutWorker:
 
     # ----- tests and benchmarks -----------------------------------------------------------------
     async def describe(self) -> dict:
-        return self.runner.describe()
+        """The runner's description, and where this process runs: its cores (affinity) and torch threads."""
+        import os
+
+        import torch
+
+        return {**self.runner.describe(), "cores": sorted(os.sched_getaffinity(0)),
+                "num_threads": torch.get_num_threads(),
+                "is_pinned": bool(self.placement and self.placement.is_dedicated)}
 
     async def set_reporting(self, is_reporting: bool) -> None:
         self.runner.status.is_reporting = is_reporting
 
 
-def start_worker(job_id: str, worker_id: str, spec: JobSpec, redis_url: str, store_dir: str):
-    """A job's rollout worker as a named actor (owned by the caller, the driver: it dies with it)."""
+def start_worker(job_id: str, worker_id: str, spec: JobSpec, redis_url: str, store_dir: str, index: int = 0):
+    """A job's rollout worker as a named actor (owned by the caller, the driver: it dies with it). `index`
+    (0..num_workers-1) picks its cores on CPU (workers.pinning)."""
     return RolloutWorker.options(name=worker_actor_name(job_id, worker_id), namespace=RAY_NAMESPACE,
                                  num_gpus=1, num_cpus=0).remote(job_id, worker_id, spec.model_dump(), redis_url,
-                                                                store_dir)
+                                                                store_dir, index)
 
 
 def get_worker(job_id: str, worker_id: str):

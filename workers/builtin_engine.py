@@ -15,13 +15,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from drafter.adaptive import DraftLengthTuner, FixedDraftLength
 from drafter.buffer import RolloutBuffer
 from drafter.eagle import EagleDrafter
 from drafter.engine import Engine, Request
 from drafter.head import head_from_state, new_head
 from drafter.model import CausalLM
 from drafter.sampling import SamplingParams
-from workers.engine import Completion, EngineStats, ProgressCallback, RolloutEngine
+from workers.engine import SPECULATION_MODES, Completion, EngineStats, ProgressCallback, RolloutEngine, Speculation
 from workers.spec import JobSpec
 
 
@@ -41,6 +42,10 @@ class BuiltinEngine(RolloutEngine):
                                     tree=spec.draft_tree)
         self.drafter.version = 0
         self.policy_version = 0
+        # one chooser per speculation mode, kept across batches and RL steps; each measures tokens/s per
+        # live-batch bucket (the adaptive one learns from it; the fixed ones are its baselines)
+        self.tuner = DraftLengthTuner(spec.draft_k)
+        self.choosers = {"adaptive": self.tuner, "always": FixedDraftLength(spec.draft_k), "off": FixedDraftLength(0)}
         self._lock = threading.Lock()  # guards the counters below
         self._generate_seconds = 0.0
         self._num_installs = 0
@@ -53,33 +58,37 @@ class BuiltinEngine(RolloutEngine):
         # draft version that arrived meanwhile and is waiting for the next decode step)
         self.drafter.refresh()
 
-    def generate(self, prompts: list[list[int]], params: list[dict], *, speculate: bool,
+    def generate(self, prompts: list[list[int]], params: list[dict], *, speculation: Speculation = "off",
                  harvest_into: RolloutBuffer | None = None,
                  on_progress: ProgressCallback | None = None) -> list[Completion]:
         if len(params) != len(prompts):
             raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts")
+        if speculation not in SPECULATION_MODES:
+            raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
         reqs = [Request(list(p), SamplingParams(**kw)) for p, kw in zip(prompts, params)]
-        k = self.draft_k if speculate else 0
+        chooser = self.choosers[speculation]
+        k = 0 if speculation == "off" else self.draft_k
         if not k:  # not drafting: a version installed meanwhile starts serving now, between batches
             self.drafter.apply_pending_swap()
         start = time.perf_counter()
         try:
             outs = self.engine.generate(reqs, k=k, drafter=self.drafter if k else None,
-                                        record_hidden=harvest_into is not None, on_step=on_progress)
+                                        record_hidden=harvest_into is not None, on_step=on_progress, tuner=chooser)
         finally:
             with self._lock:
                 self._generate_seconds += time.perf_counter() - start
         if harvest_into is not None:
             harvest_into.add_outputs(outs, self.policy_version)
-        version = self.draft_version
-        return [Completion(o.prompt_ids, o.token_ids, o.text, o.finish_reason, o.num_steps, o.num_accepted, version)
-                for o in outs]
+        version, chosen = self.draft_version, chooser.summary()
+        return [Completion(o.prompt_ids, o.token_ids, o.text, o.finish_reason, o.num_steps, o.num_accepted, version,
+                           dict(chosen)) for o in outs]
 
     def install_draft(self, version: int, state: dict[str, Any], head_config: dict) -> None:
         head = head_from_state(head_config, as_tensors(state))
         # freshly built, so converted in place: request_swap then has no copy to make
         self.drafter.request_swap(self.drafter.convert(head), version)
         self.drafter.apply_pending_swap()  # between two of a running batch's draft-state updates
+        self.tuner.new_draft()  # what the old draft measured says little about the new one
         with self._lock:
             self._num_installs += 1
 

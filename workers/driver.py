@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
+import statistics
 import time
 
 import ray
@@ -19,10 +21,13 @@ import torch
 from drafter.loading import encode_prompt, load_model
 from workers.actors import start_worker
 from workers.errors import one_line
-from workers.grpo import group_advantages, grpo_update, sequence_logprobs
+from workers.grpo import group_advantages, grpo_update, response_mask, sequence_logprobs
+from workers.pinning import usable_cores
 from workers.protocol import Phase, PhaseRecord, StepRecord, job_phase_key, job_steps_key, job_totals_key
 from workers.spec import JobSpec
-from workers.tasks import ArithmeticTask, get_reward, load_jsonl_dataset
+from workers.store import job_stores
+from workers.tasks import ArithmeticTask, LongTailTask, get_reward, load_jsonl_dataset
+from workers.warm import publish_warm_draft
 
 log = logging.getLogger(__name__)
 MAX_PROMPT_BYTES = 48  # a tokenizer-less preset reads this many bytes of a prompt (tests only)
@@ -39,17 +44,35 @@ def encode_text(tokenizer, text: str, vocab_size: int) -> list[int]:
 def shareable_state(state: dict[str, torch.Tensor]) -> dict:
     """Weights as numpy arrays where the dtype allows: Ray stores them once in the object store and
     every worker on a node maps them without a copy or unpickling (torch tensors would be pickled,
-    copied per worker). Exact: the values are the policy's own, no cast."""
-    out = {}
+    copied per worker). Exact: the values are the policy's own, no cast. Tied weights (SmolLM2's LM head is
+    its embedding) become ONE array under both names, which pickle stores once: 538 MB put per sync instead
+    of 651 MB (measured, SmolLM2-135M)."""
+    out, seen = {}, {}
     for k, v in state.items():
         v = v.detach().cpu()
-        out[k] = v.numpy() if v.dtype in (torch.float32, torch.float64, torch.float16) else v.clone()
+        key = (v.data_ptr(), tuple(v.shape), tuple(v.stride()), v.dtype)
+        if key not in seen:
+            seen[key] = v.numpy() if v.dtype in (torch.float32, torch.float64, torch.float16) else v.clone()
+        out[k] = seen[key]
     return out
 
 
 def assign(num_groups: int, num_workers: int) -> list[list[int]]:
     """Round-robin prompt groups over workers: group g goes to worker g % num_workers."""
     return [list(range(w, num_groups, num_workers)) for w in range(num_workers)]
+
+
+def length_percentiles(lengths: list[int]) -> dict[str, float]:
+    """Response lengths in tokens: median, p90, p99 (nearest rank) and max; zeros when there are none."""
+    if not lengths:
+        return {"median": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0}
+    ordered = sorted(lengths)
+
+    def rank(q: float) -> float:
+        return float(ordered[max(0, math.ceil(q * len(ordered)) - 1)])
+
+    return {"median": float(statistics.median(ordered)), "p90": rank(0.9), "p99": rank(0.99),
+            "max": float(ordered[-1])}
 
 
 def rollout_seed(spec: JobSpec, rl_step: int, index: int) -> int:
@@ -69,12 +92,30 @@ class Driver:
         if spec.task == "dataset":
             self.problems = load_jsonl_dataset(spec.dataset_path)
         else:
-            self.problems = ArithmeticTask(spec.seed).sample(spec.num_steps * spec.num_prompts_per_step)
+            task = LongTailTask(spec.seed) if spec.task == "longtail" else ArithmeticTask(spec.seed)
+            self.problems = task.sample(spec.num_steps * spec.num_prompts_per_step)
+        self.warm_version = self._publish_warm_draft(redis, store_dir)  # before the workers start: they install it
         self.worker_ids = [f"w{i}" for i in range(spec.num_workers)]
-        self.workers = {wid: start_worker(job_id, wid, spec, redis_url, store_dir) for wid in self.worker_ids}
+        self.workers = {wid: start_worker(job_id, wid, spec, redis_url, store_dir, i)
+                        for i, wid in enumerate(self.worker_ids)}
+        # the learner phases (log-probs, update) run here once the rollout has ended: on every core this
+        # process may use (Ray starts actors with one thread; the workers pin themselves to their own cores)
+        torch.set_num_threads(len(usable_cores()))
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=spec.lr)
         # a frozen copy of the initial policy, only when the KL term is on
         self.ref_model = copy.deepcopy(self.policy).requires_grad_(False) if spec.kl_coef > 0 else None
+
+    def _publish_warm_draft(self, redis: redis_lib.Redis, store_dir: str) -> int | None:
+        """spec.warm_draft as the served store's first version (None without one, or if the store has
+        versions already). ValueError naming warm_draft if it does not load or does not fit the policy."""
+        if self.spec.warm_draft is None:
+            return None
+        served, _ = job_stores(redis, store_dir, self.job_id)
+        if served.latest_version() is not None:
+            return None
+        version = publish_warm_draft(self.spec.warm_draft, served, redis, store_dir, self.policy.cfg, self.spec.draft_k)
+        log.info("job %s: warm draft %s published as served v%d", self.job_id, self.spec.warm_draft, version)
+        return version
 
     def run(self) -> None:
         for rl_step in range(self.spec.num_steps):
@@ -102,7 +143,8 @@ class Driver:
 
         self.set_phase(Phase.ROLLOUT, rl_step)
         t0 = time.perf_counter()
-        results, worker_s, draft_versions = self._rollout(prompts, rl_step, failures)
+        stops = [p.stop_strings if self.tokenizer is not None else () for p in problems]  # tokenizer-less: none
+        results, worker_s, draft_versions = self._rollout(prompts, rl_step, failures, stops)
         t["rollout"] = time.perf_counter() - t0
         self.set_phase(Phase.UPDATE, rl_step)
         longest = max(worker_s.values(), default=0.0)
@@ -120,7 +162,9 @@ class Driver:
                             idle_worker_s=idle, mean_reward=float(rewards.mean()) if rewards.numel() else 0.0,
                             num_rollouts=len(outs), failures=failures, num_tokens=num_tokens,
                             mean_accepted_length=num_tokens / max(sum(o["num_steps"] for o in outs), 1),
-                            draft_versions=draft_versions, grpo=stats)
+                            draft_versions=draft_versions, grpo=stats,
+                            response_lengths=length_percentiles([len(o["token_ids"]) for o in outs]),
+                            tail_s=longest - min(worker_s.values(), default=0.0))
         with self.redis.pipeline(transaction=True) as pipe:  # the record and the running totals together
             pipe.rpush(job_steps_key(self.job_id), record.to_json())
             pipe.hincrbyfloat(job_totals_key(self.job_id), "idle_worker_s", idle)
@@ -139,9 +183,10 @@ class Driver:
         if not self.workers:
             raise RuntimeError(f"job {self.job_id}: every rollout worker failed")
 
-    def _rollout(self, prompts: list[list[int]], rl_step: int, failures: list) -> tuple[dict, dict, dict]:
-        """Each worker generates its groups; returns (group -> responses, worker -> seconds generating,
-        worker -> draft version serving when it finished)."""
+    def _rollout(self, prompts: list[list[int]], rl_step: int, failures: list,
+                 stops: list[tuple[str, ...]]) -> tuple[dict, dict, dict]:
+        """Each worker generates its groups (prompt g's rollouts end at stops[g]); returns (group -> responses,
+        worker -> seconds generating, worker -> draft version serving when it finished)."""
         spec, G = self.spec, self.spec.group_size
         futures = {}
         for (wid, w), groups in zip(list(self.workers.items()), assign(len(prompts), len(self.workers))):
@@ -149,7 +194,8 @@ class Driver:
                 continue
             ps = [prompts[g] for g in groups for _ in range(G)]
             params = [{"temperature": spec.temperature, "max_new_tokens": spec.max_new_tokens,
-                       "seed": rollout_seed(spec, rl_step, g * G + j)} for g in groups for j in range(G)]
+                       "seed": rollout_seed(spec, rl_step, g * G + j), "stop_strings": tuple(stops[g])}
+                      for g in groups for j in range(G)]
             futures[w.generate.remote(ps, params, rl_step)] = (wid, groups, time.perf_counter())
         results, worker_s, draft_versions = {}, {}, {}
         pending = list(futures)
@@ -173,8 +219,11 @@ class Driver:
         adv = group_advantages(rewards, self.spec).flatten()
         seqs = [o["prompt_ids"] + o["token_ids"] for g in groups for o in results[g]]
         plens = [len(o["prompt_ids"]) for g in groups for o in results[g]]
-        with torch.no_grad():
-            old_logp, mask = sequence_logprobs(self.policy, seqs, plens)
+        if self.spec.num_updates_per_step == 1:  # on-policy: the update's own forward gives old_logp (ratio 1)
+            old_logp, mask = None, response_mask(seqs, plens)
+        else:
+            with torch.no_grad():
+                old_logp, mask = sequence_logprobs(self.policy, seqs, plens)
         t["logprob"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         self.policy.train().requires_grad_(True)

@@ -15,14 +15,18 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
 
 from drafter.buffer import RolloutBuffer
 
 # on_progress(num_finished, num_generated): called by the engine as its batch advances (it may be often;
 # the caller rate-limits what it does with it)
 ProgressCallback = Callable[[int, int], None]
+# how a batch drafts: adaptive (k per live-batch-size bucket from measured tokens/s, drafter.adaptive),
+# always (the engine's draft_k every step) or off (plain decoding); JobSpec.speculation
+Speculation = Literal["adaptive", "always", "off"]
+SPECULATION_MODES = ("adaptive", "always", "off")
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,9 @@ class Completion:
     num_steps: int  # policy forwards this response took part in (len(token_ids) with plain decoding)
     num_accepted: int  # drafted tokens the policy accepted
     draft_version: int  # the draft version serving when the batch finished (0: the untrained init)
+    # the engine's draft length per live-batch-size bucket when the batch finished ({"1": 2, "9-16": 0}; 0:
+    # plain); the same dict on every completion of a batch: the driver's StepRecord.speculation[worker]
+    speculation: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -71,12 +78,13 @@ class RolloutEngine(ABC):
         """Serve the policy weights `state` (name -> tensor) from the next batch on."""
 
     @abstractmethod
-    def generate(self, prompts: list[list[int]], params: list[dict], *, speculate: bool,
+    def generate(self, prompts: list[list[int]], params: list[dict], *, speculation: Speculation = "off",
                  harvest_into: RolloutBuffer | None = None,
                  on_progress: ProgressCallback | None = None) -> list[Completion]:
-        """One rollout per prompt, as one batch. `speculate`: draft with the installed version (lossless:
-        the outputs follow the policy's distribution either way). `harvest_into`: add the batch's
-        (token, policy hidden state) training pairs to this buffer, tagged with the policy version."""
+        """One rollout per prompt, as one batch. `speculation`: how to draft with the installed version
+        (Speculation; lossless: the outputs follow the policy's distribution either way); an adaptive engine
+        keeps what it measured across batches. `harvest_into`: add the batch's (token, policy hidden state)
+        training pairs to this buffer, tagged with the policy version."""
 
     @abstractmethod
     def install_draft(self, version: int, state: dict[str, Any], head_config: dict) -> None:

@@ -73,6 +73,14 @@ def sequence_logprobs(model: CausalLM, sequences: list[list[int]], prompt_lens: 
     return torch.where(mask, logp, torch.zeros_like(logp)), mask
 
 
+def response_mask(sequences: list[list[int]], prompt_lens: list[int]) -> torch.Tensor:
+    """(B, T) bool, T the longest response: True on each row's generated tokens (sequence_logprobs's mask,
+    without its forward)."""
+    resp_lens = torch.tensor([len(s) - p for s, p in zip(sequences, prompt_lens)])  # (B,)
+    T = int(resp_lens.max()) if len(resp_lens) else 0
+    return torch.arange(T).unsqueeze(0) < resp_lens.unsqueeze(1)  # (B, T)
+
+
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
               clip_eps: float, kl_coef: float, ref_logp: torch.Tensor | None = None,
               num_tokens: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
@@ -117,8 +125,9 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
 
 
 def grpo_update(model: CausalLM, optimizer: torch.optim.Optimizer, sequences: list[list[int]],
-                prompt_lens: list[int], advantages: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
-                spec: JobSpec, ref_model: CausalLM | None = None, pad_id: int = 0) -> dict[str, float]:
+                prompt_lens: list[int], advantages: torch.Tensor, old_logp: torch.Tensor | None,
+                mask: torch.Tensor, spec: JobSpec, ref_model: CausalLM | None = None,
+                pad_id: int = 0) -> dict[str, float]:
     """One optimizer step over all sequences.
 
     Gradients are accumulated over micro-batches of `spec.micro_batch_size` sequences, each loss
@@ -126,11 +135,15 @@ def grpo_update(model: CausalLM, optimizer: torch.optim.Optimizer, sequences: li
     token-mean gradient. Then clip to `spec.max_grad_norm` and step once. `old_logp` and `mask` are
     what `sequence_logprobs` returned for these sequences (policy, no grad). `ref_model` is needed
     when spec.kl_coef > 0. The caller loops `spec.num_updates_per_step` times with the same old_logp.
+    old_logp=None: the policy has not moved since the rollouts (the first, or only, update of a step), so
+    old_logp is this update's own forward, detached: the ratio is 1 and the loss and gradient are those of
+    a separate no-grad pass, which this saves (mask from `response_mask`).
     Returns JSON-ready stats: loss, grad_norm, clip_fraction, mean_ratio, kl, num_tokens.
     """
     B = len(sequences)
-    if old_logp.shape != mask.shape or old_logp.shape[0] != B:
-        raise ValueError(f"old_logp {tuple(old_logp.shape)} and mask {tuple(mask.shape)} must be ({B}, T)")
+    if mask.dim() != 2 or mask.shape[0] != B or (old_logp is not None and old_logp.shape != mask.shape):
+        shape = None if old_logp is None else tuple(old_logp.shape)
+        raise ValueError(f"old_logp {shape} and mask {tuple(mask.shape)} must be ({B}, T)")
     if advantages.shape != (B,):
         raise ValueError(f"advantages must be ({B},), got {tuple(advantages.shape)}")
     if spec.kl_coef > 0 and ref_model is None:
@@ -152,7 +165,8 @@ def grpo_update(model: CausalLM, optimizer: torch.optim.Optimizer, sequences: li
         if ref_model is not None and spec.kl_coef > 0:
             with torch.no_grad():
                 ref, _ = sequence_logprobs(ref_model, sequences[sl], prompt_lens[sl], pad_id)
-        loss, st = grpo_loss(logp, old_logp[sl, :t], advantages[sl], mb_mask[:, :t].to(logp.device),
+        old = logp.detach() if old_logp is None else old_logp[sl, :t]
+        loss, st = grpo_loss(logp, old, advantages[sl], mb_mask[:, :t].to(logp.device),
                              spec.clip_eps, spec.kl_coef, ref, num_tokens)
         loss.backward()
         sums["loss"] += float(loss.detach())

@@ -2,14 +2,17 @@
 rollouts until the lease's deadline or a stop, and publishes the copy to the job's copies store.
 
 The worker writes each lease's LeaseOutcome to job_leases_key: RUNNING when it accepts the offer,
-DONE (with the copy's version) or FAILED when it ends. It keeps at most MAX_LEASE_OUTCOMES of its own
-outcomes there (the oldest go first), so the hash stays bounded however long the job runs.
+DONE (with the copy's version) or FAILED when it ends, with `started_at` (accepted) and `ended_at`
+(the trainer stopped) on the wall clock: the scheduler counts the part within the rollout as
+reclaimed. It keeps at most MAX_LEASE_OUTCOMES of its own outcomes there (the oldest go first), so
+the hash stays bounded however long the job runs.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 
 import redis as redis_lib
@@ -40,6 +43,7 @@ class LeaseRunner:
         self.running: str | None = None  # the lease being trained
         self.trainer: DraftTrainer | None = None
         self.is_stop_requested = False  # a stop that came before the running lease's trainer existed
+        self.started_at = 0.0  # wall clock the running lease was accepted
         self._written: deque[str] = deque()  # lease ids whose outcomes this worker wrote, oldest first
         self._trainer_done = threading.Event()
         self._lock = threading.Lock()
@@ -68,7 +72,8 @@ class LeaseRunner:
             if lease.lease_id in self._written:
                 raise ValueError(f"lease_id {lease.lease_id!r} was already used on this worker")
             self.running, self.is_stop_requested = lease.lease_id, False
-        self._write(LeaseOutcome(lease.lease_id, self.status.worker_id, LeaseState.RUNNING))
+            self.started_at = time.time()  # the lease holds the worker from here (loading the parent is lease work)
+        self._write(LeaseOutcome(lease.lease_id, self.status.worker_id, LeaseState.RUNNING, started_at=self.started_at))
         return lease
 
     def run(self, lease: LeaseOffer) -> LeaseOutcome:
@@ -77,7 +82,8 @@ class LeaseRunner:
             outcome = self._train(lease)
         except Exception as exc:
             log.exception("worker %s: lease %s failed", self.status.worker_id, lease.lease_id)
-            outcome = LeaseOutcome(lease.lease_id, self.status.worker_id, LeaseState.FAILED, error=one_line(exc))
+            outcome = LeaseOutcome(lease.lease_id, self.status.worker_id, LeaseState.FAILED, error=one_line(exc),
+                                   started_at=self.started_at, ended_at=time.time())
         with self._lock:
             self.running = None
         self._write(outcome)
@@ -109,6 +115,7 @@ class LeaseRunner:
             with self._lock:
                 self.trainer = None
                 self._trainer_done.set()
+        ended_at = time.time()  # the trainer stopped: the worker's compute is free (the copy's write follows)
         version = None
         if rep.num_steps > 0:
             state, config = head.state_dict(), head_config(head)
@@ -119,7 +126,8 @@ class LeaseRunner:
                                     "merge_key": merge_key(lease.parent_version, config, state)})
             version = self.copies.publish(state, meta)
         return LeaseOutcome(lease.lease_id, self.status.worker_id, LeaseState.DONE, steps=rep.num_steps,
-                            tokens=rep.num_tokens, seconds=rep.seconds, stopped=rep.stopped, version=version)
+                            tokens=rep.num_tokens, seconds=rep.seconds, stopped=rep.stopped, version=version,
+                            started_at=self.started_at, ended_at=ended_at)
 
     def stop(self, wait_s: float = 0.0) -> bool:
         """Ask a running trainer to stop (it does within one micro-step); with wait_s > 0, also wait up

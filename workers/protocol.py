@@ -295,6 +295,9 @@ class StepRecord(Message):
     mean_accepted_length: float = 1.0  # tokens per policy forward over the step's rollouts (1.0: plain)
     draft_versions: dict = field(default_factory=dict)  # worker id -> draft version serving when it finished
     grpo: dict = field(default_factory=dict)  # the update's statistics (loss, clip fraction, ...)
+    response_lengths: dict = field(default_factory=dict)  # tokens per response: median, p90, p99, max
+    tail_s: float = 0.0  # the long tail: from the first worker done generating to the last
+    speculation: dict = field(default_factory=dict)  # worker id -> {live-batch bucket: draft k chosen (0: plain)}
 
 
 @dataclass
@@ -324,6 +327,8 @@ class LeaseOutcome(Message):
     stopped: bool = False  # preempted before its deadline
     version: int | None = None  # the trained copy in the copies store (None: no step was taken)
     error: str | None = None
+    started_at: float = 0.0  # wall clock the training began (0: not yet)
+    ended_at: float = 0.0  # wall clock it stopped (0: still running)
 
 
 @dataclass

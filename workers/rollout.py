@@ -70,16 +70,15 @@ class RolloutRunner:
         self.status.policy_version = policy_version
 
     # ----- rollouts -----------------------------------------------------------------------
-    def speculating(self) -> bool:
-        """Whether the next rollouts draft: TLT on, and the serving draft accepts enough tokens per step
-        (as measured when it was published)."""
-        if not self.spec.tlt:
-            return False
-        bar = self.spec.min_accepted_length
-        return bar <= 0 or self.swapper.draft_accepted_length >= bar
+    @property
+    def speculation(self) -> str:
+        """How the next rollouts draft (workers.engine.Speculation): JobSpec.speculation with TLT on,
+        else plain. Adaptive by default: the engine measures what drafting gains per live-batch bucket."""
+        return self.spec.speculation if self.spec.tlt else "off"
 
     def generate(self, prompts: list[list[int]], params: list[dict], rl_step: int) -> list[dict]:
-        """One rollout per prompt; plain dicts (workers.engine.Completion). A failure of the engine
+        """One rollout per prompt; plain dicts (workers.engine.Completion; each one's "speculation" is the
+        draft length per live-batch bucket, the step record's for this worker). A failure of the engine
         leaves the worker FAILED (reported), and is raised."""
         if self.status.state == WorkerState.FAILED:
             raise RuntimeError(f"worker {self.worker_id} has failed: it generates no more")
@@ -95,7 +94,7 @@ class RolloutRunner:
                                 self.engine.stats().mean_accepted_length)
 
         try:
-            outs = self.engine.generate(prompts, params, speculate=self.speculating(),
+            outs = self.engine.generate(prompts, params, speculation=self.speculation,
                                         harvest_into=self.buffer if self.spec.tlt else None, on_progress=on_progress)
         except Exception:
             log.exception("worker %s: generation failed", self.worker_id)

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from drafter.config import PRESETS, SMOLLM2_SPEC, TrainConfig
+from workers.warm import STORE_REF
 
 _T = TrainConfig  # the drafter's own defaults, with their reasons
 
@@ -37,7 +38,9 @@ class JobSpec(BaseModel):
 
     # --- the policy and its task
     model: str = Field(SMOLLM2_SPEC, min_length=1, description="preset, 'smollm2-135m', .gguf file or HF dir")
-    task: Literal["arithmetic", "dataset"] = "arithmetic"
+    # longtail: the arithmetic problems, most asking for the answer alone, a few for detailed reasoning (a heavy
+    # tail of response lengths, as reasoning RL has; run it with max_new_tokens=512, workers.tasks.LongTailTask)
+    task: Literal["arithmetic", "longtail", "dataset"] = "arithmetic"
     dataset_path: str | None = None
     reward: Literal["arithmetic", "numeric", "exact"] = "arithmetic"  # registered rewards: no user code runs
     seed: int = Field(0, ge=0)
@@ -73,10 +76,15 @@ class JobSpec(BaseModel):
         "draft candidates at the first depths, e.g. '3,2' (three at the first, two at the second); '' drafts "
         "a chain (the default: on the CPU boxes measured, a tree's drafting and verifying cost more than its extra "
         "accepted tokens bring). Trees are drafted only while at most four rollouts of a worker are live"))
-    min_accepted_length: float = Field(1.2, ge=0, le=17, description=(
-        "speculate only with a draft measured (at publish) to give at least this many tokens per verify step; "
-        "drafting and verifying k tokens cost ~1.1-1.2x a plain step on CPU. 0: always speculate"))
+    speculation: Literal["adaptive", "always", "off"] = Field("adaptive", description=(
+        "with tlt on, how rollouts draft. adaptive: each worker picks k in 0..draft_k per live-batch-size bucket "
+        "from the tokens/s it measures for each (drafter.adaptive): speculation pays in the tail and can cost at "
+        "large batches, by amounts that depend on the draft and the device; always: draft_k every step; off: plain"))
     drafter: DrafterSpec = Field(default_factory=DrafterSpec)
+    warm_draft: str | None = Field(None, min_length=1, max_length=4096, description=(
+        "the draft the job starts from, published as its version 1 before the first rollout: a draft checkpoint "
+        "path (as `tlt drafter train` writes it) or 'store:JOBID:VERSION' (another job's served version). "
+        "null: an untrained head"))
 
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
@@ -84,6 +92,10 @@ class JobSpec(BaseModel):
             raise ValueError("dataset_path is required when task is 'dataset'")
         if self.model not in PRESETS and self.model != SMOLLM2_SPEC and not self.model.startswith(("/", ".")):
             raise ValueError(f"model must be a preset ({', '.join(PRESETS)}), {SMOLLM2_SPEC!r} or a path")
+        if self.warm_draft is not None and not (self.warm_draft.startswith(("/", "."))
+                                                or STORE_REF.match(self.warm_draft)):
+            raise ValueError(f"warm_draft must be a draft checkpoint path or 'store:JOBID:VERSION', "
+                             f"got {self.warm_draft!r}")
         return self
 
     def train_config(self) -> TrainConfig:

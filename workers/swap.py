@@ -62,10 +62,21 @@ class Swapper:
             if not is_idle:  # an idle worker's return to IDLE carried the new swap fields already
                 self.status.report(force=True)
 
+    def catch_up(self) -> None:
+        """Install the served store's latest version if it is newer than the one serving: a version
+        published before this worker subscribed (a job's warm draft, published as the workers start)."""
+        latest = self.served.latest_version()
+        if latest is not None and latest > self.last_version:
+            try:
+                self.swap(latest)
+            except Exception:  # as in listen: the engine keeps the draft it has
+                log.exception("worker %s: catching up to v%d failed", self.status.worker_id, latest)
+
     def listen(self) -> None:
         """Swap in every announced version until `stop`; heartbeat the progress record when quiet."""
         sub = self.served.subscribe()
         try:
+            self.catch_up()
             while not self._stop.is_set():
                 msg = sub.get(timeout=LISTEN_TIMEOUT_S)
                 if msg is None:
@@ -79,6 +90,9 @@ class Swapper:
             sub.close()
 
     def start(self) -> threading.Thread:
+        """Install the latest served version now (a job's warm draft: before the worker's first rollout),
+        then follow the announcements in a thread."""
+        self.catch_up()
         thread = threading.Thread(target=self.listen, daemon=True, name=f"swap-{self.status.worker_id}")
         thread.start()
         return thread

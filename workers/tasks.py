@@ -20,6 +20,7 @@ from pathlib import Path
 class Problem:
     prompt: str
     answer: str  # the reference answer as text, e.g. "42"
+    stop_strings: tuple[str, ...] = ()  # the response ends at the first of these (sent with its rollouts)
 
 
 ANSWER_INSTRUCTION = 'Think step by step, then give the final answer as "Answer: <number>".'
@@ -82,6 +83,54 @@ class ArithmeticTask:
             sentences.append(sentence)
         sentences.append(f"How many {item} does {name} have now? {ANSWER_INSTRUCTION}")
         return Problem(" ".join(sentences), str(value))
+
+    def sample(self, n: int) -> list[Problem]:
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        return [self.one() for _ in range(n)]
+
+
+SHORT_INSTRUCTION = 'Reply with only the final answer, as "Answer: <number>", on one line.'
+LONG_INSTRUCTION = ('Think step by step and explain every step in detail, then give the final answer as '
+                    '"Answer: <number>".')
+LONG_FRACTION = 0.1  # share of prompts that ask for detailed reasoning: the tail (0.2 measured p90 = 512)
+LONGTAIL_MAX_NEW_TOKENS = 512  # the variant's natural cap: the detailed answers run to it
+
+
+class LongTailTask:
+    """The arithmetic problems with a heavy-tailed response length, as reasoning RL has (the last 10% of
+    requests take about half the rollout time in published runs; rollout is 63-85% of the step).
+
+    Most prompts (1 - long_fraction) ask for the final answer alone, on one line, and their rollouts stop at
+    the first newline; the others ask for detailed step-by-step reasoning and run to max_new_tokens=512
+    (LONGTAIL_MAX_NEW_TOKENS) or EOS. The answer line ("Answer: <number>") is asked of both, so the
+    arithmetic reward scores both. Why a mix rather than one instruction: at T=1.0 SmolLM2-135M-Instruct
+    rambles under either instruction alone (asked for the answer only, 3 of 12 still hit 512 tokens), so the
+    short side needs the one-line stop, and the long side keeps the model's own spread (15..512).
+    Measured with SmolLM2-135M-Instruct, plain decoding, T=1.0, max_new_tokens=512, 1 thread, one batch of 48
+    rollouts (LongTailTask(2), 16 prompts x 3, 2 of them detailed): response tokens median 27, p90 226,
+    p99 512, max 512, min 6; 4 of 48 at the cap; the longest 10% of responses hold 57% of the tokens and the
+    last 10% to finish took 30% of the batch's wall time (a shared, loaded box). At long_fraction 0.25
+    (LongTailTask(0), 3 of 12 prompts detailed, 48 rollouts) the tail was too heavy: median 46 but p90 512,
+    8 of 48 at the cap. Answer-line reward 0.06 (the untrained 135M model rarely gets the sum right).
+
+    Deterministic per seed, like ArithmeticTask (the same seed: the same problems, the same mix).
+    """
+
+    def __init__(self, seed: int = 0, long_fraction: float = LONG_FRACTION, min_steps: int = 1,
+                 max_steps: int = 4) -> None:
+        if not 0.0 <= long_fraction <= 1.0:
+            raise ValueError(f"long_fraction must be in [0, 1], got {long_fraction}")
+        self.long_fraction = long_fraction
+        self._problems = ArithmeticTask(seed, min_steps, max_steps)
+        self._rng = random.Random(seed + 1)  # the mix, apart from the problems' own draws
+
+    def one(self) -> Problem:
+        base = self._problems.one()
+        stem = base.prompt[: -len(ANSWER_INSTRUCTION)]
+        if self._rng.random() < self.long_fraction:
+            return Problem(stem + LONG_INSTRUCTION, base.answer)
+        return Problem(stem + SHORT_INSTRUCTION, base.answer, stop_strings=("\n",))
 
     def sample(self, n: int) -> list[Problem]:
         if n < 0:

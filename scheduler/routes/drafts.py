@@ -9,9 +9,10 @@ from pydantic import ValidationError
 
 from scheduler.deps import Job, Redis
 from scheduler.schemas import DraftsOut, DraftVersionOut, PublishDecision
+from scheduler.state import JobTLT
 from workers.draft_index import DraftIndex
 from workers.progress import read_json_list
-from workers.protocol import draft_namespaces, job_drafts_key, job_tlt_key
+from workers.protocol import draft_namespaces, job_drafts_key, job_tlt_key, job_totals_key
 
 router = APIRouter(prefix="/v1/jobs", tags=["drafts"])
 log = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ def drafts(job: Job, redis: Redis) -> DraftsOut:
                 for e in served.versions()]
     reclaimed, leases, published, rejected = redis.hmget(
         job_tlt_key(job_id), "reclaimed_worker_s", "num_leases", "num_published", "num_rejected")
+    idle = redis.hget(job_totals_key(job_id), "idle_worker_s")
     return DraftsOut(job_id=job_id, serving_version=served.latest_version(), versions=versions,
                      decisions=_decisions(redis, job_id), reclaimed_worker_s=float(reclaimed or 0.0),
-                     num_leases=int(leases or 0), num_published=int(published or 0), num_rejected=int(rejected or 0))
+                     num_leases=int(leases or 0), num_published=int(published or 0), num_rejected=int(rejected or 0),
+                     idle_worker_s=float(idle or 0.0), reclaimed_by_step=JobTLT.read_reclaimed_by_step(redis, job_id))

@@ -30,7 +30,7 @@ from tests.deploy.promql import ROOT, RULES, dashboard, panel_exprs, rules, subs
 from workers.redis_server import PrivateRedis, free_port
 
 SPEC = {"num_steps": 10, "num_prompts_per_step": 3, "group_size": 4, "max_new_tokens": 300, "num_workers": 2,
-        "draft_k": 2, "min_accepted_length": 0.0}
+        "draft_k": 2, "speculation": "always"}
 ARTIFACTS = ROOT / "artifacts"
 
 

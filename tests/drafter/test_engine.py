@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from drafter.adaptive import DraftLengthTuner
 from drafter.draft_state import MAX_SWAP_LOG
 from drafter.drafters import NgramDrafter
 from drafter.eagle import EagleDrafter, serving_dtype, serving_precision
@@ -40,6 +41,43 @@ def test_greedy_speculative_equals_plain(tiny, drafter_name, k, lengths):
         assert b.token_ids == a.token_ids
         assert b.finish_reason == a.finish_reason
         assert b.num_steps <= a.num_steps
+
+
+class CycleK:
+    """A chooser that switches the draft length every step, through `ks` (0 included), and logs the steps."""
+
+    def __init__(self, ks: list[int]) -> None:
+        self.ks, self.num_steps, self.log = ks, 0, []
+
+    def choose(self, batch_size: int) -> int:
+        self.num_steps += 1
+        return self.ks[(self.num_steps - 1) % len(self.ks)]
+
+    def record(self, batch_size: int, k: int, num_tokens: int, seconds: float) -> None:
+        self.log.append((batch_size, k, num_tokens, seconds))
+
+
+@pytest.mark.parametrize("drafter_name", ["ngram", "eagle", "eagle-tree"])
+def test_greedy_adaptive_draft_length_equals_plain(tiny, drafter_name):
+    """k switching step to step (0, the most, between; a tree at small batches) leaves greedy outputs
+    identical to plain decoding; the chooser hears every step, capped at the engine's k."""
+    engine = Engine(tiny)
+    requests = greedy_requests(random_prompts(LENGTHS_8, tiny.cfg.vocab_size, seed=11))
+    plain = engine.generate(requests)
+    drafter = (EagleDrafter(tiny, EagleHead(tiny.cfg), tree="3,2") if drafter_name == "eagle-tree"
+               else make_drafter(drafter_name, tiny))
+    cycle = CycleK([0, 4, 1, 0, 9, 2, 3])
+    spec = engine.generate(requests, k=4, drafter=drafter, tuner=cycle)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert [o.finish_reason for o in spec] == [o.finish_reason for o in plain]
+    assert len(cycle.log) == cycle.num_steps and {k for _, k, _, _ in cycle.log} == {0, 1, 2, 3, 4}
+    assert sum(n for _, _, n, _ in cycle.log) == sum(len(o.token_ids) for o in plain)
+    assert all(s > 0 for *_, s in cycle.log) and cycle.log[0][0] == len(requests)
+    tuner = DraftLengthTuner(4)
+    adaptive = engine.generate(requests, k=4, drafter=make_drafter(drafter_name.removesuffix("-tree"), tiny),
+                               tuner=tuner)
+    assert [o.token_ids for o in adaptive] == [o.token_ids for o in plain]
+    assert set(tuner.summary()) <= {"1", "2", "3-4", "5-8"} and "5-8" in tuner.summary()
 
 
 def test_serving_dtype_resolves_and_rejects_unknown_names(tiny):
@@ -150,11 +188,14 @@ def test_fitted_eagle_head_is_accepted_and_stays_lossless():
     untrained = engine.generate(requests, k=4, drafter=EagleDrafter(model, EagleHead(model.cfg)))
     one = engine.generate(requests, k=1, drafter=EagleDrafter(model, head))
     four = engine.generate(requests, k=4, drafter=EagleDrafter(model, head))
-    for outs in (untrained, one, four):
+    # k switching, 0 included: the head catches up on the pairs of the plain steps before drafting
+    cycled = engine.generate(requests, k=4, drafter=EagleDrafter(model, head), tuner=CycleK([0, 0, 4, 1, 0, 2]))
+    for outs in (untrained, one, four, cycled):
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert acceptance(one) > 0.9
     assert acceptance(four) > max(0.3, 2 * acceptance(untrained))
     assert sum(o.num_steps for o in four) < sum(o.num_steps for o in plain)
+    assert acceptance(cycled) > max(0.3, 2 * acceptance(untrained))
 
 
 def test_sampled_generation_is_reproducible_per_seed(tiny):

@@ -53,7 +53,10 @@ def exact(model) -> dict[tuple[int, ...], float]:
 
 def sample_pvalue(model, exact, k, drafter) -> float:
     reqs = [Request(PROMPT, SamplingParams(**PARAMS, max_new_tokens=NEW, seed=i)) for i in range(NUM_SAMPLES)]
-    outs = Engine(model).generate(reqs, k=k, drafter=drafter)
+    return pvalue_of(Engine(model).generate(reqs, k=k, drafter=drafter), exact)
+
+
+def pvalue_of(outs, exact) -> float:
     counts: dict[tuple[int, ...], int] = {}
     for o in outs:
         counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
@@ -175,6 +178,31 @@ def test_tree_drafts_stay_lossless(model, exact, drafter_name):
     """Several candidates per position, verified by recursive rejection sampling: still the policy's
     distribution (k=2: every node of the tree can be reached within the 3 tokens)."""
     assert sample_pvalue(model, exact, 2, make_drafter(drafter_name, model)) > ALPHA
+
+
+class Cycle:
+    """Switches the draft length every step (0 included), as an adaptive chooser may."""
+
+    def __init__(self, ks: list[int]) -> None:
+        self.ks, self.num_steps = ks, 0
+
+    def choose(self, batch_size: int) -> int:
+        self.num_steps += 1
+        return self.ks[(self.num_steps - 1) % len(self.ks)]
+
+    def record(self, batch_size: int, k: int, num_tokens: int, seconds: float) -> None:
+        return None
+
+
+@pytest.mark.parametrize("ks", [[0, 2], [1, 0, 3], [2, 1]])
+@pytest.mark.parametrize("drafter_name", ["eagle", "noisy-policy"])
+def test_draft_length_switching_step_to_step_stays_lossless(model, exact, ks, drafter_name):
+    """Adaptive speculation (drafter.adaptive) changes k between steps from what past steps measured."""
+    reqs = [Request(PROMPT, SamplingParams(**PARAMS, max_new_tokens=NEW, seed=i)) for i in range(NUM_SAMPLES)]
+    tuner = Cycle(ks)
+    outs = Engine(model).generate(reqs, k=3, drafter=make_drafter(drafter_name, model), tuner=tuner)
+    assert tuner.num_steps >= 2
+    assert pvalue_of(outs, exact) > ALPHA
 
 
 def accept_always(target_logits, draft_tokens, draft_lens, draft_probs, sampling_, uniforms):

@@ -65,7 +65,7 @@ def test_submit_runs_a_job_to_completion(client):
 @pytest.mark.parametrize(("field", "value"), [
     ("num_steps", 0), ("group_size", 1), ("temperature", -1), ("task", "chess"), ("reward", "os.system"),
     ("model", "gpt-99"), ("num_workers", 0), ("max_new_tokens", "many"), ("surprise", 1),
-    ("min_accepted_length", -1), ("drafter", {"num_rows": 0}), ("drafter", {"lr": 0}), ("drafter", {"typo": 1}),
+    ("drafter", {"num_rows": 0}), ("drafter", {"lr": 0}), ("drafter", {"typo": 1}),
     ("drafter", {"anneal_to_budget": "maybe"}), ("drafter", {"bf16_autocast": "fast"}),
     ("draft_dtype", "float64"), ("draft_tree", "3;2"), ("draft_tree", "0,2"), ("draft_tree", "17")])
 def test_invalid_specs_get_422_naming_the_field_and_create_nothing(client, field, value):

@@ -98,3 +98,26 @@ def test_api_token_from_a_mounted_secret_file(tmp_path):
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ValueError, match="is empty"):
         api_token_from_env({"TLT_API_TOKEN_FILE": str(tmp_path / "empty")})
+
+
+def test_drafter_train_on_a_task_writes_a_loadable_checkpoint(tmp_path, capsys):
+    from drafter.checkpoint import load_draft
+    from drafter.head import head_from_state
+
+    out = tmp_path / "warm"
+    assert main(["drafter", "train", "--task", "arithmetic", "--model", "tiny", "--out", str(out),
+                 "--num-prompts", "4", "--num-eval-prompts", "2", "--steps", "3", "--max-new-tokens", "8",
+                 "--threads", "1"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["task"] == "arithmetic" and report["num_prompts"] == 4 and report["train_steps"] == 3
+    assert set(report["acceptance"]) == {"2", "3", "4"}  # held-out prompts of the task were measured
+    state, meta = load_draft(report["path"])  # checksum-checked
+    assert meta.version == 1 and meta.extra["acceptance"] == report["acceptance"]
+    assert head_from_state(meta.head_config, state).policy_cfg.hidden_size == 64
+
+
+def test_drafter_train_needs_prompts_or_a_task(tmp_path, capsys):
+    assert main(["drafter", "train", "--out", str(tmp_path)]) == 2
+    assert "give --prompts FILE or --task NAME" in capsys.readouterr().err
+    assert main(["drafter", "train", "--task", "poetry", "--model", "tiny", "--out", str(tmp_path)]) == 2
+    assert "--task must be one of" in capsys.readouterr().err

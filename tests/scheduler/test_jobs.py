@@ -3,6 +3,8 @@ job however many jobs the store holds (the 100-newest bug)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from scheduler.jobs import JobStore
@@ -74,12 +76,14 @@ def test_an_old_running_job_among_many_is_watched_and_keeps_its_leases(redis, tm
     watcher.tick()
     assert read_classes(redis.hget(job_tlt_key(old), "classes")) == {"w0": "TRAINING", "w1": "STRAGGLER"}
     assert JobTLT.load(redis, old).leases["w0"]["lease_id"] == lease_id  # still open, not dropped
-    # the worker writes the lease's end: the next tick collects it
+    # the worker writes the lease's end (within the rollout, begun 5 s ago): the next tick collects it
+    ended_at = time.time() - 0.5
     redis.hset(job_leases_key(old), lease_id, LeaseOutcome(lease_id, "w0", LeaseState.DONE, steps=3, tokens=300,
-                                                           seconds=1.5, version=7).to_json())
+                                                           seconds=1.5, version=7, started_at=ended_at - 1.5,
+                                                           ended_at=ended_at).to_json())
     watcher.tick()
     st = JobTLT.load(redis, old)
-    assert st.leases == {} and st.reclaimed_worker_s == 1.5 and st.trained == ["w0"] and st.copies == [7]
+    assert st.leases == {} and st.reclaimed_worker_s == pytest.approx(1.5) and st.trained == ["w0"] and st.copies == [7]
     # once the job ends it is no longer watched, and its record is untouched by the watcher
     store.transition(old, JobState.SUCCEEDED, {JobState.RUNNING})
     before = redis.get(job_key(old))

@@ -8,13 +8,17 @@ from scheduler.policy import (
     CLASSES,
     CopyView,
     PolicySettings,
+    RolloutWindow,
     WorkerView,
     choose_scorer,
     classify,
     decide,
     group_copies,
+    overlap_s,
+    reclaimed_by_step,
     rollout_under_way,
     should_publish,
+    track_rollouts,
 )
 from workers.protocol import Phase, WorkerState
 
@@ -142,3 +146,37 @@ def test_publish_only_if_scored_and_not_worse():
 def test_bad_settings_are_rejected_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         PolicySettings(**kwargs)
+
+
+def test_overlap_of_an_interval_with_a_window():
+    assert overlap_s(2.0, 8.0, 0.0, 10.0) == 6.0  # inside
+    assert overlap_s(2.0, 15.0, 0.0, 10.0) == 8.0  # runs past the window's end: counted up to it
+    assert overlap_s(-3.0, 4.0, 0.0, 10.0) == 4.0  # began before it
+    assert overlap_s(11.0, 15.0, 0.0, 10.0) == 0.0 and overlap_s(-5.0, -1.0, 0.0, 10.0) == 0.0  # disjoint
+    assert overlap_s(12.0, 20.0, 10.0, None) == 8.0  # the window is still open
+
+
+def test_a_lease_is_reclaimed_only_within_its_steps_rollout():
+    windows = [RolloutWindow(0, 0.0, 10.0), RolloutWindow(1, 40.0, 55.0), RolloutWindow(2, 90.0)]
+    assert reclaimed_by_step(4.0, 30.0, windows) == {0: 6.0}  # ran into the update: 20 s not reclaimed
+    assert reclaimed_by_step(50.0, 95.0, windows) == {1: 5.0, 2: 5.0}
+    assert reclaimed_by_step(12.0, 39.0, windows) == {}  # wholly in the learner phase
+    assert reclaimed_by_step(91.0, 93.5, windows) == {2: 2.5}  # ended by its deadline, rollout under way
+    # a step's reclaimed time never exceeds its window, whatever the lease's interval
+    assert sum(reclaimed_by_step(-100.0, 1000.0, windows[:2]).values()) == 25.0
+
+
+def test_rollout_windows_follow_the_phase_records():
+    w = track_rollouts([], Phase.SYNC, 0, 1.0)
+    assert w == []
+    w = track_rollouts(w, Phase.ROLLOUT, 0, 2.0)
+    assert w == [RolloutWindow(0, 2.0)]
+    assert track_rollouts(w, Phase.ROLLOUT, 0, 2.0) == w  # seen again on the next tick
+    w = track_rollouts(w, Phase.UPDATE, 0, 9.0)
+    assert w == [RolloutWindow(0, 2.0, 9.0)]
+    assert track_rollouts(w, Phase.SYNC, 1, 20.0) == w  # a closed window stays as it was
+    # the next rollout's record comes before its predecessor's end was seen: closed there (an upper bound)
+    w = track_rollouts(track_rollouts(w, Phase.ROLLOUT, 1, 21.0), Phase.ROLLOUT, 2, 40.0)
+    assert w[1:] == [RolloutWindow(1, 21.0, 40.0), RolloutWindow(2, 40.0)]
+    many = [RolloutWindow(i, 10.0 * i, 10.0 * i + 5) for i in range(20)]
+    assert [x.rl_step for x in track_rollouts(many, Phase.ROLLOUT, 20, 300.0, max_kept=3)] == [18, 19, 20]

@@ -14,7 +14,7 @@ from scheduler.cli import main
 from scheduler.client import call
 from scheduler.demo import start_server
 from scheduler.jobs import JobStore
-from scheduler.report import spans, totals
+from scheduler.report import LEARNER, generating, spans, split_waits, totals
 from workers.progress import ProgressReporter
 from workers.protocol import JobState, ProgressRecord, WorkerState, job_drafts_key, job_steps_key, job_tlt_key
 from workers.redis_server import PrivateRedis
@@ -23,6 +23,23 @@ from workers.spec import JobSpec
 
 def ev(worker, to, ts, step=0):
     return {"id": f"{int(ts * 1000)}-0", "worker": worker, "from": "", "to": to, "ts": ts, "rl_step": step}
+
+
+def test_waits_are_split_into_idle_at_the_barrier_and_the_learner_phase():
+    # step 0: w0 generates 0-4, w1 0-6; the learner phase 6-9; step 1: both generate from 9
+    runs = {"w0": [("ROLLING_OUT", 0.0, 4.0, 0), ("IDLE", 4.0, 9.0, 0), ("ROLLING_OUT", 9.0, 12.0, 1)],
+            "w1": [("ROLLING_OUT", 0.0, 6.0, 0), ("IDLE", 6.0, 9.0, 0), ("ROLLING_OUT", 9.0, 11.0, 1),
+                   ("TRAINING", 11.0, 12.0, 1)]}
+    assert generating(runs) == [(0.0, 6.0), (9.0, 12.0)]
+    out = split_waits(runs)
+    assert out["w0"] == [("ROLLING_OUT", 0.0, 4.0, 0), ("IDLE", 4.0, 6.0, 0), (LEARNER, 6.0, 9.0, 0),
+                         ("ROLLING_OUT", 9.0, 12.0, 1)]
+    assert out["w1"][1] == (LEARNER, 6.0, 9.0, 0)  # the last to finish waits only for the update
+    assert out["w1"][-1] == ("TRAINING", 11.0, 12.0, 1)  # other states are drawn as they are
+    # a worker idle across a whole rollout of the others: barrier, learner, barrier
+    lone = {"w0": [("IDLE", 0.0, 10.0, 0)], "w1": [("ROLLING_OUT", 2.0, 4.0, 0), ("ROLLING_OUT", 6.0, 8.0, 1)]}
+    assert [p[:3] for p in split_waits(lone)["w0"]] == [(LEARNER, 0.0, 2.0), ("IDLE", 2.0, 4.0), (LEARNER, 4.0, 6.0),
+                                                        ("IDLE", 6.0, 8.0), (LEARNER, 8.0, 10.0)]
 
 
 def test_spans_last_until_the_next_transition_and_the_last_until_the_end():

@@ -29,9 +29,9 @@ def test_speculation_is_lossless_and_reported():
     """Greedy, so token for token (sampled rollouts are lossless in distribution: tests/drafter)."""
     e = engine()
     assert isinstance(e, RolloutEngine) and e.draft_version == 0
-    plain = e.generate(PROMPTS, params(0.0), speculate=False)
+    plain = e.generate(PROMPTS, params(0.0), speculation="off")
     assert e.stats().num_draft_tokens == 0 and e.stats().mean_accepted_length == 1.0
-    spec = e.generate(PROMPTS, params(0.0), speculate=True)
+    spec = e.generate(PROMPTS, params(0.0), speculation="always")
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     s = e.stats()
     assert s.num_draft_tokens > 0 and s.num_generated == 2 * 3 * 24 and s.tokens_per_s > 0
@@ -40,12 +40,35 @@ def test_speculation_is_lossless_and_reported():
     assert spec[0].to_dict()["prompt_ids"] == PROMPTS[0]
 
 
+def test_adaptive_speculation_is_lossless_learns_across_batches_and_is_reported():
+    """Adaptive (the default mode of a job): greedy outputs equal plain; the engine's chooser keeps its
+    measurements across batches, and every completion carries its draft length per live-batch bucket."""
+    e = engine()
+    plain = e.generate(PROMPTS, params(0.0), speculation="off")
+    assert all(o.speculation == {"3-4": 0} for o in plain)  # plain: k 0 in the buckets it ran
+    first = e.generate(PROMPTS, params(0.0), speculation="adaptive")
+    assert [o.token_ids for o in first] == [o.token_ids for o in plain]
+    chosen = first[0].speculation
+    assert set(chosen) == {"3-4"} and chosen["3-4"] in (0, 1, 2, 3) and first[0].to_dict()["speculation"] == chosen
+    measured = e.tuner.estimates()["3-4"]
+    assert set(measured) == {0, 1, 2, 3}  # every arm tried (forced tries) within the first batch
+    second = e.generate(PROMPTS, params(0.0, max_new_tokens=8), speculation="adaptive")
+    assert [o.token_ids for o in second] == [o.token_ids[:8] for o in plain]
+    assert e.tuner.throughput()["3-4"].keys() == {0, 1, 2, 3}
+    assert e.choosers["always"].summary() == {} and e.choosers["off"].throughput()["3-4"][0] > 0
+    head = new_head(e.policy, None, None, seed=4)
+    e.install_draft(1, head.state_dict(), head_config(head))  # a new draft: its arms are measured afresh
+    assert e.tuner.estimates()["3-4"].keys() == {0}
+    with pytest.raises(ValueError, match="speculation must be one of"):
+        e.generate(PROMPTS, params(0.0), speculation="sometimes")
+
+
 def test_harvest_feeds_the_buffer_with_the_policy_version():
     e, buffer = engine(), RolloutBuffer(max_bytes=1 << 20, hidden_dtype=torch.float32)
-    e.generate(PROMPTS, params(1.0), speculate=False)
+    e.generate(PROMPTS, params(1.0), speculation="off")
     assert len(buffer) == 0
     e.load_policy({k: v.clone() for k, v in e.policy.state_dict().items()}, policy_version=3)
-    outs = e.generate(PROMPTS, params(1.0), speculate=True, harvest_into=buffer)
+    outs = e.generate(PROMPTS, params(1.0), speculation="always", harvest_into=buffer)
     assert buffer.policy_versions == [3] and len(buffer) == len(PROMPTS)
     # every token of each prompt and response but the last is a training pair
     assert buffer.num_tokens == sum(len(p) + len(o.token_ids) - 1 for p, o in zip(PROMPTS, outs))
@@ -53,14 +76,14 @@ def test_harvest_feeds_the_buffer_with_the_policy_version():
 
 def test_load_policy_changes_what_is_generated():
     e = engine()
-    before = e.generate(PROMPTS, params(0.0), speculate=False)
+    before = e.generate(PROMPTS, params(0.0), speculation="off")
     other = tiny_model(seed=7).state_dict()
     e.load_policy({k: v.numpy() for k, v in other.items()}, policy_version=1)  # as Ray maps them: numpy
-    after = e.generate(PROMPTS, params(0.0), speculate=True)
+    after = e.generate(PROMPTS, params(0.0), speculation="always")
     assert torch.equal(e.policy.lm_head.weight, other["lm_head.weight"] if "lm_head.weight" in other
                        else other["embed.weight"])
     assert [o.token_ids for o in after] != [o.token_ids for o in before]
-    assert [o.token_ids for o in after] == [o.token_ids for o in e.generate(PROMPTS, params(0.0), speculate=False)]
+    assert [o.token_ids for o in after] == [o.token_ids for o in e.generate(PROMPTS, params(0.0), speculation="off")]
 
 
 def test_install_draft_serves_the_version_from_the_next_step():
@@ -68,7 +91,7 @@ def test_install_draft_serves_the_version_from_the_next_step():
     head = new_head(e.policy, None, None, seed=4)
     e.install_draft(5, head.state_dict(), head_config(head))
     assert e.draft_version == 5 and e.stats().num_swaps == 1
-    outs = e.generate(PROMPTS, params(0.0), speculate=True)
+    outs = e.generate(PROMPTS, params(0.0), speculation="always")
     assert {o.draft_version for o in outs} == {5}
     with pytest.raises(RuntimeError):  # a state that does not fit its config: the draft serving stays
         e.install_draft(6, {k: v for k, v in head.state_dict().items() if k != "fc.weight"}, head_config(head))
@@ -78,6 +101,6 @@ def test_install_draft_serves_the_version_from_the_next_step():
 def test_params_must_match_the_prompts():
     e = engine()
     with pytest.raises(ValueError, match="params has 1 entries for 3 prompts"):
-        e.generate(PROMPTS, params(0.0)[:1], speculate=False)
+        e.generate(PROMPTS, params(0.0)[:1], speculation="off")
     with pytest.raises(ValueError, match="temperature"):
-        e.generate(PROMPTS[:1], [{"temperature": -1.0}], speculate=False)
+        e.generate(PROMPTS[:1], [{"temperature": -1.0}], speculation="off")

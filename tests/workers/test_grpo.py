@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_model
-from workers.grpo import group_advantages, grpo_loss, grpo_update, sequence_logprobs
+from workers.grpo import group_advantages, grpo_loss, grpo_update, response_mask, sequence_logprobs
 from workers.spec import JobSpec
 
 
@@ -119,6 +119,40 @@ def test_micro_batches_give_the_full_batch_gradient_and_stats():
         for key in ("loss", "clip_fraction", "mean_ratio", "kl", "grad_norm"):
             assert math.isclose(s[key], stats[0][key], rel_tol=1e-4, abs_tol=1e-7), key
     assert stats[0]["num_tokens"] == 4 + 2 + 1 + 3 and stats[0]["clip_fraction"] > 0 and stats[0]["kl"] > 0
+
+
+def test_response_mask_is_sequence_logprobs_mask_without_the_forward():
+    seqs, plens, _ = _batch()
+    _, mask = sequence_logprobs(tiny_model(), seqs, plens)
+    assert torch.equal(response_mask(seqs, plens), mask)
+    assert response_mask(seqs, plens).sum(1).tolist() == [4, 2, 1, 3, 0]
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+def test_one_update_per_step_takes_old_logp_from_its_own_forward(kl_coef):
+    """old_logp=None (the update's own forward, detached) gives the loss, gradient and stats of a separate
+    no-grad pass, with or without the KL term against a reference."""
+    seqs, plens, adv = _batch()
+    ref_model = tiny_model(seed=5)
+    cfg = JobSpec(micro_batch_size=2, max_grad_norm=1e9, kl_coef=kl_coef)
+    runs = []
+    for is_separate in (True, False):
+        model = tiny_model().requires_grad_(True)
+        if is_separate:
+            with torch.no_grad():
+                old, mask = sequence_logprobs(model, seqs, plens)
+        else:
+            old, mask = None, response_mask(seqs, plens)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        stats = grpo_update(model, opt, seqs, plens, adv, old, mask, cfg, ref_model=ref_model)
+        runs.append((stats, torch.cat([p.grad.flatten() for p in model.parameters()])))
+    (separate, g_separate), (own, g_own) = runs
+    torch.testing.assert_close(g_own, g_separate, atol=1e-7, rtol=1e-5)
+    assert g_own.abs().sum() > 0
+    for key in ("loss", "mean_ratio", "clip_fraction", "kl", "grad_norm", "num_tokens"):
+        assert math.isclose(own[key], separate[key], rel_tol=1e-5, abs_tol=1e-8), key
+    assert own["mean_ratio"] == pytest.approx(1.0, abs=1e-6) and own["clip_fraction"] == 0.0
+    assert (own["kl"] > 0) == (kl_coef > 0)
 
 
 def test_update_raises_the_logprob_of_a_rewarded_sequence():

@@ -3,6 +3,7 @@ records (phase, steps, the one JobResult), and the worker commands the scheduler
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -83,9 +84,11 @@ def until(condition: Callable[[], object], timeout_s: float = 120.0, what: str =
 
 
 def test_a_two_step_job_records_its_steps_and_one_result(ray_cluster, private_redis, redis_client, tmp_path):
-    with writes_to(redis_client, job_result_key("j1")) as writes, job("j1", private_redis.url, tmp_path) as driver:
+    with writes_to(redis_client, job_result_key("j1")) as writes, \
+            job("j1", private_redis.url, tmp_path, task="longtail") as driver:
         result = ray.get(driver.run.remote(), timeout=300)
         assert ray.get(driver.wait.remote(0)) == result
+        placed = [ray.get(get_worker("j1", w).describe.remote()) for w in ("w0", "w1")]
     assert writes == ["set"]  # exactly once
     assert result["ok"] and result["steps"] == 2 and result["error"] is None
     assert JobResult.from_json(redis_client.get(job_result_key("j1"))).to_dict() == result
@@ -97,6 +100,17 @@ def test_a_two_step_job_records_its_steps_and_one_result(ray_cluster, private_re
         assert set(s.timings) == {"weight_sync", "rollout", "reward", "logprob", "update"}
         assert s.num_rollouts == 8 and not s.failures and s.num_tokens > 0 and set(s.draft_versions) == {"w0", "w1"}
         assert s.grpo["num_tokens"] == s.num_tokens
+        lengths = s.response_lengths
+        assert set(lengths) == {"median", "p90", "p99", "max"} and 1 <= lengths["median"] <= lengths["p90"]
+        assert lengths["p90"] <= lengths["p99"] <= lengths["max"] <= 12  # max_new_tokens
+        assert s.tail_s == pytest.approx(max(s.worker_rollout_s.values()) - min(s.worker_rollout_s.values()))
+        assert s.grpo["mean_ratio"] == pytest.approx(1.0)  # one update per step: old_logp from its own forward
+    # each worker runs on its own cores (this box: one each), as many torch threads as cores
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2:
+        assert all(p["is_pinned"] and p["num_threads"] == len(p["cores"]) for p in placed)
+        assert not set(placed[0]["cores"]) & set(placed[1]["cores"])
+        assert set(placed[0]["cores"]) | set(placed[1]["cores"]) == set(cores)
     idle = float(redis_client.hget(job_totals_key("j1"), "idle_worker_s"))
     assert idle == pytest.approx(sum(s.idle_worker_s for s in steps))
     progress = read_progress(redis_client, "j1")
@@ -104,6 +118,26 @@ def test_a_two_step_job_records_its_steps_and_one_result(ray_cluster, private_re
     assert all(p.policy_version == 1 and p.rl_step == 1 and p.num_finished == 4 and p.buffer_tokens > 0
                for p in progress)
     assert {e["to"] for e in read_events(redis_client, "j1")} >= {"ROLLING_OUT", "IDLE"}
+
+
+def test_shareable_state_puts_tied_weights_once():
+    import pickle
+
+    import torch
+
+    from drafter.config import PRESETS
+    from drafter.loading import random_model
+    from workers.driver import shareable_state
+
+    cfg = PRESETS["tiny"]
+    model = random_model(cfg)
+    state = shareable_state(model.state_dict())
+    assert state.keys() == model.state_dict().keys()
+    assert all(torch.equal(torch.as_tensor(state[k]), v) for k, v in model.state_dict().items())
+    buffers = []
+    pickle.dumps(state, protocol=5, buffer_callback=buffers.append)
+    distinct = {v.data_ptr(): v.numel() * v.element_size() for v in model.state_dict().values()}
+    assert sum(memoryview(b).nbytes for b in buffers) == sum(distinct.values())
 
 
 def test_a_failing_job_records_one_result_with_a_one_line_error(ray_cluster, private_redis, redis_client, tmp_path):

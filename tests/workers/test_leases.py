@@ -49,13 +49,18 @@ def lease(r: RolloutRunner, lease_id: str, deadline_s: float = 0.5, parent_versi
 
 def test_a_lease_is_running_then_done_in_redis_and_its_copy_carries_its_merge_key(redis_client, tmp_path):
     r = runner(redis_client, tmp_path)
+    before = time.time()
     accepted = r.leases.accept({"lease_id": "l1", "parent_version": 0, "deadline_s": 0.5})
-    assert outcomes(redis_client)["l1"] == LeaseOutcome("l1", "w0", LeaseState.RUNNING)
+    running = outcomes(redis_client)["l1"]
+    assert before <= running.started_at <= time.time()  # the lease holds the worker from its acceptance
+    assert running == LeaseOutcome("l1", "w0", LeaseState.RUNNING, started_at=running.started_at)
     with pytest.raises(ValueError, match="already holds lease l1"):  # one lease at a time
         r.leases.accept({"lease_id": "l2", "parent_version": 0, "deadline_s": 0.5})
     done = r.leases.run(accepted)
     assert outcomes(redis_client)["l1"] == done
     assert done.state == LeaseState.DONE and done.steps >= 1 and done.version == 1 and not done.stopped
+    # ended: the trainer stopped, after its deadline's worth of training
+    assert done.started_at == running.started_at and done.ended_at >= done.started_at + 0.5
     state, meta = r.copies.load(done.version)
     assert meta.parent_version == 0 and meta.extra["lease_id"] == "l1" and meta.extra["worker"] == "w0"
     assert meta.extra["merge_key"] == merge_key(0, meta.head_config, state)
@@ -195,7 +200,7 @@ def test_publish_candidate_serves_it_at_its_draft_temperature(redis_client, tmp_
     assert {k: meta.extra[k] for k in ("accepted_length", "candidate", "draft_temperature")} == {
         "accepted_length": 1.7, "candidate": candidate, "draft_temperature": 0.4}
     r.swapper.swap(version)  # the worker now speculates with it if it clears the bar
-    assert r.swapper.draft_accepted_length == 1.7 and r.speculating()
+    assert r.swapper.draft_accepted_length == 1.7 and r.speculation == "adaptive"
     kept = r.scorer.publish_candidate(candidate, None, {})  # None: served at its own temperature
     assert r.served.load(kept)[1].head_config["eagle"]["draft_temperature"] == 1.0
     for args, field in (((0, 0.4, {}), "candidate"), ((candidate, -1.0, {}), "draft_temperature"),

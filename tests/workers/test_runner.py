@@ -1,4 +1,4 @@
-"""RolloutRunner without Ray: speculation only with a draft that pays, hot swap, the progress record's
+"""RolloutRunner without Ray: adaptive speculation reported per bucket, hot swap, the progress record's
 fields, and FAILED when generation fails (real Redis, real tiny model, real store)."""
 
 from __future__ import annotations
@@ -38,25 +38,27 @@ def stored(redis_client, worker_id: str = "w0"):
     return next(p for p in read_progress(redis_client, "job1") if p.worker_id == worker_id)
 
 
-def test_speculates_only_once_a_draft_measured_to_pay_is_served(redis_client, tmp_path):
-    r = runner(redis_client, tmp_path, min_accepted_length=1.5)
-    plain = r.generate(PROMPTS, GREEDY, rl_step=0)
-    assert not r.speculating() and all(o["num_steps"] == len(o["token_ids"]) for o in plain)
-    v1 = publish(r, 1.2)  # measured below the bar: served (the record says so) but no drafting
+def test_speculation_is_adaptive_by_default_and_reported_per_bucket(redis_client, tmp_path):
+    r = runner(redis_client, tmp_path)
+    assert r.speculation == "adaptive"
+    adaptive = r.generate(PROMPTS, GREEDY, rl_step=0)
+    assert r.engine.stats().num_draft_tokens > 0  # forced tries: it drafted to measure what drafting gives
+    assert adaptive[0]["speculation"] == adaptive[1]["speculation"] == r.engine.tuner.summary()
+    assert set(adaptive[0]["speculation"]) == {"2"}  # both rollouts run to 24 tokens: 2 live throughout
+    v1 = publish(r, 1.2)  # what a draft measured at publish no longer gates drafting
     r.swapper.swap(v1)
     again = r.generate(PROMPTS, GREEDY, rl_step=1)
-    assert not r.speculating() and r.status.record().draft_version == v1
+    assert [o["token_ids"] for o in again] == [o["token_ids"] for o in adaptive]
     assert [o["draft_version"] for o in again] == [v1, v1]
-    v2 = publish(r, 1.8)
-    r.swapper.swap(v2)
-    assert r.speculating()
-    spec = r.generate(PROMPTS, GREEDY, rl_step=2)
-    assert r.engine.stats().num_draft_tokens > 0  # it drafted
-    assert [o["token_ids"] for o in spec] == [o["token_ids"] for o in plain]  # and stayed lossless
-    assert stored(redis_client).draft_version == v2
-    # TLT off never drafts, whatever is served; 0 means always draft
-    assert not runner(redis_client, tmp_path / "off", tlt=False).speculating()
-    assert runner(redis_client, tmp_path / "always", min_accepted_length=0.0).speculating()
+    # TLT off never drafts; "always" drafts draft_k every step; "off" never
+    assert runner(redis_client, tmp_path / "tltoff", tlt=False).speculation == "off"
+    always = runner(redis_client, tmp_path / "always", speculation="always")
+    out = always.generate(PROMPTS, GREEDY, rl_step=0)
+    assert out[0]["speculation"] == {"2": 2}
+    assert [o["token_ids"] for o in out] == [o["token_ids"] for o in adaptive]
+    off = runner(redis_client, tmp_path / "off", speculation="off")
+    assert all(o["num_steps"] == len(o["token_ids"]) for o in off.generate(PROMPTS, GREEDY, rl_step=0))
+    assert off.engine.stats().num_draft_tokens == 0
 
 
 def test_the_progress_record_carries_buffer_tokens_and_swaps(redis_client, tmp_path):
@@ -94,7 +96,7 @@ def test_a_failed_generation_reports_failed_and_raises(redis_client, tmp_path):
 
 
 def test_a_policy_update_never_drops_a_draft_version_waiting_to_be_served(redis_client, tmp_path):
-    r = runner(redis_client, tmp_path, min_accepted_length=0.0)
+    r = runner(redis_client, tmp_path, speculation="always")
     v1 = publish(r, 1.5)
     head, _ = r.served.load_head(v1, r.policy.dtype)
     r.engine.drafter.request_swap(head, v1)  # as a rollout's last step leaves it: waiting for the next decode step
@@ -141,7 +143,7 @@ def test_the_swap_log_is_bounded(redis_client, tmp_path):
 def test_a_swap_from_another_thread_mid_generation_stays_lossless(redis_client, tmp_path):
     """The listener installs drafts while the decode loop runs: outputs equal plain decoding, and the
     switches happened during the rollout."""
-    r = runner(redis_client, tmp_path, min_accepted_length=0.0)
+    r = runner(redis_client, tmp_path, speculation="always")
     long = [{"max_new_tokens": 160, "temperature": 0.0, "ignore_eos": True}] * 2
     plain = r.engine.engine.generate([Request(p, SamplingParams(**kw)) for p, kw in zip(PROMPTS, long)])
     versions = [publish(r, 1.5) for _ in range(4)]

@@ -7,7 +7,17 @@ import re
 
 import pytest
 
-from workers.tasks import REWARDS, ArithmeticTask, Problem, get_reward, load_jsonl_dataset
+from workers.tasks import (
+    LONG_INSTRUCTION,
+    REWARDS,
+    SHORT_INSTRUCTION,
+    ArithmeticTask,
+    LongTailTask,
+    Problem,
+    arithmetic_reward,
+    get_reward,
+    load_jsonl_dataset,
+)
 
 
 def _solve(prompt: str) -> tuple[int, int]:
@@ -55,6 +65,31 @@ def test_arithmetic_answers_are_correct_and_chains_vary():
         assert p.prompt.endswith('give the final answer as "Answer: <number>".')
     assert lengths == {1, 2, 3, 4, 5}
     assert all(_solve(p.prompt)[1] == 6 for p in ArithmeticTask(seed=1, min_steps=6, max_steps=6).sample(20))
+
+
+def test_longtail_task_mixes_answer_only_and_detailed_prompts_deterministically():
+    problems = LongTailTask(seed=3).sample(400)
+    assert problems == LongTailTask(seed=3).sample(400) and problems != LongTailTask(seed=4).sample(400)
+    task = LongTailTask(seed=3)
+    assert task.sample(150) + task.sample(250) == problems
+    detailed = [p for p in problems if p.prompt.endswith(LONG_INSTRUCTION)]
+    answer_only = [p for p in problems if p.prompt.endswith(SHORT_INSTRUCTION)]
+    assert len(detailed) + len(answer_only) == 400 and 0.06 < len(detailed) / 400 < 0.14  # LONG_FRACTION 0.1
+    assert all(p.stop_strings == () for p in detailed)  # they run to max_new_tokens or EOS
+    assert all(p.stop_strings == ("\n",) for p in answer_only)  # one line
+    # the same problems and answers as the arithmetic task of the same seed, only the instruction differs
+    for p, q in zip(problems, ArithmeticTask(seed=3).sample(400)):
+        value, _ = _solve(p.prompt)
+        assert p.answer == q.answer == str(value) and p.prompt.split("?")[0] == q.prompt.split("?")[0]
+    assert all(p.prompt.endswith(LONG_INSTRUCTION) for p in LongTailTask(seed=0, long_fraction=1.0).sample(20))
+    with pytest.raises(ValueError, match="long_fraction"):
+        LongTailTask(long_fraction=1.5)
+
+
+@pytest.mark.parametrize(("text", "reward"), [("Answer: 12", 1.0), ("Answer: 12.", 1.0), ("Answer: 13", 0.0),
+                                              ("The total is 5 + 7 = 12.\nAnswer: 12", 1.0)])
+def test_both_longtail_answer_forms_are_scored(text, reward):
+    assert arithmetic_reward(text, "12") == reward
 
 
 def test_arithmetic_task_errors():

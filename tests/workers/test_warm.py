@@ -1,0 +1,131 @@
+"""Warm drafts (JobSpec.warm_draft): validation, the fit check, publishing from a file or another job's
+store, and a real job (tiny model, local Ray, real Redis) that serves the warm draft from its first rollout."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import ray
+
+from drafter.checkpoint import DraftMeta, save_draft
+from drafter.config import PRESETS
+from drafter.head import EagleConfig, EagleHead, head_config
+from workers.actors import start_driver
+from workers.progress import read_json_list, read_progress
+from workers.protocol import JobResult, StepRecord, job_result_key, job_steps_key
+from workers.spec import JobSpec
+from workers.store import job_stores
+from workers.warm import check_fits, parse_store_ref, publish_warm_draft, task_prompts
+
+TINY = PRESETS["tiny"]
+
+
+def write_draft(path, policy_cfg=TINY, extra: dict | None = None) -> str:
+    """A draft checkpoint for `policy_cfg` as `tlt drafter train` writes one (untrained weights)."""
+    head = EagleHead(policy_cfg, EagleConfig())
+    meta = DraftMeta(version=1, parent_version=0, policy_version=0, head_config=head_config(head),
+                     extra=extra or {"warm_start": True, "acceptance": {"2": 1.8}, "expected_accepted_length_t1": 1.5})
+    save_draft(path, head.state_dict(), meta)
+    return str(path)
+
+
+@pytest.mark.parametrize("value", ["draft.safetensors", "store:job1", "store:job1:0", "store:a b:1", ""])
+def test_malformed_warm_draft_is_refused_naming_the_field(value):
+    with pytest.raises(ValueError, match="warm_draft"):
+        JobSpec(warm_draft=value)
+
+
+def test_warm_draft_accepts_paths_and_store_versions():
+    assert JobSpec().warm_draft is None
+    assert JobSpec(warm_draft="/models/draft-v000001.safetensors").warm_draft.endswith(".safetensors")
+    assert JobSpec(warm_draft="store:3f2a9c:12").warm_draft == "store:3f2a9c:12"
+    assert parse_store_ref("store:3f2a9c:12") == ("3f2a9c", 12) and parse_store_ref("./d.safetensors") is None
+
+
+def test_a_head_for_another_policy_does_not_fit():
+    head_cfg = {"policy": dataclasses.replace(TINY, hidden_size=32, head_dim=8).to_dict(), "eagle": {}}
+    with pytest.raises(ValueError, match="warm_draft x does not fit the policy: .*hidden size 32"):
+        check_fits(head_cfg, TINY, "x")
+    head_cfg = {"policy": dataclasses.replace(TINY, vocab_size=128).to_dict(), "eagle": {}}
+    with pytest.raises(ValueError, match="vocabulary 128"):
+        check_fits(head_cfg, TINY, "x")
+    with pytest.raises(ValueError, match="does not describe a head"):
+        check_fits({}, TINY, "x")
+
+
+def test_publish_from_a_file_and_from_another_jobs_store(redis_client, tmp_path):
+    served, _ = job_stores(redis_client, tmp_path, "dst")
+    path = write_draft(tmp_path / "draft-v000001.safetensors")
+    assert publish_warm_draft(path, served, redis_client, tmp_path, TINY, draft_k=2) == 1
+    state, meta = served.load(1)
+    assert meta.extra["warm_draft"] == path and meta.extra["accepted_length"] == 1.5  # the lower measurement
+    assert meta.parent_version == 0 and meta.head_config["policy"]["hidden_size"] == TINY.hidden_size
+    # another job's served version, by reference
+    other, _ = job_stores(redis_client, tmp_path, "dst2")
+    assert publish_warm_draft("store:dst:1", other, redis_client, tmp_path, TINY, draft_k=2) == 1
+    assert other.load(1)[1].extra["warm_draft"] == "store:dst:1"
+    with pytest.raises(ValueError, match="warm_draft store:dst:7: version 7 is not in"):
+        publish_warm_draft("store:dst:7", other, redis_client, tmp_path, TINY, draft_k=2)
+    with pytest.raises(ValueError, match="warm_draft: no such file"):
+        publish_warm_draft(str(tmp_path / "missing.safetensors"), other, redis_client, tmp_path, TINY, draft_k=2)
+    corrupt = tmp_path / "corrupt.safetensors"
+    corrupt.write_bytes(Path(path).read_bytes()[:-7])
+    with pytest.raises(ValueError, match="warm_draft .*corrupt.safetensors"):
+        publish_warm_draft(str(corrupt), other, redis_client, tmp_path, TINY, draft_k=2)
+
+
+def test_task_prompts_by_name_are_seeded():
+    assert task_prompts("arithmetic", 1, 3) == task_prompts("arithmetic", 1, 3)
+    assert task_prompts("arithmetic", 1, 3) != task_prompts("arithmetic", 2, 3)
+    with pytest.raises(ValueError, match="--task must be one of"):
+        task_prompts("poetry", 0, 1)
+
+
+# ----- a real job -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    yield
+    ray.shutdown()
+
+
+def spec(**kw) -> dict:
+    return JobSpec(**({"model": "tiny", "num_steps": 1, "num_prompts_per_step": 2, "max_new_tokens": 8,
+                       "num_workers": 2, "group_size": 2, "draft_k": 2, "speculation": "always"} | kw))
+
+
+def run_job(job_id: str, redis_url: str, store_dir, **kw):
+    driver = start_driver(job_id, spec(**kw), redis_url, str(store_dir), is_detached=False)
+    try:
+        return ray.get(driver.run.remote(), timeout=300)
+    finally:
+        ray.kill(driver)
+
+
+def test_a_job_with_a_warm_draft_serves_it_from_its_first_rollout(ray_cluster, private_redis, redis_client,
+                                                                  tmp_path):
+    path = write_draft(tmp_path / "warm.safetensors")
+    result = run_job("jw1", private_redis.url, tmp_path, warm_draft=path)
+    assert result["ok"], result
+    served, _ = job_stores(redis_client, tmp_path, "jw1")
+    assert served.latest_version() == 1 and served.entry(1)["extra"]["warm_draft"] == path
+    step = StepRecord.from_dict(read_json_list(redis_client, job_steps_key("jw1"))[0])
+    assert step.draft_versions == {"w0": 1, "w1": 1}  # every completion of step 0 was drafted by v1
+    assert step.num_tokens > 0 and step.mean_accepted_length >= 1.0
+    progress = read_progress(redis_client, "jw1")
+    assert sorted(p.worker_id for p in progress) == ["w0", "w1"]
+    assert all(p.draft_version == 1 and p.num_swaps == 1 and p.last_swap_version == 1 for p in progress)
+
+
+def test_a_warm_draft_for_another_policy_fails_the_job_with_a_clear_error(ray_cluster, private_redis,
+                                                                          redis_client, tmp_path):
+    path = write_draft(tmp_path / "big.safetensors", dataclasses.replace(TINY, hidden_size=32, head_dim=8))
+    with pytest.raises(ValueError, match="does not fit the policy"):
+        run_job("jw2", private_redis.url, tmp_path, warm_draft=path)
+    result = JobResult.from_json(redis_client.get(job_result_key("jw2")))
+    assert not result.ok and result.steps == 0
+    assert result.error == (f"ValueError: warm_draft {path} does not fit the policy: the head was trained for "
+                            f"hidden size 32 and vocabulary 64, the policy has 64 and 64")
+    assert job_stores(redis_client, tmp_path, "jw2")[0].latest_version() is None  # nothing was published
