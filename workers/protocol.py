@@ -327,7 +327,7 @@ class LeaseOutcome(Message):
     stopped: bool = False  # preempted before its deadline
     version: int | None = None  # the trained copy in the copies store (None: no step was taken)
     error: str | None = None
-    started_at: float = 0.0  # wall clock the training began (0: not yet)
+    started_at: float = 0.0  # wall clock the lease was accepted (loading the parent counts as lease work)
     ended_at: float = 0.0  # wall clock it stopped (0: still running)
 
 

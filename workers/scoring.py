@@ -92,8 +92,8 @@ class Scorer:
 
     def publish_candidate(self, candidate: int, draft_temperature: float | None, extra: dict) -> int:
         """Serve candidate `candidate` of the copies store: at `draft_temperature` (None: its own), with
-        `extra` merged into its meta (the scheduler's scores: "accepted_length" is what a worker's
-        the swap guard reads). Returns the version in the served store."""
+        `extra` merged into its meta (the scheduler's scores: "accepted_length" is the published score
+        a worker's swap guard reads). Returns the version in the served store."""
         if isinstance(candidate, bool) or not isinstance(candidate, int) or candidate < 1:
             raise ValueError(f"candidate must be a version >= 1, got {candidate!r}")
         if draft_temperature is not None and (isinstance(draft_temperature, bool)
