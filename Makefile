@@ -11,7 +11,7 @@ export TLT_CACHE_DIR ?= $(CURDIR)/.cache/tlt
 # when apt-get and root are available; otherwise those tests skip and say why.
 SYSTEM_PKGS := prometheus chromium chromium-driver
 
-.PHONY: venv test lint demo bench clean system-deps
+.PHONY: venv test lint demo warm-draft bench clean system-deps
 
 venv: $(STAMP)
 
@@ -46,6 +46,11 @@ lint: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/tlt demo
+
+# builds the warm draft `make demo` starts its TLT-on job from (cached under TLT_CACHE_DIR; about 30 min
+# here), then runs the demo with it
+warm-draft: $(STAMP)
+	TLT_DEMO_BUILD_WARM_DRAFT=1 $(BIN)/tlt demo
 
 bench: $(STAMP)
 	$(BIN)/tlt bench engine --json

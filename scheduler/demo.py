@@ -14,6 +14,7 @@ accepted length, and the rollout time of the two jobs side by side.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -42,9 +43,12 @@ def say(msg: str = "") -> None:
     print(msg, flush=True)
 
 
-def ensure_warm_draft(model: str, task: str) -> str:
+def ensure_warm_draft(model: str, task: str) -> str | None:
     """The warm draft the TLT-on job starts from: built once with `tlt drafter train --task` (its recipe's
-    defaults, workers.warm.WarmRecipe), cached under $TLT_CACHE_DIR keyed by model, task and recipe."""
+    defaults, workers.warm.WarmRecipe), cached under $TLT_CACHE_DIR keyed by model, task and recipe.
+    The build took about 30 minutes on 2 busy cores (docs/benchmarks.md), over the demo's 10: it runs
+    only with TLT_DEMO_BUILD_WARM_DRAFT=1 (`make warm-draft`); without a cached draft the TLT-on job
+    starts from an untrained head, and None is returned."""
     from workers.warm import WarmRecipe, warm_cache_dir
 
     out = warm_cache_dir(model, task, WarmRecipe())
@@ -54,6 +58,10 @@ def ensure_warm_draft(model: str, task: str) -> str:
         say(f"warm draft: reusing the cached {path} (accepted length at k=2,3,4 on held-out {task} prompts: "
             f"{_acceptance(rep)})")
         return str(path)
+    if os.environ.get("TLT_DEMO_BUILD_WARM_DRAFT") != "1":
+        say(f"warm draft: none cached in {out}; TLT on starts from an untrained head. Build one once with "
+            "`make warm-draft` (about 30 minutes on 2 busy cores), then run the demo again")
+        return None
     say(f"warm draft: building it once with `tlt drafter train --task {task}` (cached in {out}; a few minutes)")
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "scheduler.cli", "drafter", "train", "--task", task, "--model", model,
@@ -184,7 +192,7 @@ def run_demo() -> int:
             say(f"scheduler at {url} (OpenAPI: {url}/docs, metrics: {url}/metrics)")
             say("legend: gen = generating, STRAGGLER = still generating in the long tail, idle = waiting at the "
                 "barrier, TRAIN = training the drafter on an idle GPU, vN = draft version served")
-            warm = {"TLT on": {"warm_draft": warm_draft}, "TLT off": {}}
+            warm = {"TLT on": {"warm_draft": warm_draft} if warm_draft else {}, "TLT off": {}}
             jobs = {}
             for label, tlt in (("TLT on", True), ("TLT off", False)):
                 say()
