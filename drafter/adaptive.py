@@ -76,6 +76,12 @@ class _Meter:
             b = self._buckets[name] = _Bucket({k: _Arm(num_tries_left=self._num_tries) for k in self.arms})
         return b
 
+    def bucket_totals(self) -> dict[str, tuple[float, float]]:
+        """{bucket: (tokens, seconds)} over every step so far, whatever k served (cumulative: take differences)."""
+        with self._lock:
+            return {name: (sum(t for t, _ in b.totals.values()), sum(s for _, s in b.totals.values()))
+                    for name, b in self._buckets.items()}
+
     def throughput(self) -> dict[str, dict[int, float]]:
         """{bucket: {k: tokens/s over every step it served}}."""
         with self._lock:

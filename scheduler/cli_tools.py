@@ -75,6 +75,18 @@ def _bench_scheduler(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_rl(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from bench.rl import bench_rl
+
+    print(json.dumps(bench_rl(num_steps=args.steps, num_repeats=args.repeats, num_prompts_per_step=args.prompts,
+                              group_size=args.group_size, max_new_tokens=args.new_tokens, num_workers=args.workers,
+                              draft_k=args.k, task=args.task, model=args.model, warm_draft=args.warm_draft,
+                              seed=args.seed, arms=args.arms, out_dir=Path(args.out_dir) if args.out_dir else None)))
+    return 0
+
+
 def _read_prompts(path: str) -> list[str]:
     from pathlib import Path
 
@@ -108,8 +120,9 @@ def _drafter_train(args: argparse.Namespace) -> int:
         raise ValueError("give --prompts FILE or --task NAME (one of them)")
     recipe = _RECIPE
     if args.task is not None:  # the task's own prompts; a held-out set drawn with another seed
-        texts = task_prompts(args.task, WARM_TRAIN_SEED, args.num_prompts or recipe.num_prompts)
-        eval_texts = task_prompts(args.task, WARM_EVAL_SEED, args.num_eval_prompts)
+        texts = task_prompts(args.task, WARM_TRAIN_SEED, args.num_prompts or recipe.num_prompts,
+                             recipe.tail_fraction)
+        eval_texts = task_prompts(args.task, WARM_EVAL_SEED, args.num_eval_prompts, recipe.tail_fraction)
         steps = args.steps if args.steps is not None or args.seconds is not None else recipe.num_steps
     else:
         texts = _read_prompts(args.prompts)
@@ -223,6 +236,23 @@ def add_tool_commands(sub) -> None:
     sc.add_argument("--out-dir", default=None, help="where scheduler.json goes (default docs/bench)")
     sc.add_argument("--json", action="store_true", help="accepted for symmetry; the JSON object is always last")
     sc.set_defaults(func=_bench_scheduler)
+    rl = bench_sub.add_parser("rl", help="the same RL job plain, with a frozen warm draft, and with TLT, side by side")
+    rl.add_argument("--model", default="smollm2-135m")
+    rl.add_argument("--task", default="longtail", choices=("arithmetic", "longtail"))
+    rl.add_argument("--steps", type=int, default=3, help="RL steps per job")
+    rl.add_argument("--repeats", type=int, default=2, help="runs of each arm; the order turns round each time")
+    rl.add_argument("--prompts", type=int, default=10, help="prompts per step (longtail: 1 in 10 asks for detail)")
+    rl.add_argument("--group-size", type=int, default=4)
+    rl.add_argument("--new-tokens", type=int, default=512)
+    rl.add_argument("--workers", type=int, default=2, help="rollout workers, each pinned to its own core here")
+    rl.add_argument("--k", type=int, default=4, help="draft_k: the longest draft the adaptive choice may use")
+    rl.add_argument("--warm-draft", default=None, help="the draft b and c start from (default: the cached one "
+                    "`make warm-draft` builds for the task)")
+    rl.add_argument("--arms", default="abc", help="a plain, b frozen warm draft, c TLT (a and b or c)")
+    rl.add_argument("--seed", type=int, default=0)
+    rl.add_argument("--out-dir", default=None, help="where rl.json goes (default docs/bench)")
+    rl.add_argument("--json", action="store_true", help="accepted for symmetry; the JSON object is always last")
+    rl.set_defaults(func=_bench_rl)
 
     dr = sub.add_parser("drafter", help="drafter tools")
     dr_sub = dr.add_subparsers(dest="drafter", required=True)

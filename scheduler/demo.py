@@ -1,10 +1,11 @@
 """`tlt demo` / `make demo`: the whole system on the embedded defaults, on this machine's CPU.
 
-A private redis-server, local Ray with 4 logical GPUs, and the scheduler's REST API on loopback.
-Two RL jobs on SmolLM2-135M-Instruct with the built-in arithmetic task are submitted over REST,
-the same job with TLT on and with TLT off, one after the other so they do not share the cores. The TLT-on
-job starts from a warm draft (JobSpec.warm_draft) that `tlt drafter train --task` builds on the task's own
-prompts the first time (cached under $TLT_CACHE_DIR, keyed by model, task and recipe).
+A private redis-server, local Ray with 2 logical GPUs (each rollout worker pinned to its own core), and the
+scheduler's REST API on loopback. Two RL jobs on SmolLM2-135M-Instruct with the built-in longtail task (most
+prompts ask for the answer alone, one in ten for detailed reasoning: a long tail in every step) are submitted
+over REST, the same job with TLT off and with TLT on, one after the other so they do not share the cores.
+The TLT-on job starts from a warm draft (JobSpec.warm_draft) that `tlt drafter train --task` builds on the
+task's own prompts (`make warm-draft`; cached under $TLT_CACHE_DIR, keyed by model, task and recipe).
 While a job runs the demo prints each worker's live progress and the scheduler's view of it
 (rolling out, straggler, idle at the barrier, training the drafter); at the end it prints per step
 the time by phase, the idle and the reclaimed worker-seconds, the draft version served and the
@@ -25,11 +26,12 @@ from scheduler.client import call
 from scheduler.policy import PolicySettings
 from workers.protocol import TERMINAL_JOB_STATES, JobState, WorkerState
 
-NUM_STEPS = 3
+NUM_STEPS = 2
+NUM_WORKERS = 2  # one per core of this 2-core box: a lease on an idle worker takes nothing from a straggler
 REPORT_DIR = "artifacts/demo-report"
-# one micro-step of 256 pairs takes ~1 s on a shared CPU core: leases of a few seconds still train
-SPEC = {"model": "smollm2-135m", "task": "arithmetic", "num_steps": NUM_STEPS, "num_prompts_per_step": 4,
-        "group_size": 2, "max_new_tokens": 64, "num_workers": 4, "draft_k": 2, "seed": 0,
+# one micro-step of 256 pairs takes ~1 s on a CPU core: leases of a few seconds still train
+SPEC = {"model": "smollm2-135m", "task": "longtail", "num_steps": NUM_STEPS, "num_prompts_per_step": 10,
+        "group_size": 4, "max_new_tokens": 512, "num_workers": NUM_WORKERS, "draft_k": 4, "seed": 0,
         "drafter": {"num_rows": 1, "max_tokens_per_row": 256}}
 # CPU steps are tens of seconds and a worker's share is 2 responses: accept shorter leases and smaller
 # buffers than the GPU-sized defaults (5 s, 512 tokens), or nothing would be reclaimed here
@@ -137,37 +139,47 @@ def summarize(url: str, jobs: dict[str, dict]) -> bool:
     drafts = call("GET", url, f"/v1/jobs/{on['job_id']}/drafts")
     t_on, t_off = totals(steps["TLT on"], drafts), totals(steps["TLT off"], {})
     say()
-    say("per step, TLT on (seconds; idle = worker-seconds waiting at the barrier while others generate):")
-    say(f"{'step':>4} {'sync':>6} {'rollout':>8} {'reward':>7} {'logprob':>8} {'update':>7} {'idle':>7} "
-        f"{'acc.len':>8} {'drafts served':>14}")
-    for s in steps["TLT on"]:
-        t = s["timings"]
-        versions = ",".join(f"v{v}" for v in sorted(set(s["draft_versions"].values()))) or "-"
-        say(f"{s['rl_step']:>4} {t.get('weight_sync', 0):6.1f} {t.get('rollout', 0):8.1f} {t.get('reward', 0):7.1f} "
-            f"{t.get('logprob', 0):8.1f} {t.get('update', 0):7.1f} {s['idle_worker_s']:7.1f} "
-            f"{s['mean_accepted_length']:8.2f} {versions:>14}")
+    say("per step (seconds; tail = first worker done to last; idle = worker-seconds waiting at the barrier while "
+        "another generates; lengths = response tokens median/p90/max):")
+    say(f"{'job':>7} {'step':>4} {'sync':>5} {'rollout':>8} {'tail':>6} {'update':>7} {'step':>6} {'idle':>6} "
+        f"{'lengths':>12} {'acc.len':>7} {'drafts':>7}  k per live-batch bucket")
+    for label in ("TLT off", "TLT on"):
+        for s in steps[label]:
+            t, n = s["timings"], s["response_lengths"]
+            lengths = f"{n.get('median', 0):.0f}/{n.get('p90', 0):.0f}/{n.get('max', 0):.0f}"
+            served = sorted(set(s["draft_versions"].values())) if label == "TLT on" else []
+            versions = ",".join(f"v{v}" for v in served) or "-"
+            ks = "; ".join(f"{w}: " + " ".join(f"{b}->{k}" for b, k in sorted(c.items(), key=lambda x: _low(x[0])))
+                           for w, c in sorted(s.get("speculation", {}).items())) if label == "TLT on" else ""
+            say(f"{label:>7} {s['rl_step']:>4} {t.get('weight_sync', 0):5.1f} {t.get('rollout', 0):8.1f} "
+                f"{s['tail_s']:6.1f} {t.get('update', 0):7.1f} {sum(t.values()):6.1f} {s['idle_worker_s']:6.1f} "
+                f"{lengths:>12} {s['mean_accepted_length']:7.2f} "
+                f"{versions:>7}  {ks}")
     idle, reclaimed = t_on["idle_worker_s"], t_on["reclaimed_worker_s"]
     say()
-    say(f"idle worker-seconds (TLT on): {idle:.1f}; reclaimed for drafter training: {reclaimed:.1f} "
-        f"({t_on['reclaimed_ratio']:.0%} of the idle time)" if idle else "no idle time: nothing to reclaim")
+    say(f"TLT on: idle worker-seconds at the barrier {idle:.1f}; reclaimed for drafter training {reclaimed:.1f} "
+        f"({t_on['reclaimed_ratio']:.0%} of the idle time)" if idle else "TLT on: no idle time: nothing to reclaim")
     say(f"drafter leases: {drafts['num_leases']}, draft versions published: {drafts['num_published']}, "
         f"candidates rejected as not better: {drafts['num_rejected']}")
     for d in drafts["decisions"]:
         cand, serv = d["candidate_accepted_length"], d["serving_accepted_length"]
         verdict = f"published as v{d['published_version']}" if d["published_version"] else d["reason"] or "kept back"
-        tau = d.get("candidate_draft_temperature")
-        say(f"  candidate from copies {d['merged']}: accepted length {cand if cand is None else round(cand, 2)}"
-            f"{'' if tau is None else f' at draft temperature {tau}'} vs serving "
-            f"{serv if serv is None else round(serv, 2)} -> {verdict}")
-    r_on, r_off = t_on["rollout_s"], t_off["rollout_s"]
+        say(f"  candidate from copies {d['merged']}: accepted length {cand if cand is None else round(cand, 2)} "
+            f"vs serving {serv if serv is None else round(serv, 2)} -> {verdict}")
+    r_on, r_off, s_on, s_off = t_on["rollout_s"], t_off["rollout_s"], t_on["step_s"], t_off["step_s"]
     say()
-    say(f"rollout time over {NUM_STEPS} steps: TLT on {r_on:.1f} s, TLT off {r_off:.1f} s "
-        f"(on/off {r_on / r_off:.2f}x)" if r_off else "TLT off recorded no rollout time")
-    say("  Read this with the machine in mind: the 'GPUs' here share 2 CPU cores, so drafter training on an idle")
-    say("  'GPU' takes cycles from the stragglers. TLT on starts from the warm draft (served as v1 from the first")
-    say("  rollout) and adapts it online; TLT off decodes plainly.")
-    say("  On real GPUs the idle ones are free; docs/benchmarks.md has the measured figures.")
+    if r_on and s_on:
+        say(f"over {NUM_STEPS} steps: rollout TLT off {r_off:.1f} s, TLT on {r_on:.1f} s: rollout speed-up "
+            f"{r_off / r_on:.2f}x; whole step (sync, rollout, update) {s_off:.1f} s vs {s_on:.1f} s: step speed-up "
+            f"{s_off / s_on:.2f}x")
+    say("  One run of each on a shared machine, two steps: docs/benchmarks.md has `tlt bench rl`, which repeats")
+    say("  the jobs in turned-round order and adds the frozen-draft arm.")
     return on["state"] == off["state"] == JobState.SUCCEEDED
+
+
+def _low(bucket: str) -> int:
+    """A live-batch bucket's lower edge ('3-4' -> 3, '33+' -> 33), for sorting."""
+    return int(bucket.split("-")[0].rstrip("+"))
 
 
 def run_demo() -> int:
@@ -178,14 +190,15 @@ def run_demo() -> int:
     from workers.redis_server import PrivateRedis
 
     t0 = time.perf_counter()
-    say("tlt-scheduler demo: RL on SmolLM2-135M-Instruct (arithmetic task) through the scheduler's REST API, CPU")
+    say("tlt-scheduler demo: RL on SmolLM2-135M-Instruct (longtail task) through the scheduler's REST API, CPU")
     say("(the first run converts the packaged SmolLM2 GGUF once, ~20 s; later runs reuse it)")
     warm_draft = ensure_warm_draft(SPEC["model"], SPEC["task"])  # before Ray: the build has the cores to itself
-    ray.init(num_cpus=2, num_gpus=4, namespace=RAY_NAMESPACE, include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=NUM_WORKERS, num_gpus=NUM_WORKERS, namespace=RAY_NAMESPACE, include_dashboard=False,
+             log_to_driver=False,
              ignore_reinit_error=True)
     try:
         with PrivateRedis() as redis_server:
-            say(f"private redis-server at {redis_server.url}; local Ray with 4 logical GPUs")
+            say(f"private redis-server at {redis_server.url}; local Ray with {NUM_WORKERS} logical GPUs, a core each")
             settings = Settings(redis_url=redis_server.url, store_dir=tempfile.mkdtemp(prefix="tlt-demo-"),
                                 start_ray=False, policy=DEMO_POLICY, watch_tick_s=0.25)
             url, server = start_server(settings)
@@ -194,7 +207,7 @@ def run_demo() -> int:
                 "barrier, TRAIN = training the drafter on an idle GPU, vN = draft version served")
             warm = {"TLT on": {"warm_draft": warm_draft} if warm_draft else {}, "TLT off": {}}
             jobs = {}
-            for label, tlt in (("TLT on", True), ("TLT off", False)):
+            for label, tlt in (("TLT off", False), ("TLT on", True)):
                 say()
                 jobs[label] = run_job(url, SPEC | {"tlt": tlt} | warm[label], label)
             ok = summarize(url, jobs)

@@ -44,8 +44,14 @@ from workers.protocol import (
     job_phase_key,
     job_tlt_key,
 )
+from workers.spec import JobSpec
 
 log = logging.getLogger(__name__)
+
+
+def trains_drafter(spec: dict) -> bool:
+    """JobSpec.trains_drafter for a stored spec (a dict as the job store keeps it; a missing key: the default)."""
+    return all(spec.get(name, JobSpec.model_fields[name].default) for name in ("tlt", "idle_training"))
 PREEMPT_WAIT_S = 5.0  # how long a preemption waits for the trainer to confirm it stopped
 
 
@@ -88,7 +94,7 @@ class Watcher:
         self.commands.poll()  # the answers that arrived since the last tick
         watched = set()
         for job in self.store.get_many(self.store.running_ids()):
-            if job["state"] != JobState.RUNNING or not job["spec"].get("tlt", True):
+            if job["state"] != JobState.RUNNING or not trains_drafter(job["spec"]):
                 continue
             watched.add(job["job_id"])
             try:

@@ -70,6 +70,7 @@ class BuiltinEngine(RolloutEngine):
         k = 0 if speculation == "off" else self.draft_k
         if not k:  # not drafting: a version installed meanwhile starts serving now, between batches
             self.drafter.apply_pending_swap()
+        before = chooser.bucket_totals()
         start = time.perf_counter()
         try:
             outs = self.engine.generate(reqs, k=k, drafter=self.drafter if k else None,
@@ -80,8 +81,11 @@ class BuiltinEngine(RolloutEngine):
         if harvest_into is not None:
             harvest_into.add_outputs(outs, self.policy_version)
         version, chosen = self.draft_version, chooser.summary()
+        buckets = {name: [tokens - before.get(name, (0.0, 0.0))[0], seconds - before.get(name, (0.0, 0.0))[1]]
+                   for name, (tokens, seconds) in chooser.bucket_totals().items()}
+        buckets = {name: ts for name, ts in buckets.items() if ts[1] > 0}
         return [Completion(o.prompt_ids, o.token_ids, o.text, o.finish_reason, o.num_steps, o.num_accepted, version,
-                           dict(chosen)) for o in outs]
+                           dict(chosen), buckets) for o in outs]
 
     def install_draft(self, version: int, state: dict[str, Any], head_config: dict) -> None:
         head = head_from_state(head_config, as_tensors(state))

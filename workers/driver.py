@@ -26,7 +26,7 @@ from workers.pinning import usable_cores
 from workers.protocol import Phase, PhaseRecord, StepRecord, job_phase_key, job_steps_key, job_totals_key
 from workers.spec import JobSpec
 from workers.store import job_stores
-from workers.tasks import ArithmeticTask, LongTailTask, get_reward, load_jsonl_dataset
+from workers.tasks import get_reward, load_jsonl_dataset, make_task
 from workers.warm import publish_warm_draft
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,16 @@ def length_percentiles(lengths: list[int]) -> dict[str, float]:
             "max": float(ordered[-1])}
 
 
+def sum_buckets(per_worker) -> dict[str, list[float]]:
+    """{bucket: [tokens, seconds]} summed over the workers' batches."""
+    out: dict[str, list[float]] = {}
+    for buckets in per_worker:
+        for name, (tokens, seconds) in buckets.items():
+            acc = out.setdefault(name, [0.0, 0.0])
+            acc[0], acc[1] = acc[0] + tokens, acc[1] + seconds
+    return out
+
+
 def rollout_seed(spec: JobSpec, rl_step: int, index: int) -> int:
     """Each rollout's own seed: a job reruns the same, and no two rollouts of a job share one."""
     return spec.seed * 1_000_003 + rl_step * 10_007 + index
@@ -92,12 +102,15 @@ class Driver:
         if spec.task == "dataset":
             self.problems = load_jsonl_dataset(spec.dataset_path)
         else:
-            task = LongTailTask(spec.seed) if spec.task == "longtail" else ArithmeticTask(spec.seed)
-            self.problems = task.sample(spec.num_steps * spec.num_prompts_per_step)
+            self.problems = make_task(spec.task, spec.seed).sample(spec.num_steps * spec.num_prompts_per_step)
         self.warm_version = self._publish_warm_draft(redis, store_dir)  # before the workers start: they install it
         self.worker_ids = [f"w{i}" for i in range(spec.num_workers)]
         self.workers = {wid: start_worker(job_id, wid, spec, redis_url, store_dir, i)
                         for i, wid in enumerate(self.worker_ids)}
+        # wait for them to start (load the model) so that step 0's weight sync times the sync alone; one that
+        # failed to start is dropped at that sync, with its error, as a worker lost mid-job would be
+        ready = [w.__ray_ready__.remote() for w in self.workers.values()]
+        ray.wait(ready, num_returns=len(ready))
         # the learner phases (log-probs, update) run here once the rollout has ended: on every core this
         # process may use (Ray starts actors with one thread; the workers pin themselves to their own cores)
         torch.set_num_threads(len(usable_cores()))
@@ -144,7 +157,7 @@ class Driver:
         self.set_phase(Phase.ROLLOUT, rl_step)
         t0 = time.perf_counter()
         stops = [p.stop_strings if self.tokenizer is not None else () for p in problems]  # tokenizer-less: none
-        results, worker_s, draft_versions = self._rollout(prompts, rl_step, failures, stops)
+        results, worker_s, draft_versions, batches = self._rollout(prompts, rl_step, failures, stops)
         t["rollout"] = time.perf_counter() - t0
         self.set_phase(Phase.UPDATE, rl_step)
         longest = max(worker_s.values(), default=0.0)
@@ -164,7 +177,10 @@ class Driver:
                             mean_accepted_length=num_tokens / max(sum(o["num_steps"] for o in outs), 1),
                             draft_versions=draft_versions, grpo=stats,
                             response_lengths=length_percentiles([len(o["token_ids"]) for o in outs]),
-                            tail_s=longest - min(worker_s.values(), default=0.0))
+                            tail_s=longest - min(worker_s.values(), default=0.0),
+                            speculation={wid: b["speculation"] for wid, b in batches.items()},
+                            bucket_throughput=sum_buckets(b["bucket_throughput"] for b in batches.values()),
+                            reward_std=float(rewards.std(unbiased=False)) if rewards.numel() else 0.0)
         with self.redis.pipeline(transaction=True) as pipe:  # the record and the running totals together
             pipe.rpush(job_steps_key(self.job_id), record.to_json())
             pipe.hincrbyfloat(job_totals_key(self.job_id), "idle_worker_s", idle)
@@ -184,9 +200,10 @@ class Driver:
             raise RuntimeError(f"job {self.job_id}: every rollout worker failed")
 
     def _rollout(self, prompts: list[list[int]], rl_step: int, failures: list,
-                 stops: list[tuple[str, ...]]) -> tuple[dict, dict, dict]:
+                 stops: list[tuple[str, ...]]) -> tuple[dict, dict, dict, dict]:
         """Each worker generates its groups (prompt g's rollouts end at stops[g]); returns (group -> responses,
-        worker -> seconds generating, worker -> draft version serving when it finished)."""
+        worker -> seconds generating, worker -> draft version serving when it finished, worker -> its batch's
+        "speculation" and "bucket_throughput", workers.engine.Completion)."""
         spec, G = self.spec, self.spec.group_size
         futures = {}
         for (wid, w), groups in zip(list(self.workers.items()), assign(len(prompts), len(self.workers))):
@@ -197,7 +214,7 @@ class Driver:
                        "seed": rollout_seed(spec, rl_step, g * G + j), "stop_strings": tuple(stops[g])}
                       for g in groups for j in range(G)]
             futures[w.generate.remote(ps, params, rl_step)] = (wid, groups, time.perf_counter())
-        results, worker_s, draft_versions = {}, {}, {}
+        results, worker_s, draft_versions, batches = {}, {}, {}, {}
         pending = list(futures)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
@@ -209,9 +226,11 @@ class Driver:
                 continue
             worker_s[wid] = time.perf_counter() - started
             draft_versions[wid] = max((o["draft_version"] for o in outs), default=0)
+            if outs:  # the same on every completion of the batch
+                batches[wid] = {key: outs[0][key] for key in ("speculation", "bucket_throughput")}
             for i, g in enumerate(groups):
                 results[g] = outs[i * G : (i + 1) * G]
-        return results, worker_s, draft_versions
+        return results, worker_s, draft_versions, batches
 
     def _update(self, groups: list[int], results: dict, rewards: torch.Tensor, t: dict) -> dict:
         """Advantages, the policy's own log-probs, and the GRPO update(s); returns the last update's stats."""

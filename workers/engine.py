@@ -43,6 +43,9 @@ class Completion:
     # the engine's draft length per live-batch-size bucket when the batch finished ({"1": 2, "9-16": 0}; 0:
     # plain); the same dict on every completion of a batch: the driver's StepRecord.speculation[worker]
     speculation: dict[str, int] = field(default_factory=dict)
+    # this batch's decoding per live-batch-size bucket, whatever k served: {"1": [tokens, seconds], ...}; the
+    # same dict on every completion of a batch (speculation is judged against plain decoding per bucket)
+    bucket_throughput: dict[str, list[float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)

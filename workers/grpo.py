@@ -62,12 +62,13 @@ def sequence_logprobs(model: CausalLM, sequences: list[list[int]], prompt_lens: 
     mask = j.unsqueeze(0) < resp_lens.unsqueeze(1)  # (B, T)
     if T == 0:
         return torch.zeros(B, 0, device=device), mask
-    logits, _ = model(ids, torch.arange(L, device=device).expand(B, L), None, logits_for="all")  # (B, L, V)
-    # response token j of row b sits at position plens[b] + j and is scored by the logits one before it
+    _, hidden = model(ids, torch.arange(L, device=device).expand(B, L), None, logits_for="none")  # (B, L, D)
+    # response token j of row b sits at position plens[b] + j and is scored by the logits one before it: the LM
+    # head runs on those positions only (not on the prompt's), the costliest layer at SmolLM2's 49k vocabulary
     target_pos = (plens.unsqueeze(1) + j).clamp(max=L - 1)  # (B, T); padding rows clamp to a valid index
     score_pos = target_pos - 1  # (B, T)
-    V = logits.shape[-1]
-    picked = logits.gather(1, score_pos.unsqueeze(-1).expand(B, T, V)).float()  # (B, T, V)
+    D = hidden.shape[-1]
+    picked = model.lm_head(hidden.gather(1, score_pos.unsqueeze(-1).expand(B, T, D))).float()  # (B, T, V)
     targets = ids.gather(1, target_pos)  # (B, T)
     logp = torch.log_softmax(picked, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T)
     return torch.where(mask, logp, torch.zeros_like(logp)), mask
@@ -138,7 +139,12 @@ def grpo_update(model: CausalLM, optimizer: torch.optim.Optimizer, sequences: li
     old_logp=None: the policy has not moved since the rollouts (the first, or only, update of a step), so
     old_logp is this update's own forward, detached: the ratio is 1 and the loss and gradient are those of
     a separate no-grad pass, which this saves (mask from `response_mask`).
-    Returns JSON-ready stats: loss, grad_norm, clip_fraction, mean_ratio, kl, num_tokens.
+    Cheaper, same result: when old_logp is None and kl_coef is 0, a row whose advantage is 0 (a group whose
+    rollouts all scored alike: most groups while rewards are rare) adds exactly nothing to the loss or the
+    gradient (its ratio is 1, never clipped), so it is not run forward at all; its tokens still count in the
+    token mean's divisor and in the stats. The rows that run are taken longest first, so a micro-batch pads
+    its rows to lengths alike.
+    Returns JSON-ready stats: loss, grad_norm, clip_fraction, mean_ratio, kl, num_tokens, num_skipped (rows).
     """
     B = len(sequences)
     if mask.dim() != 2 or mask.shape[0] != B or (old_logp is not None and old_logp.shape != mask.shape):
@@ -152,26 +158,35 @@ def grpo_update(model: CausalLM, optimizer: torch.optim.Optimizer, sequences: li
     sums = {"loss": 0.0, "clip_fraction": 0.0, "mean_ratio": 0.0, "kl": 0.0}
     optimizer.zero_grad(set_to_none=True)
     if num_tokens == 0:  # nothing was generated: no gradient, no step
-        return {**sums, "grad_norm": 0.0, "num_tokens": 0}
-    for start in range(0, B, spec.micro_batch_size):
-        sl = slice(start, start + spec.micro_batch_size)
-        mb_mask = mask[sl]
+        return {**sums, "grad_norm": 0.0, "num_tokens": 0, "num_skipped": 0}
+    row_tokens = mask.sum(dim=1).tolist()
+    can_skip = old_logp is None and spec.kl_coef == 0
+    rows = [b for b in range(B) if row_tokens[b] and not (can_skip and float(advantages[b]) == 0.0)]
+    skipped_tokens = num_tokens - sum(row_tokens[b] for b in rows)
+    sums["mean_ratio"] = skipped_tokens / num_tokens  # a skipped row's ratio is exactly 1 (old_logp is its own)
+    rows.sort(key=lambda b: -len(sequences[b]))
+    for start in range(0, len(rows), spec.micro_batch_size):
+        idx = rows[start : start + spec.micro_batch_size]
+        mb_mask = mask[idx]
         mb_tokens = int(mb_mask.sum())
-        if mb_tokens == 0:
-            continue  # zero contribution to the token mean
-        logp, _ = sequence_logprobs(model, sequences[sl], prompt_lens[sl], pad_id)  # (b, t), t <= T
+        mb_seqs, mb_plens = [sequences[b] for b in idx], [prompt_lens[b] for b in idx]
+        logp, _ = sequence_logprobs(model, mb_seqs, mb_plens, pad_id)  # (b, t), t <= T
         t = logp.shape[1]
         ref = None
         if ref_model is not None and spec.kl_coef > 0:
             with torch.no_grad():
-                ref, _ = sequence_logprobs(ref_model, sequences[sl], prompt_lens[sl], pad_id)
-        old = logp.detach() if old_logp is None else old_logp[sl, :t]
-        loss, st = grpo_loss(logp, old, advantages[sl], mb_mask[:, :t].to(logp.device),
+                ref, _ = sequence_logprobs(ref_model, mb_seqs, mb_plens, pad_id)
+        old = logp.detach() if old_logp is None else old_logp[idx, :t]
+        loss, st = grpo_loss(logp, old, advantages[idx], mb_mask[:, :t].to(logp.device),
                              spec.clip_eps, spec.kl_coef, ref, num_tokens)
         loss.backward()
         sums["loss"] += float(loss.detach())
         for key in ("clip_fraction", "mean_ratio", "kl"):  # token-weighted, so they are full-batch means
             sums[key] += st[key] * mb_tokens / num_tokens
+    if len(rows) == 0:  # every row skipped: the gradient is exactly zero; the step keeps the optimizer's clock
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)
     optimizer.step()
-    return {**sums, "grad_norm": float(grad_norm), "num_tokens": num_tokens}
+    return {**sums, "grad_norm": float(grad_norm), "num_tokens": num_tokens, "num_skipped": B - len(rows)}

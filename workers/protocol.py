@@ -32,6 +32,7 @@ SCAN patterns match exactly what they say (never KEYS).
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -106,8 +107,13 @@ def text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _is_id(value: str) -> bool:
+    return _ID.fullmatch(value) is not None  # remembered: the watcher reads the same ids every tick
+
+
 def check_id(field: str, value: Any) -> str:
-    if not isinstance(value, str) or not _ID.fullmatch(value):
+    if not isinstance(value, str) or not _is_id(value):
         raise ProtocolError(field, f"must be 1-128 characters of [A-Za-z0-9_.-], got {value!r}")
     return value
 
@@ -298,6 +304,9 @@ class StepRecord(Message):
     response_lengths: dict = field(default_factory=dict)  # tokens per response: median, p90, p99, max
     tail_s: float = 0.0  # the long tail: from the first worker done generating to the last
     speculation: dict = field(default_factory=dict)  # worker id -> {live-batch bucket: draft k chosen (0: plain)}
+    # live-batch bucket -> [tokens, seconds] decoded in it this step, summed over workers (whatever k served)
+    bucket_throughput: dict = field(default_factory=dict)
+    reward_std: float = 0.0  # of the step's rollouts' rewards (the reward's standard error is std / sqrt(n))
 
 
 @dataclass

@@ -94,8 +94,9 @@ class RolloutRunner:
                                 self.engine.stats().mean_accepted_length)
 
         try:
-            outs = self.engine.generate(prompts, params, speculation=self.speculation,
-                                        harvest_into=self.buffer if self.spec.tlt else None, on_progress=on_progress)
+            harvest_into = self.buffer if self.spec.trains_drafter else None  # only leases train on it
+            outs = self.engine.generate(prompts, params, speculation=self.speculation, harvest_into=harvest_into,
+                                        on_progress=on_progress)
         except Exception:
             log.exception("worker %s: generation failed", self.worker_id)
             self.status.fail()

@@ -80,6 +80,9 @@ class JobSpec(BaseModel):
         "with tlt on, how rollouts draft. adaptive: each worker picks k in 0..draft_k per live-batch-size bucket "
         "from the tokens/s it measures for each (drafter.adaptive): speculation pays in the tail and can cost at "
         "large batches, by amounts that depend on the draft and the device; always: draft_k every step; off: plain"))
+    idle_training: bool = Field(True, description=(
+        "with tlt on, train the drafter on idle workers and hot-swap its new versions (TLT). false: speculate with "
+        "the starting draft only, frozen (the baseline TLT is measured against: `tlt bench rl`'s arm b)"))
     drafter: DrafterSpec = Field(default_factory=DrafterSpec)
     warm_draft: str | None = Field(None, min_length=1, max_length=4096, description=(
         "the draft the job starts from, published as its version 1 before the first rollout: a draft checkpoint "
@@ -97,6 +100,11 @@ class JobSpec(BaseModel):
             raise ValueError(f"warm_draft must be a draft checkpoint path or 'store:JOBID:VERSION', "
                              f"got {self.warm_draft!r}")
         return self
+
+    @property
+    def trains_drafter(self) -> bool:
+        """Whether idle workers train the drafter: TLT on and idle_training on."""
+        return self.tlt and self.idle_training
 
     def train_config(self) -> TrainConfig:
         """The lease trainer's configuration: the drafter section, the drafter's other defaults."""

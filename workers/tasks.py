@@ -94,6 +94,7 @@ SHORT_INSTRUCTION = 'Reply with only the final answer, as "Answer: <number>", on
 LONG_INSTRUCTION = ('Think step by step and explain every step in detail, then give the final answer as '
                     '"Answer: <number>".')
 LONG_FRACTION = 0.1  # share of prompts that ask for detailed reasoning: the tail (0.2 measured p90 = 512)
+MIX_BLOCK = 10  # the mix is exact per block of this many prompts (long_fraction counts in tenths)
 LONGTAIL_MAX_NEW_TOKENS = 512  # the variant's natural cap: the detailed answers run to it
 
 
@@ -114,7 +115,10 @@ class LongTailTask:
     (LongTailTask(0), 3 of 12 prompts detailed, 48 rollouts) the tail was too heavy: median 46 but p90 512,
     8 of 48 at the cap. Answer-line reward 0.06 (the untrained 135M model rarely gets the sum right).
 
-    Deterministic per seed, like ArithmeticTask (the same seed: the same problems, the same mix).
+    Deterministic per seed, like ArithmeticTask (the same seed: the same problems, the same mix). The mix is
+    drawn in blocks of 10 prompts (MIX_BLOCK), each holding exactly round(long_fraction * 10) detailed ones at
+    seeded random places, not a coin per prompt: a step of num_prompts_per_step = 10 has its tail (one
+    detailed prompt at 0.1), never none or a double one.
     """
 
     def __init__(self, seed: int = 0, long_fraction: float = LONG_FRACTION, min_steps: int = 1,
@@ -124,11 +128,16 @@ class LongTailTask:
         self.long_fraction = long_fraction
         self._problems = ArithmeticTask(seed, min_steps, max_steps)
         self._rng = random.Random(seed + 1)  # the mix, apart from the problems' own draws
+        self._block: list[bool] = []  # what is left of the current block of MIX_BLOCK prompts: detailed or not
 
     def one(self) -> Problem:
         base = self._problems.one()
         stem = base.prompt[: -len(ANSWER_INSTRUCTION)]
-        if self._rng.random() < self.long_fraction:
+        if not self._block:  # exactly round(long_fraction * 10) of every 10 prompts are detailed, at random places
+            num_long = round(self.long_fraction * MIX_BLOCK)
+            self._block = [True] * num_long + [False] * (MIX_BLOCK - num_long)
+            self._rng.shuffle(self._block)
+        if self._block.pop():
             return Problem(stem + LONG_INSTRUCTION, base.answer)
         return Problem(stem + SHORT_INSTRUCTION, base.answer, stop_strings=("\n",))
 
@@ -136,6 +145,17 @@ class LongTailTask:
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
         return [self.one() for _ in range(n)]
+
+
+# the built-in tasks by the name a JobSpec gives (task "dataset" reads a file instead: load_jsonl_dataset)
+TASKS: dict[str, type[ArithmeticTask] | type[LongTailTask]] = {"arithmetic": ArithmeticTask, "longtail": LongTailTask}
+
+
+def make_task(name: str, seed: int, **options) -> ArithmeticTask | LongTailTask:
+    """The built-in task `name` drawn with `seed`; ValueError naming task for an unknown one."""
+    if name not in TASKS:
+        raise ValueError(f"task must be one of {', '.join(sorted(TASKS))}, got {name!r}")
+    return TASKS[name](seed, **options)
 
 
 def _answer_text(value: object) -> str:

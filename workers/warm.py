@@ -35,6 +35,9 @@ class WarmRecipe:
     draft_vocab_size: int = 8192  # JobSpec's default
     batch_size: int = 16  # rollouts harvested together
     num_eval_prompts: int = 8  # held-out prompts for the accepted-length evaluation
+    # longtail: share of the harvested and held-out prompts asking for detailed reasoning (the task's own 0.1
+    # would leave the head few tokens of the tail, where speculation serves: the short answers are a line)
+    tail_fraction: float = 0.75
 
     def key(self, model: str, task: str) -> str:
         """Cache key: the model, the task and every field of the recipe."""
@@ -50,20 +53,16 @@ def warm_cache_dir(model: str, task: str, recipe: WarmRecipe) -> Path:
     return base / "drafters" / f"{task}-{recipe.key(model, task)}"
 
 
-def task_prompts(task: str, seed: int, num: int) -> list[str]:
-    """`num` prompt texts of the built-in task named `task` (workers.tasks), drawn with `seed`."""
-    from workers import tasks
+def task_prompts(task: str, seed: int, num: int, tail_fraction: float | None = None) -> list[str]:
+    """`num` prompt texts of the built-in task named `task` (workers.tasks), drawn with `seed`; for the
+    longtail task, `tail_fraction` (if given) is the share asking for detailed reasoning."""
+    from workers.tasks import make_task
 
-    registry = getattr(tasks, "TASKS", None)  # name -> task class, where workers.tasks has a registry
-    if isinstance(registry, dict) and task in registry:
-        return [p.prompt for p in registry[task](seed).sample(num)]
-    if task == "arithmetic":
-        return [p.prompt for p in tasks.ArithmeticTask(seed).sample(num)]
-    for name in ("LongTailTask", "LongtailTask", "LongTailArithmeticTask"):
-        if task == "longtail" and hasattr(tasks, name):
-            return [p.prompt for p in getattr(tasks, name)(seed).sample(num)]
-    known = sorted({"arithmetic", *(registry or {})})
-    raise ValueError(f"--task must be one of {known}, got {task!r}")
+    options = {"long_fraction": tail_fraction} if task == "longtail" and tail_fraction is not None else {}
+    try:
+        return [p.prompt for p in make_task(task, seed, **options).sample(num)]
+    except ValueError as exc:
+        raise ValueError(f"--{exc}") from None
 
 
 def parse_store_ref(ref: str) -> tuple[str, int] | None:

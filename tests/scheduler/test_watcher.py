@@ -101,3 +101,10 @@ def test_idle_worker_trains_and_the_merged_draft_is_served(client):
     idle = next(line for line in client.get("/metrics").text.splitlines()
                 if line.startswith(f'tlt_idle_worker_seconds_total{{job="{job_id}"}}'))
     assert float(idle.split()[-1]) == pytest.approx(sum(s["idle_worker_s"] for s in steps))
+
+
+def test_only_jobs_that_train_the_drafter_are_watched_for_leases():
+    from scheduler.watcher import trains_drafter
+
+    assert trains_drafter({}) and trains_drafter({"tlt": True, "idle_training": True})  # the JobSpec defaults
+    assert not trains_drafter({"tlt": False}) and not trains_drafter({"tlt": True, "idle_training": False})

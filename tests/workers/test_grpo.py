@@ -155,6 +155,41 @@ def test_one_update_per_step_takes_old_logp_from_its_own_forward(kl_coef):
     assert (own["kl"] > 0) == (kl_coef > 0)
 
 
+def test_rows_with_zero_advantage_are_skipped_with_the_same_result():
+    """Unanimous groups (advantage 0) run no forward: gradient and stats equal the full pass's."""
+    seqs, plens, _ = _batch()
+    adv = torch.tensor([0.0, -0.5, 0.0, 0.8, 0.0])
+    cfg = JobSpec(micro_batch_size=2, max_grad_norm=1e9)
+    runs = []
+    for is_separate in (True, False):  # a separate old_logp pass runs every row; old_logp=None skips
+        model = tiny_model().requires_grad_(True)
+        if is_separate:
+            with torch.no_grad():
+                old, mask = sequence_logprobs(model, seqs, plens)
+        else:
+            old, mask = None, response_mask(seqs, plens)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        stats = grpo_update(model, opt, seqs, plens, adv, old, mask, cfg)
+        runs.append((stats, torch.cat([p.grad.flatten() for p in model.parameters()])))
+    (full, w_full), (skipping, w_skipping) = runs
+    assert w_full.abs().sum() > 0
+    assert full["num_skipped"] == 1 and skipping["num_skipped"] == 3  # the empty row; then the zero advantages
+    torch.testing.assert_close(w_skipping, w_full, atol=1e-7, rtol=1e-5)
+    for key in ("loss", "mean_ratio", "clip_fraction", "kl", "grad_norm", "num_tokens"):
+        assert math.isclose(skipping[key], full[key], rel_tol=1e-5, abs_tol=1e-8), key
+
+
+def test_an_update_with_every_advantage_zero_runs_no_forward_and_still_steps():
+    seqs, plens, _ = _batch()
+    model = tiny_model().requires_grad_(True)
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    stats = grpo_update(model, opt, seqs, plens, torch.zeros(5), None, response_mask(seqs, plens), JobSpec())
+    assert stats["num_skipped"] == 5 and stats["loss"] == 0.0 and stats["mean_ratio"] == 1.0
+    after = torch.cat([p.detach().flatten() for p in model.parameters()])
+    torch.testing.assert_close(after, before * (1 - 1e-2 * 0.1))  # AdamW's decay, as with a zero gradient
+
+
 def test_update_raises_the_logprob_of_a_rewarded_sequence():
     model = tiny_model().requires_grad_(True)
     seqs, plens = [[1, 2, 3, 4, 5, 6], [1, 2, 9, 9, 9, 9]], [2, 2]

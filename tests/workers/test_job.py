@@ -105,6 +105,9 @@ def test_a_two_step_job_records_its_steps_and_one_result(ray_cluster, private_re
         assert lengths["p90"] <= lengths["p99"] <= lengths["max"] <= 12  # max_new_tokens
         assert s.tail_s == pytest.approx(max(s.worker_rollout_s.values()) - min(s.worker_rollout_s.values()))
         assert s.grpo["mean_ratio"] == pytest.approx(1.0)  # one update per step: old_logp from its own forward
+        assert set(s.speculation) == {"w0", "w1"} and all(s.speculation.values())  # k per live-batch bucket
+        assert sum(tokens for tokens, _ in s.bucket_throughput.values()) == s.num_tokens
+        assert 0.0 <= s.reward_std <= 1.0
     # each worker runs on its own cores (this box: one each), as many torch threads as cores
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) >= 2:

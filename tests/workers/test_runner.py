@@ -77,6 +77,12 @@ def test_the_progress_record_carries_buffer_tokens_and_swaps(redis_client, tmp_p
     off = runner(redis_client, tmp_path / "off", worker_id="w1", tlt=False)
     off.generate(PROMPTS, GREEDY, rl_step=0)
     assert stored(redis_client, "w1").buffer_tokens == 0  # TLT off harvests nothing
+    frozen = runner(redis_client, tmp_path / "frozen", worker_id="w2", idle_training=False)
+    out = frozen.generate(PROMPTS, GREEDY, rl_step=0)
+    assert frozen.speculation == "adaptive" and frozen.engine.stats().num_draft_tokens > 0  # it still drafts
+    assert stored(redis_client, "w2").buffer_tokens == 0  # but nothing trains on its rollouts: no harvest
+    tokens, seconds = out[0]["bucket_throughput"]["2"]  # this batch's decoding per live-batch bucket
+    assert tokens == sum(len(o["token_ids"]) for o in out) and seconds > 0
 
 
 def test_a_failed_generation_reports_failed_and_raises(redis_client, tmp_path):

@@ -74,7 +74,14 @@ def test_longtail_task_mixes_answer_only_and_detailed_prompts_deterministically(
     assert task.sample(150) + task.sample(250) == problems
     detailed = [p for p in problems if p.prompt.endswith(LONG_INSTRUCTION)]
     answer_only = [p for p in problems if p.prompt.endswith(SHORT_INSTRUCTION)]
-    assert len(detailed) + len(answer_only) == 400 and 0.06 < len(detailed) / 400 < 0.14  # LONG_FRACTION 0.1
+    assert len(detailed) + len(answer_only) == 400 and len(detailed) == 40  # LONG_FRACTION 0.1
+    places = set()
+    for start in range(0, 400, 10):  # exact per block: every RL step of 10 prompts has one, at a random place
+        block = [p.prompt.endswith(LONG_INSTRUCTION) for p in problems[start : start + 10]]
+        assert sum(block) == 1
+        places.add(block.index(True))
+    assert len(places) > 3
+    assert sum(p.prompt.endswith(LONG_INSTRUCTION) for p in LongTailTask(seed=3, long_fraction=0.75).sample(10)) == 8
     assert all(p.stop_strings == () for p in detailed)  # they run to max_new_tokens or EOS
     assert all(p.stop_strings == ("\n",) for p in answer_only)  # one line
     # the same problems and answers as the arithmetic task of the same seed, only the instruction differs
