@@ -5,12 +5,18 @@ Speculation pays where a policy forward is cheap to widen (the tail: small batch
 batches, where verifying k extra tokens per row is real compute; how much depends on the draft, the
 device and the model, so it is measured rather than set by a threshold. A `DraftLengthTuner` is an
 epsilon-greedy bandit per bucket, as in TLT:
-    1. forced tries: every arm (k) is tried `num_tries` times in a bucket, round robin;
-    2. then the arm with the best EMA of tokens/s serves, and a bounded share of steps (at most
-       `explore_frac` of the bucket's steps, growing only as sqrt(steps) later) re-measures the
-       least recently tried other arm: exploring costs at most explore_frac x (best - worst) / best;
+    1. forced tries: every eligible arm (k) is tried `num_tries` times in a bucket, round robin;
+    2. then the arm with the best tokens/s estimate (an EMA of tokens over an EMA of seconds) serves, and a
+       bounded share of steps (at most `explore_frac` of the bucket's steps, growing only as sqrt(steps)
+       later) re-measures the least recently tried other eligible arm: exploring costs at most
+       explore_frac x (best - worst) / best;
     3. a new draft (`new_draft`: a hot swap) makes every speculative arm's estimate stale: each is
        tried again `num_retries` times and its next sample replaces the old estimate.
+Eligible arms: what a step gains from drafting k tokens shrinks as the batch grows (each row's extra k
+tokens are compute a wider batch no longer hides), so a bucket drafts k > 0 only where the nearest smaller
+bucket measured has found k faster than plain. The smallest bucket ("1", the end of every rollout that
+shrinks) tries every arm; a large batch is never slowed by trying drafts that a smaller batch already
+shows do not pay. A rollout reaches its small buckets last, so its first large-batch steps decode plainly.
 The engine asks `choose(batch_size)` before each step and reports `record(batch_size, k, num_tokens,
 seconds)` after it; the choice depends only on past steps, so verification stays lossless.
 """
@@ -37,6 +43,11 @@ def bucket_of(batch_size: int) -> str:
     return f"{low}+"
 
 
+def bucket_low_edge(bucket: str) -> int:
+    """A bucket's smallest batch size ('3-4' -> 3, '33+' -> 33)."""
+    return int(bucket.split("-")[0].rstrip("+"))
+
+
 def arms_for(k_max: int) -> tuple[int, ...]:
     """The draft lengths tried: 0, the powers of two below k_max, and k_max (few arms: little to explore)."""
     if not isinstance(k_max, int) or k_max < 0:
@@ -46,10 +57,16 @@ def arms_for(k_max: int) -> tuple[int, ...]:
 
 @dataclass
 class _Arm:
-    rate: float = 0.0  # EMA of tokens/s
+    tokens: float = 0.0  # EMA of a step's tokens
+    seconds: float = 0.0  # EMA of a step's seconds
     num_samples: int = 0  # since its estimate was last made stale
     num_tries_left: int = 0  # forced tries still owed
     last_step: int = -1  # the bucket step it last served
+
+    @property
+    def rate(self) -> float:
+        """Tokens/s: the ratio of the EMAs (a mean of per-step ratios would overweight the lucky fast steps)."""
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass
@@ -127,18 +144,33 @@ class DraftLengthTuner(_Meter):
         super().__init__(arms_for(k_max), num_tries)
         self.k_max, self.num_retries, self.ema, self.explore_frac = k_max, num_retries, ema, explore_frac
 
+    def _eligible(self, batch_size: int) -> tuple[int, ...]:
+        """The arms a bucket may serve: 0, and the k > 0 the nearest smaller bucket measured found faster than
+        plain (every arm in the smallest bucket). Called with the lock held."""
+        name = bucket_of(batch_size)
+        order = [bucket_of(e) for e in BUCKET_EDGES] + [bucket_of(BUCKET_EDGES[-1] + 1)]
+        smaller = [self._buckets.get(n) for n in order[: order.index(name)]]
+        below = next((sb for sb in reversed(smaller) if sb is not None and sb.arms[0].num_samples > 0), None)
+        if name == order[0]:
+            return self.arms
+        if below is None:
+            return (0,)
+        plain = below.arms[0].rate
+        return (0, *(k for k in self.arms if k > 0 and below.arms[k].num_samples > 0 and below.arms[k].rate > plain))
+
     def choose(self, batch_size: int) -> int:
         """The draft length for the next step with `batch_size` sequences live."""
         with self._lock:
             b = self._bucket(batch_size)
             b.num_steps += 1
-            owed = [k for k in self.arms if b.arms[k].num_tries_left > 0]
+            eligible = self._eligible(batch_size)
+            owed = [k for k in eligible if b.arms[k].num_tries_left > 0]
             if owed:  # forced tries, round robin: the arm owed most, then the least recently tried
                 k = max(owed, key=lambda a: (b.arms[a].num_tries_left, -b.arms[a].last_step, -a))
                 b.arms[k].last_step = b.num_steps
                 return k
-            best = self._best(b)
-            others = [k for k in self.arms if k != best]
+            best = self._best(b, eligible)
+            others = [k for k in eligible if k != best]
             n = b.num_steps
             if others and b.num_explored < min(self.explore_frac * n, math.sqrt(n) * self.explore_frac * 10):
                 b.num_explored += 1
@@ -159,7 +191,8 @@ class DraftLengthTuner(_Meter):
             if arm is None:  # a k this tuner never chooses (the engine capped it): measured, not learned
                 return
             weight = max(self.ema, 1.0 / (arm.num_samples + 1))  # the first samples are averaged, then EMA
-            arm.rate += weight * (num_tokens / seconds - arm.rate)
+            arm.tokens += weight * (num_tokens - arm.tokens)
+            arm.seconds += weight * (seconds - arm.seconds)
             arm.num_samples += 1
             arm.num_tries_left = max(arm.num_tries_left - 1, 0)
 
@@ -172,19 +205,19 @@ class DraftLengthTuner(_Meter):
                         arm.num_samples, arm.num_tries_left = 0, max(arm.num_tries_left, self.num_retries)
 
     @staticmethod
-    def _best(b: _Bucket) -> int:
-        """The arm with the best tokens/s estimate; ties go to the shorter draft (cheaper)."""
-        measured = [k for k, a in b.arms.items() if a.num_samples > 0] or [min(b.arms)]
+    def _best(b: _Bucket, eligible: tuple[int, ...]) -> int:
+        """The eligible arm with the best tokens/s estimate; ties go to the shorter draft (cheaper)."""
+        measured = [k for k in eligible if b.arms[k].num_samples > 0] or [min(eligible)]
         return max(measured, key=lambda k: (b.arms[k].rate, -k))
 
     def best(self, batch_size: int) -> int:
         with self._lock:
-            return self._best(self._bucket(batch_size))
+            return self._best(self._bucket(batch_size), self._eligible(batch_size))
 
     def summary(self) -> dict[str, int]:
         """{bucket: the k it serves now}, for the buckets seen (the step record's `speculation`)."""
         with self._lock:
-            return {name: self._best(b) for name, b in self._buckets.items()}
+            return {name: self._best(b, self._eligible(bucket_low_edge(name))) for name, b in self._buckets.items()}
 
     def estimates(self) -> dict[str, dict[int, float]]:
         """{bucket: {k: EMA tokens/s}} for the arms measured."""

@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 
+from drafter.adaptive import bucket_low_edge
 from scheduler.client import call
 from scheduler.policy import PolicySettings
 from workers.protocol import TERMINAL_JOB_STATES, JobState, WorkerState
@@ -149,7 +150,7 @@ def summarize(url: str, jobs: dict[str, dict]) -> bool:
             lengths = f"{n.get('median', 0):.0f}/{n.get('p90', 0):.0f}/{n.get('max', 0):.0f}"
             served = sorted(set(s["draft_versions"].values())) if label == "TLT on" else []
             versions = ",".join(f"v{v}" for v in served) or "-"
-            ks = "; ".join(f"{w}: " + " ".join(f"{b}->{k}" for b, k in sorted(c.items(), key=lambda x: _low(x[0])))
+            ks = "; ".join(f"{w}: " + " ".join(f"{b}->{c[b]}" for b in sorted(c, key=bucket_low_edge))
                            for w, c in sorted(s.get("speculation", {}).items())) if label == "TLT on" else ""
             say(f"{label:>7} {s['rl_step']:>4} {t.get('weight_sync', 0):5.1f} {t.get('rollout', 0):8.1f} "
                 f"{s['tail_s']:6.1f} {t.get('update', 0):7.1f} {sum(t.values()):6.1f} {s['idle_worker_s']:6.1f} "
@@ -175,11 +176,6 @@ def summarize(url: str, jobs: dict[str, dict]) -> bool:
     say("  One run of each on a shared machine, two steps: docs/benchmarks.md has `tlt bench rl`, which repeats")
     say("  the jobs in turned-round order and adds the frozen-draft arm.")
     return on["state"] == off["state"] == JobState.SUCCEEDED
-
-
-def _low(bucket: str) -> int:
-    """A live-batch bucket's lower edge ('3-4' -> 3, '33+' -> 33), for sorting."""
-    return int(bucket.split("-")[0].rstrip("+"))
 
 
 def run_demo() -> int:

@@ -200,12 +200,12 @@ def choose_scorer(classes: dict[str, WorkerState], phase: Phase, trained: Collec
                   leased: Collection[str] = ()) -> tuple[str | None, bool]:
     """(scorer, held_out): the worker that merges a round's copies and scores the candidate on its
     recent rollouts. A free worker that did not train in the round (its rollouts are held out), else
-    any free one; None while every worker is busy (score later, without slowing the long tail).
-    Free: idle at the barrier during a rollout; outside one nothing generates, so any live worker."""
-    if rollout_under_way(phase):
-        free = sorted(w for w, c in classes.items() if c == WorkerState.IDLE and w not in leased)
-    else:
-        free = sorted(w for w, c in classes.items() if c not in _UNCOUNTED and w not in leased)
+    any free one; None while none is free (score later, without slowing the long tail or the learner).
+    Free: idle at the barrier during a rollout. Outside one the learner's phases (sync, update) need
+    every GPU, or every core where the learner shares the machine with the workers: nobody scores."""
+    if not rollout_under_way(phase):
+        return None, False
+    free = sorted(w for w, c in classes.items() if c == WorkerState.IDLE and w not in leased)
     held_out = [w for w in free if w not in trained]
     if held_out:
         return held_out[0], True

@@ -44,11 +44,13 @@ class Rounds:
         self.redis, self.store_dir, self.commands, self.settings = redis, store_dir, commands, settings
         self.jobs = jobs  # the watcher's TLT state of each watched job
 
-    def start(self, job_id: str, st: JobTLT, classes: dict[str, WorkerState], phase: Phase, draft_k: int) -> None:
-        """Ask a free worker to merge the round's copies and score the candidate."""
+    def start(self, job_id: str, st: JobTLT, classes: dict[str, WorkerState], phase: Phase,
+              draft_k: int) -> str | None:
+        """Ask a free worker to merge the round's copies and score the candidate; returns that worker (None if
+        no round started)."""
         scorer, held_out = choose_scorer(classes, phase, st.trained, leased=st.leases)
         if scorer is None:
-            return  # every worker is busy: score later, without slowing the long tail
+            return None  # every worker is busy: score later, without slowing the long tail
         served_ns, copies_ns = draft_namespaces(job_id)
         copies = DraftIndex(self.redis, copies_ns)
         views, missing = [], []
@@ -67,7 +69,7 @@ class Rounds:
         serving = DraftIndex(self.redis, served_ns).latest_version()
         st.copies, st.trained = [], []  # a new round starts; leases granted meanwhile belong to it
         if not merged:
-            return
+            return None
         st.num_rounds += 1
         round_id = f"{job_id}-r{st.num_rounds}"
         st.scoring = {"stage": SCORING, "round_id": round_id, "merged": merged, "dropped": dropped + missing,
@@ -76,6 +78,7 @@ class Rounds:
         log.info("job %s: round %s: %s merges copies %s and scores the candidate", job_id, round_id, scorer, merged)
         self.commands.send(job_id, scorer, "score_round", ScoringRequest(round_id, merged, serving, draft_k).to_dict(),
                            on_reply=lambda r: self._asked(r, round_id))
+        return scorer
 
     def _round(self, job_id: str, round_id: str) -> tuple[JobTLT | None, dict | None]:
         st = self.jobs.get(job_id)

@@ -141,12 +141,15 @@ class Watcher:
                                                  "long_tail": int(decision.long_tail)})
         for worker_id in decision.preempt:
             self._preempt(job_id, worker_id)
-        for lease in decision.grants:
-            self._offer(job_id, st, lease)
+        grants = decision.grants
         if st.scoring is not None:
             self.rounds.poll(job_id, st, live)
-        elif not st.leases and st.copies:
-            self.rounds.start(job_id, st, decision.classes, phase.phase, int(spec["draft_k"]))
+        elif st.copies:  # finished copies wait for a free worker to score them, ahead of another lease:
+            # a better draft reaches the stragglers sooner; leases still running belong to the next round
+            scorer = self.rounds.start(job_id, st, decision.classes, phase.phase, int(spec["draft_k"]))
+            grants = [g for g in grants if g.worker_id != scorer]
+        for lease in grants:
+            self._offer(job_id, st, lease)
         st.save(redis, job_id)
 
     # ----- the steps of a tick ------------------------------------------------------------------

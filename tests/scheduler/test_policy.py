@@ -114,10 +114,10 @@ def test_the_scorer_is_a_free_worker_that_did_not_train_in_the_round():
     assert choose_scorer(classes, Phase.ROLLOUT, trained=[], leased=["w0", "w1"]) == (None, False)
     # the generating and the training are not free during a rollout
     assert choose_scorer({"w0": STRAGGLER, "w1": TRAINING}, Phase.ROLLOUT, trained=[]) == (None, False)
-    # outside the rollout nothing generates: any live worker scores, never a failed or stale one
-    outside = {"w0": FAILED, "w1": STALE, "w2": ROLLING_OUT, "w3": IDLE}
-    assert choose_scorer(outside, Phase.UPDATE, trained=["w3"]) == ("w2", True)
-    assert choose_scorer({"w0": FAILED, "w1": STALE}, Phase.UPDATE, trained=[]) == (None, False)
+    # never a failed or stale one; and outside the rollout the learner has the machine: nobody scores
+    assert choose_scorer({"w0": FAILED, "w1": STALE, "w2": IDLE}, Phase.ROLLOUT, trained=[]) == ("w2", True)
+    for phase in (Phase.SYNC, Phase.UPDATE, Phase.DONE):
+        assert choose_scorer({"w0": IDLE, "w1": IDLE}, phase, trained=["w0"]) == (None, False)
 
 
 def test_copies_group_by_merge_key_and_the_largest_group_by_steps_is_merged():
