@@ -5,13 +5,15 @@ Speculation pays where a policy forward is cheap to widen (the tail: small batch
 batches, where verifying k extra tokens per row is real compute; how much depends on the draft, the
 device and the model, so it is measured rather than set by a threshold. A `DraftLengthTuner` is an
 epsilon-greedy bandit per bucket, as in TLT:
-    1. forced tries: every eligible arm (k) is tried `num_tries` times in a bucket, round robin;
+    1. forced tries: every eligible arm (k) is tried `num_tries` times in a bucket, round robin, and at
+       small batches more often, until it has emitted for `min_row_samples` rows (16 steps at batch 1);
     2. then the arm with the best tokens/s estimate (an EMA of tokens over an EMA of seconds) serves, and a
        bounded share of steps (at most `explore_frac` of the bucket's steps, growing only as sqrt(steps)
        later) re-measures the least recently tried other eligible arm: exploring costs at most
        explore_frac x (best - worst) / best;
     3. a new draft (`new_draft`: a hot swap) makes every speculative arm's estimate stale: each is
-       tried again `num_retries` times and its next sample replaces the old estimate.
+       tried again `num_retries` times (more at small batches, as in 1.) and its new samples replace the
+       old estimate.
 Eligible arms: what a step gains from drafting k tokens shrinks as the batch grows (each row's extra k
 tokens are compute a wider batch no longer hides), so a bucket drafts k > 0 only where the nearest smaller
 bucket measured has found k faster than plain. The smallest bucket ("1", the end of every rollout that
@@ -80,17 +82,23 @@ class _Bucket:
 class _Meter:
     """Per (bucket, k) throughput, for reports and benchmarks."""
 
-    def __init__(self, arms: tuple[int, ...], num_tries: int) -> None:
+    def __init__(self, arms: tuple[int, ...], num_tries: int, min_row_samples: int = 0) -> None:
         self.arms = arms
-        self._num_tries = num_tries
+        self._num_tries, self._min_row_samples = num_tries, min_row_samples
         self._buckets: dict[str, _Bucket] = {}
         self._lock = threading.Lock()  # new_draft comes from the swap listener's thread
+
+    def _tries(self, name: str, base: int) -> int:
+        """Forced tries per arm in bucket `name`: `base`, and enough steps for min_row_samples rows (a step at
+        batch 1 emits 1..k+1 tokens by chance: one or two of them say little; a wide batch averages)."""
+        return max(base, -(-self._min_row_samples // bucket_low_edge(name))) if base else 0
 
     def _bucket(self, batch_size: int) -> _Bucket:
         name = bucket_of(batch_size)
         b = self._buckets.get(name)
         if b is None:
-            b = self._buckets[name] = _Bucket({k: _Arm(num_tries_left=self._num_tries) for k in self.arms})
+            tries = self._tries(name, self._num_tries)
+            b = self._buckets[name] = _Bucket({k: _Arm(num_tries_left=tries) for k in self.arms})
         return b
 
     def bucket_totals(self) -> dict[str, tuple[float, float]]:
@@ -133,15 +141,15 @@ class FixedDraftLength(_Meter):
 class DraftLengthTuner(_Meter):
     """Chooses k in arms_for(k_max) per live-batch bucket from measured tokens/s (see the module doc)."""
 
-    def __init__(self, k_max: int, *, num_tries: int = 2, num_retries: int = 1, ema: float = 0.2,
-                 explore_frac: float = 0.02) -> None:
+    def __init__(self, k_max: int, *, num_tries: int = 2, min_row_samples: int = 16, num_retries: int = 1,
+                 ema: float = 0.2, explore_frac: float = 0.02) -> None:
         if num_tries < 1 or num_retries < 1:
             raise ValueError(f"num_tries and num_retries must be >= 1, got {num_tries}, {num_retries}")
         if not 0 < ema <= 1:
             raise ValueError(f"ema must be in (0, 1], got {ema}")
         if not 0 <= explore_frac < 1:
             raise ValueError(f"explore_frac must be in [0, 1), got {explore_frac}")
-        super().__init__(arms_for(k_max), num_tries)
+        super().__init__(arms_for(k_max), num_tries, min_row_samples)
         self.k_max, self.num_retries, self.ema, self.explore_frac = k_max, num_retries, ema, explore_frac
 
     def _eligible(self, batch_size: int) -> tuple[int, ...]:
@@ -199,10 +207,11 @@ class DraftLengthTuner(_Meter):
     def new_draft(self) -> None:
         """A different draft serves from now on: the speculative arms' estimates are stale."""
         with self._lock:
-            for b in self._buckets.values():
+            for name, b in self._buckets.items():
+                retries = self._tries(name, self.num_retries)
                 for k, arm in b.arms.items():
                     if k > 0:
-                        arm.num_samples, arm.num_tries_left = 0, max(arm.num_tries_left, self.num_retries)
+                        arm.num_samples, arm.num_tries_left = 0, max(arm.num_tries_left, retries)
 
     @staticmethod
     def _best(b: _Bucket, eligible: tuple[int, ...]) -> int:

@@ -46,6 +46,17 @@ def test_explores_every_arm_first_and_respects_k_max():
     assert max(run(tuner, {0: 100, 1: 120, 2: 130, 3: 125}, 1, 500, random.Random(1))) <= 3
 
 
+def test_small_batches_get_more_forced_tries():
+    """A step at batch 1 emits 1..k+1 tokens by chance: each arm is tried until 16 rows have spoken; a batch of
+    16 averages its rows in one step, so num_tries steps do."""
+    tuner = DraftLengthTuner(2, num_tries=2, min_row_samples=16)
+    chosen = run(tuner, {0: 100, 1: 120, 2: 130}, 1, 48, random.Random(7))
+    assert sorted(chosen) == [0] * 16 + [1] * 16 + [2] * 16
+    assert sorted(run(tuner, {0: 100, 1: 120, 2: 130}, 16, 6, random.Random(7))) == [0, 0, 1, 1, 2, 2]
+    tuner.new_draft()  # a swap: each speculative arm re-measured as many times at batch 1
+    assert sorted(run(tuner, {0: 100, 1: 120, 2: 130}, 1, 32, random.Random(7))) == [1] * 16 + [2] * 16
+
+
 @pytest.mark.parametrize(("rates", "best"), [({0: 100, 1: 115, 2: 140}, 2),  # the tail: speculation pays
                                              ({0: 100, 1: 90, 2: 80}, 0),  # large batch: plain wins
                                              ({0: 100, 1: 108, 2: 104}, 1)])
