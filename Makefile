@@ -47,7 +47,7 @@ lint: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/tlt demo
 
-# builds the warm draft `make demo` starts its TLT-on job from (cached under TLT_CACHE_DIR; about 30 min
+# builds the warm draft `make demo` starts its TLT-on job from (cached under TLT_CACHE_DIR; about 15 min
 # here), then runs the demo with it
 warm-draft: $(STAMP)
 	TLT_DEMO_BUILD_WARM_DRAFT=1 $(BIN)/tlt demo

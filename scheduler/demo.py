@@ -49,7 +49,7 @@ def say(msg: str = "") -> None:
 def ensure_warm_draft(model: str, task: str) -> str | None:
     """The warm draft the TLT-on job starts from: built once with `tlt drafter train --task` (its recipe's
     defaults, workers.warm.WarmRecipe), cached under $TLT_CACHE_DIR keyed by model, task and recipe.
-    The build took about 30 minutes on 2 busy cores (docs/benchmarks.md), over the demo's 10: it runs
+    The build took about 15 minutes on a quiet 2-core box (920 s for longtail), over the demo's 10: it runs
     only with TLT_DEMO_BUILD_WARM_DRAFT=1 (`make warm-draft`); without a cached draft the TLT-on job
     starts from an untrained head, and None is returned."""
     from workers.warm import WarmRecipe, warm_cache_dir
@@ -63,7 +63,7 @@ def ensure_warm_draft(model: str, task: str) -> str | None:
         return str(path)
     if os.environ.get("TLT_DEMO_BUILD_WARM_DRAFT") != "1":
         say(f"warm draft: none cached in {out}; TLT on starts from an untrained head. Build one once with "
-            "`make warm-draft` (about 30 minutes on 2 busy cores), then run the demo again")
+            "`make warm-draft` (about 15 minutes on a quiet 2-core box), then run the demo again")
         return None
     say(f"warm draft: building it once with `tlt drafter train --task {task}` (cached in {out}; a few minutes)")
     t0 = time.perf_counter()

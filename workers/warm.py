@@ -22,10 +22,12 @@ STORE_REF = re.compile(r"^store:([A-Za-z0-9_.-]{1,64}):([1-9][0-9]{0,8})$")  # "
 
 @dataclass(frozen=True)
 class WarmRecipe:
-    """`tlt drafter train --task`'s defaults. Measured on SmolLM2-135M, arithmetic task, on the 2-core AMD box
-    with 1 torch thread while other work shared the cores: 14,655 harvested tokens in 574 s, 300 steps in
-    1,021 s; greedy accepted length on 8 held-out task prompts 2.04 / 2.31 / 2.42 at k = 2 / 3 / 4, and
-    2.53 expected tokens per step at T=1, k=4 (draft temperature 1.0)."""
+    """`tlt drafter train --task`'s defaults. Measured on SmolLM2-135M on 2-core AMD EPYC boxes:
+    - arithmetic, 1 torch thread while other work shared the cores: 14,655 harvested tokens in 574 s, 300
+      steps in 1,021 s; greedy accepted length on 8 held-out prompts 2.04 / 2.31 / 2.42 at k = 2 / 3 / 4;
+    - longtail (tail_fraction 0.75), 2 threads, quiet (AVX2 only): 13,251 tokens in 220 s, 300 steps in
+      577 s (920 s in all); greedy 1.82 / 1.97 / 2.05 at k = 2 / 3 / 4, 2.46 expected tokens per step at
+      T=1, k=4 (draft temperature 1.0)."""
 
     num_prompts: int = 128  # task prompts harvested at T=1 (templated: a hundred or so cover the task's phrasing)
     max_new_tokens: int = 128  # per harvested rollout; the head learns the openings and the reasoning's phrasing
