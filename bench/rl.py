@@ -77,7 +77,8 @@ def step_row(step: dict, reclaimed: float) -> dict:
             "step_s": step_seconds(step), "timings": t, "response_lengths": step["response_lengths"],
             "accepted_length": step["mean_accepted_length"], "draft_versions": step["draft_versions"],
             "idle_worker_s": step["idle_worker_s"], "reclaimed_worker_s": reclaimed,
-            "mean_reward": step["mean_reward"], "speculation": step.get("speculation", {})}
+            "mean_reward": step["mean_reward"], "speculation": step.get("speculation", {}),
+            "bucket_throughput": step.get("bucket_throughput", {}), "grpo": step.get("grpo", {})}
 
 
 def figures(runs: dict[str, list[dict]]) -> dict:
