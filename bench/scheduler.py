@@ -53,7 +53,9 @@ TICK_S = 0.1  # the watcher's tick in this bench (TLT_WATCH_TICK_S)
 # (imports, draft vocabulary, optimizer) before a stop can reach the trainer, seconds once per worker
 NUM_WARMUP = 2
 # tiny-model steps are short: leases of any length, and a buffer of a few pairs is enough to train on
-LEASE_POLICY = PolicySettings(min_lease_s=0.01, min_buffer_tokens=16, lease_margin=1.0)
+# scoring_margin 0: between trials the bench opens a rollout phase where nobody generates (no time left by
+# the estimate) for the round to be scored in
+LEASE_POLICY = PolicySettings(min_lease_s=0.01, min_buffer_tokens=16, lease_margin=1.0, scoring_margin=0.0)
 
 
 def log(msg: str) -> None:
@@ -172,9 +174,14 @@ def bench_workers(num_trials: int = 60, short_s: float = 0.8, long_s: float = 1.
                         preempt.append(done.ended_at - rollout_end)
                     else:
                         missed["ended_before_rollout"] += 1
-                # the round this lease's copy started (merge, score, publish) finishes before the next trial
-                _wait(lambda: (st := watcher.jobs.get(job_id)) is not None and not (st.leases or st.copies
-                                                                                     or st.scoring), 60.0, 0.02)
+                # the lease is collected, and the round its copy starts (merge, score, publish) finishes before
+                # the next trial: rounds are scored only during a rollout, on an idle worker, so a rollout
+                # phase where nobody generates (no time left to lease) is the window for it
+                _wait(lambda: (st := watcher.jobs.get(job_id)) is not None and not st.leases, 30.0, 0.02)
+                set_phase(redis, job_id, Phase.ROLLOUT, trial)
+                _wait(lambda: not ((st := watcher.jobs.get(job_id)) and (st.leases or st.copies or st.scoring)),
+                      60.0, 0.02)
+                set_phase(redis, job_id, Phase.UPDATE, trial)
                 if trial % 10 == 0:
                     log(f"trial {trial}: dispatch p50 {pct(dispatch, 0.5)}, preemption p50 {pct(preempt, 0.5)}")
                 if trial == NUM_WARMUP:

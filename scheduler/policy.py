@@ -60,6 +60,8 @@ class PolicySettings:
     lease_margin: float = 0.8  # stop before the estimated end of rollout, so preemption rarely waits
     min_buffer_tokens: int = 512  # a trainer needs data; fewer pairs than this overfit in seconds
     publish_tolerance: float = 0.0  # a merged draft may not accept fewer tokens per step than the served one
+    # start scoring a round only if the rollout's estimated rest is this many times the last round's scoring
+    scoring_margin: float = 1.5
     # delete a round's copies and candidate file once it is decided (a published candidate lives on in the
     # served store): a long job makes a few copies per step, tens of MB each for an 8B policy's head
     prune_copies: bool = True
@@ -69,6 +71,8 @@ class PolicySettings:
                      "lease_margin"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if self.scoring_margin < 0:
+            raise ValueError(f"scoring_margin must be >= 0, got {self.scoring_margin}")
         if self.min_lease_s <= 0 or self.max_lease_s < self.min_lease_s:
             raise ValueError("min_lease_s and max_lease_s: need 0 < min_lease_s <= max_lease_s")
 
@@ -194,6 +198,15 @@ def decide(views: list[WorkerView], now: float, phase: Phase, rollout_elapsed_s:
         decision.grants = [Lease(v.worker_id, deadline, serving_version) for v in idle
                            if v.buffer_tokens >= s.min_buffer_tokens and v.worker_id not in busy]
     return decision
+
+
+def scoring_fits(remaining_rollout_s: float | None, last_scoring_s: float | None, s: PolicySettings) -> bool:
+    """Whether a round started now is likely scored before the rollout ends: the rest of the rollout is at
+    least `scoring_margin` times what the last round took (unknown before the first: yes; margin 0: always).
+    A round that ran on into the learner's phases would take a core or a GPU from it."""
+    if remaining_rollout_s is None:
+        return False
+    return last_scoring_s is None or remaining_rollout_s >= s.scoring_margin * last_scoring_s
 
 
 def choose_scorer(classes: dict[str, WorkerState], phase: Phase, trained: Collection[str],

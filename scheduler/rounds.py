@@ -106,6 +106,7 @@ class Rounds:
             elif time.time() - record["at"] > EVAL_TIMEOUT_S:
                 self.finish(job_id, st, f"not scored: {scorer} did not answer in {EVAL_TIMEOUT_S:.0f} s")
             return
+        st.last_scoring_s = max(time.time() - record["at"], 0.0)  # whether the next round fits a tail's rest
         record.update(candidate=result.candidate, candidate_accepted_length=result.candidate_accepted_length,
                       serving_accepted_length=(result.serving_accepted_length if record["serving_version"] is not None
                                                else None),

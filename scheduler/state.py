@@ -27,6 +27,7 @@ class JobTLT:
     num_rejected: int = 0
     swaps_seen: dict = field(default_factory=dict)  # worker id -> num_swaps last observed
     scoring: dict | None = None  # the round being scored or published (scheduler/rounds.py)
+    last_scoring_s: float | None = None  # how long the last round took to score, ask to result (None: none yet)
     rollouts: list = field(default_factory=list)  # recent steps' rollout windows [rl_step, start, end or None]
     # rl_step (str, JSON keys) -> worker-seconds of leases within that step's rollout, the newest MAX_STEPS_KEPT
     reclaimed_by_step: dict = field(default_factory=dict)

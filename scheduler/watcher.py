@@ -24,7 +24,15 @@ import time
 from scheduler.commands import COMMAND_TIMEOUT_S, Commands, Reply
 from scheduler.jobs import JobStore
 from scheduler.metrics import Latencies
-from scheduler.policy import Lease, PolicySettings, WorkerView, decide, reclaimed_by_step, track_rollouts
+from scheduler.policy import (
+    Lease,
+    PolicySettings,
+    WorkerView,
+    decide,
+    reclaimed_by_step,
+    scoring_fits,
+    track_rollouts,
+)
 from scheduler.rounds import SCORING, Rounds
 from scheduler.settings import TICK_S
 from scheduler.state import JobTLT
@@ -144,8 +152,9 @@ class Watcher:
         grants = decision.grants
         if st.scoring is not None:
             self.rounds.poll(job_id, st, live)
-        elif st.copies:  # finished copies wait for a free worker to score them, ahead of another lease:
-            # a better draft reaches the stragglers sooner; leases still running belong to the next round
+        elif st.copies and scoring_fits(decision.remaining_rollout_s, st.last_scoring_s, self.settings):
+            # finished copies wait for a free worker to score them, ahead of another lease: a better draft
+            # reaches the stragglers sooner; leases still running belong to the next round
             scorer = self.rounds.start(job_id, st, decision.classes, phase.phase, int(spec["draft_k"]))
             grants = [g for g in grants if g.worker_id != scorer]
         for lease in grants:

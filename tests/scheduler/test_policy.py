@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from scheduler.policy import (
@@ -17,6 +19,7 @@ from scheduler.policy import (
     overlap_s,
     reclaimed_by_step,
     rollout_under_way,
+    scoring_fits,
     should_publish,
     track_rollouts,
 )
@@ -118,6 +121,15 @@ def test_the_scorer_is_a_free_worker_that_did_not_train_in_the_round():
     assert choose_scorer({"w0": FAILED, "w1": STALE, "w2": IDLE}, Phase.ROLLOUT, trained=[]) == ("w2", True)
     for phase in (Phase.SYNC, Phase.UPDATE, Phase.DONE):
         assert choose_scorer({"w0": IDLE, "w1": IDLE}, phase, trained=["w0"]) == (None, False)
+
+
+def test_a_round_is_scored_only_if_the_rest_of_the_rollout_fits_it():
+    assert scoring_fits(1.0, None, S)  # nothing measured yet
+    assert scoring_fits(30.0, 20.0, S) and not scoring_fits(29.0, 20.0, S)  # margin 1.5 x the last scoring
+    assert not scoring_fits(None, None, S)  # no rollout under way
+    assert scoring_fits(0.0, 20.0, dataclasses.replace(S, scoring_margin=0.0))
+    with pytest.raises(ValueError, match="scoring_margin"):
+        dataclasses.replace(S, scoring_margin=-1.0)
 
 
 def test_copies_group_by_merge_key_and_the_largest_group_by_steps_is_merged():
