@@ -20,6 +20,8 @@ from workers.swap import MAX_SWAP_LOG
 
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7]]
 GREEDY = [{"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}] * 2
+# one rollout, long enough for adaptive speculation's forced tries at batch 1 (16 per draft length)
+ALONE, GREEDY_ALONE = PROMPTS[:1], [{"max_new_tokens": 80, "temperature": 0.0, "ignore_eos": True}]
 
 
 def runner(redis_client, tmp_path, worker_id: str = "w0", **kw) -> RolloutRunner:
@@ -41,10 +43,11 @@ def stored(redis_client, worker_id: str = "w0"):
 def test_speculation_is_adaptive_by_default_and_reported_per_bucket(redis_client, tmp_path):
     r = runner(redis_client, tmp_path)
     assert r.speculation == "adaptive"
+    r.generate(ALONE, GREEDY_ALONE, rl_step=0)
+    assert r.engine.stats().num_draft_tokens > 0  # forced tries at batch 1: it drafted to measure what it gives
     adaptive = r.generate(PROMPTS, GREEDY, rl_step=0)
-    assert r.engine.stats().num_draft_tokens > 0  # forced tries: it drafted to measure what drafting gives
     assert adaptive[0]["speculation"] == adaptive[1]["speculation"] == r.engine.tuner.summary()
-    assert set(adaptive[0]["speculation"]) == {"2"}  # both rollouts run to 24 tokens: 2 live throughout
+    assert set(adaptive[0]["speculation"]) == {"1", "2"}  # both rollouts run to 24 tokens: 2 live throughout
     v1 = publish(r, 1.2)  # what a draft measured at publish no longer gates drafting
     r.swapper.swap(v1)
     again = r.generate(PROMPTS, GREEDY, rl_step=1)
@@ -78,9 +81,10 @@ def test_the_progress_record_carries_buffer_tokens_and_swaps(redis_client, tmp_p
     off.generate(PROMPTS, GREEDY, rl_step=0)
     assert stored(redis_client, "w1").buffer_tokens == 0  # TLT off harvests nothing
     frozen = runner(redis_client, tmp_path / "frozen", worker_id="w2", idle_training=False)
-    out = frozen.generate(PROMPTS, GREEDY, rl_step=0)
+    frozen.generate(ALONE, GREEDY_ALONE, rl_step=0)
     assert frozen.speculation == "adaptive" and frozen.engine.stats().num_draft_tokens > 0  # it still drafts
     assert stored(redis_client, "w2").buffer_tokens == 0  # but nothing trains on its rollouts: no harvest
+    out = frozen.generate(PROMPTS, GREEDY, rl_step=1)
     tokens, seconds = out[0]["bucket_throughput"]["2"]  # this batch's decoding per live-batch bucket
     assert tokens == sum(len(o["token_ids"]) for o in out) and seconds > 0
 
