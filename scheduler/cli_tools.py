@@ -10,6 +10,7 @@ import sys
 
 from drafter.config import SMOLLM2_SPEC, TrainConfig
 from workers.spec import JobSpec
+from workers.tasks import TASKS
 from workers.warm import WarmRecipe
 
 _RECIPE = WarmRecipe()  # `tlt drafter train --task`'s defaults
@@ -238,7 +239,7 @@ def add_tool_commands(sub) -> None:
     sc.set_defaults(func=_bench_scheduler)
     rl = bench_sub.add_parser("rl", help="the same RL job plain, with a frozen warm draft, and with TLT, side by side")
     rl.add_argument("--model", default="smollm2-135m")
-    rl.add_argument("--task", default="longtail", choices=("arithmetic", "longtail"))
+    rl.add_argument("--task", default="longtail", choices=sorted(TASKS))
     rl.add_argument("--steps", type=int, default=3, help="RL steps per job")
     rl.add_argument("--repeats", type=int, default=2, help="runs of each arm; the order turns round each time")
     rl.add_argument("--prompts", type=int, default=10, help="prompts per step (longtail: 1 in 10 asks for detail)")

@@ -197,3 +197,14 @@ def test_jsonl_loader_file_errors(tmp_path):
     binary.write_bytes(b"\xff\xfe\x00")
     with pytest.raises(ValueError, match="not UTF-8"):
         load_jsonl_dataset(binary)
+
+
+def test_the_job_spec_names_exactly_the_registered_tasks():
+    import typing
+
+    from workers.spec import JobSpec
+    from workers.tasks import TASKS, make_task
+
+    assert set(typing.get_args(JobSpec.model_fields["task"].annotation)) == set(TASKS) | {"dataset"}
+    with pytest.raises(ValueError, match="task must be one of arithmetic, longtail"):
+        make_task("poetry", 0)
