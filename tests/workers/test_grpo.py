@@ -128,13 +128,9 @@ def test_response_mask_is_sequence_logprobs_mask_without_the_forward():
     assert response_mask(seqs, plens).sum(1).tolist() == [4, 2, 1, 3, 0]
 
 
-@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
-def test_one_update_per_step_takes_old_logp_from_its_own_forward(kl_coef):
-    """old_logp=None (the update's own forward, detached) gives the loss, gradient and stats of a separate
-    no-grad pass, with or without the KL term against a reference."""
-    seqs, plens, adv = _batch()
-    ref_model = tiny_model(seed=5)
-    cfg = JobSpec(micro_batch_size=2, max_grad_norm=1e9, kl_coef=kl_coef)
+def separate_and_own(seqs, plens, adv, cfg, ref_model=None) -> list[tuple[dict, torch.Tensor]]:
+    """[(stats, gradient)] of one lr-0 update with old_logp from a separate no-grad pass, then with
+    old_logp=None (the update's own forward)."""
     runs = []
     for is_separate in (True, False):
         model = tiny_model().requires_grad_(True)
@@ -146,7 +142,17 @@ def test_one_update_per_step_takes_old_logp_from_its_own_forward(kl_coef):
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         stats = grpo_update(model, opt, seqs, plens, adv, old, mask, cfg, ref_model=ref_model)
         runs.append((stats, torch.cat([p.grad.flatten() for p in model.parameters()])))
-    (separate, g_separate), (own, g_own) = runs
+    return runs
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+def test_one_update_per_step_takes_old_logp_from_its_own_forward(kl_coef):
+    """old_logp=None (the update's own forward, detached) gives the loss, gradient and stats of a separate
+    no-grad pass, with or without the KL term against a reference."""
+    seqs, plens, adv = _batch()
+    ref_model = tiny_model(seed=5)
+    cfg = JobSpec(micro_batch_size=2, max_grad_norm=1e9, kl_coef=kl_coef)
+    (separate, g_separate), (own, g_own) = separate_and_own(seqs, plens, adv, cfg, ref_model)
     torch.testing.assert_close(g_own, g_separate, atol=1e-7, rtol=1e-5)
     assert g_own.abs().sum() > 0
     for key in ("loss", "mean_ratio", "clip_fraction", "kl", "grad_norm", "num_tokens"):
@@ -160,18 +166,8 @@ def test_rows_with_zero_advantage_are_skipped_with_the_same_result():
     seqs, plens, _ = _batch()
     adv = torch.tensor([0.0, -0.5, 0.0, 0.8, 0.0])
     cfg = JobSpec(micro_batch_size=2, max_grad_norm=1e9)
-    runs = []
-    for is_separate in (True, False):  # a separate old_logp pass runs every row; old_logp=None skips
-        model = tiny_model().requires_grad_(True)
-        if is_separate:
-            with torch.no_grad():
-                old, mask = sequence_logprobs(model, seqs, plens)
-        else:
-            old, mask = None, response_mask(seqs, plens)
-        opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        stats = grpo_update(model, opt, seqs, plens, adv, old, mask, cfg)
-        runs.append((stats, torch.cat([p.grad.flatten() for p in model.parameters()])))
-    (full, w_full), (skipping, w_skipping) = runs
+    # a separate old_logp pass runs every row; old_logp=None skips
+    (full, w_full), (skipping, w_skipping) = separate_and_own(seqs, plens, adv, cfg)
     assert w_full.abs().sum() > 0
     assert full["num_skipped"] == 1 and skipping["num_skipped"] == 3  # the empty row; then the zero advantages
     torch.testing.assert_close(w_skipping, w_full, atol=1e-7, rtol=1e-5)
