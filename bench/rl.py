@@ -138,6 +138,7 @@ def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: 
     from scheduler.app import Settings
     from scheduler.client import call
     from scheduler.demo import DEMO_POLICY, ensure_warm_draft, run_job, start_server
+    from scheduler.paths import default_roots
     from workers.protocol import RAY_NAMESPACE, JobState
     from workers.redis_server import PrivateRedis
 
@@ -158,8 +159,11 @@ def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: 
              log_to_driver=False, ignore_reinit_error=True)
     try:
         with PrivateRedis() as redis_server:
-            settings = Settings(redis_url=redis_server.url, store_dir=tempfile.mkdtemp(prefix="tlt-bench-rl-"),
-                                start_ray=False, policy=DEMO_POLICY, watch_tick_s=0.25)
+            store_dir = tempfile.mkdtemp(prefix="tlt-bench-rl-")
+            # the warm draft named on the command line is allowed wherever it is (the server's roots bound REST)
+            roots = default_roots(store_dir) + ((str(Path(warm_draft).resolve().parent),) if warm_draft else ())
+            settings = Settings(redis_url=redis_server.url, store_dir=store_dir, start_ray=False, policy=DEMO_POLICY,
+                                watch_tick_s=0.25, model_roots=roots)
             url, server = start_server(settings)
             for r in range(num_repeats):
                 order = arms if r % 2 == 0 else arms[::-1]

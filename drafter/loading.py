@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from drafter.config import PRESETS, SMOLLM2_SPEC, ModelConfig
+from drafter.config import PRESETS, SMOLLM2_SPEC, ModelConfig, cache_root
 from drafter.model import CausalLM
 
 log = logging.getLogger(__name__)
@@ -248,8 +248,7 @@ def save_hf_dir(model: CausalLM, tokenizer: object | None, path: str | Path) -> 
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get("TLT_CACHE_DIR")
-    return (Path(root).expanduser() if root else Path.home() / ".cache" / "tlt-scheduler") / "models"
+    return cache_root() / "models"
 
 
 def sha256_file(path: Path) -> str:

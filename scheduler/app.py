@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CollectorRegistry
 
+from scheduler import http_errors
 from scheduler.jobs import JobStore
 from scheduler.launcher import Launcher
 from scheduler.metrics import Latencies, RedisCollector
@@ -63,6 +64,7 @@ async def lifespan(app: FastAPI):
 def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="tlt-scheduler", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
+    http_errors.install(app)  # 4xx naming the field, inputs never echoed, bodies size-limited
     for module in (jobs, workers, drafts, ops):
         app.include_router(module.router)
     # the status page: static files shipped in the package, no build step (scheduler/ui/)

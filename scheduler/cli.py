@@ -71,8 +71,12 @@ def _serve(args: argparse.Namespace) -> int:
         connect(url).ping()
     except (redis_lib.RedisError, ValueError) as exc:
         raise ValueError(f"cannot reach Redis at {url} ({exc}); check REDIS_URL") from None
+    from scheduler.paths import DATA_ROOTS_ENV, MODEL_ROOTS_ENV, roots_from_env
+
     settings = Settings(redis_url=url, api_token=api_token_from_env(os.environ), policy=policy,
                         watch_tick_s=tick_s, ray_num_gpus=args.gpus,
+                        model_roots=roots_from_env(os.environ, MODEL_ROOTS_ENV),
+                        data_roots=roots_from_env(os.environ, DATA_ROOTS_ENV),
                         **({"store_dir": args.store_dir} if args.store_dir else {}),
                         ray_address=args.ray_address or os.environ.get("RAY_ADDRESS") or None)
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")

@@ -38,6 +38,9 @@ def call(method: str, url: str, path: str, body: dict | None = None, token: str 
             detail = json.loads(exc.read()).get("detail")
         except (json.JSONDecodeError, AttributeError):
             detail = exc.reason
+        if isinstance(detail, list):  # validation errors: "field: message" each
+            detail = "; ".join(f"{'.'.join(str(p) for p in d.get('loc', ())[1:])}: {d.get('msg')}"
+                               if isinstance(d, dict) else str(d) for d in detail)
         raise ClientError(f"{method} {path}: HTTP {exc.code}: {detail}") from None
     except (urllib.error.URLError, OSError) as exc:
         raise ClientError(f"cannot reach the scheduler at {base_url(url)} ({getattr(exc, 'reason', exc)}); "

@@ -14,6 +14,10 @@ class Settings:
     redis_url: str
     api_token: str | None = None  # when set, mutating routes need "Authorization: Bearer <token>"
     store_dir: str = "/tmp/tlt-drafts"  # draft stores' root, a job's under store_dir/JOB (shared FS on a cluster)
+    # the directories a job's paths may name (model and warm_draft; dataset_path); None: the project cache and
+    # store_dir (scheduler.paths.default_roots). TLT_MODEL_ROOTS / TLT_DATA_ROOTS set them for `tlt serve`
+    model_roots: tuple[str, ...] | None = None
+    data_roots: tuple[str, ...] | None = None
     ray_num_gpus: int = 4  # logical GPUs declared when this process starts a local Ray
     start_ray: bool = True
     ray_address: str | None = None  # join this Ray cluster ("auto", "host:port"); jobs then outlive a restart

@@ -169,6 +169,8 @@ def read_events(redis: redis_lib.Redis, job_id: str, count: int = 100, after: st
         raise ValueError(f"count must be an int >= 1, got {count!r}")
     if after is not None and not _STREAM_ID.fullmatch(after):
         raise ValueError(f"after must be a stream id like 1700000000000-0, got {after!r}")
+    if after is not None and any(int(part) >= 1 << 64 for part in after.split("-")):
+        raise ValueError(f"after must be a stream id like 1700000000000-0 (each part below 2**64), got {after!r}")
     key = job_events_key(job_id)
     events = []
     entries = redis.xrevrange(key, min=f"({after}" if after else "-", count=count)

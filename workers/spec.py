@@ -10,18 +10,24 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from drafter.config import PRESETS, SMOLLM2_SPEC, TrainConfig
 from workers.warm import STORE_REF
 
 _T = TrainConfig  # the drafter's own defaults, with their reasons
+MAX_PATH_CHARS = 4096  # PATH_MAX on Linux
+
+
+def printable(text: str) -> bool:
+    """No control characters (NUL included) and no lone surrogates: safe in a path, a log line and a metric label."""
+    return text.isprintable() and not any(0xD800 <= ord(c) <= 0xDFFF for c in text)
 
 
 class DrafterSpec(BaseModel):
     """How a lease trains the drafter; the trainer is built with `TrainConfig(**spec.drafter.model_dump())`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     lr: float = Field(_T.lr, gt=0, le=1)
     num_unroll: int = Field(_T.num_unroll, ge=1, le=16, description="draft positions trained per pair")
@@ -34,16 +40,19 @@ class DrafterSpec(BaseModel):
 class JobSpec(BaseModel):
     """POST /v1/jobs body. Unknown fields are rejected, so a typo never silently becomes a default."""
 
-    model_config = ConfigDict(extra="forbid")
+    # NaN and Infinity are refused in every number (the JSON extensions Python's parser accepts)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     # --- the policy and its task
-    model: str = Field(SMOLLM2_SPEC, min_length=1, description="preset, 'smollm2-135m', .gguf file or HF dir")
+    model: str = Field(SMOLLM2_SPEC, min_length=1, max_length=MAX_PATH_CHARS, description=(
+        "preset, 'smollm2-135m', or a .gguf file or HF dir under the server's model roots"))
     # longtail: the arithmetic problems, most asking for the answer alone, a few for detailed reasoning (a heavy
     # tail of response lengths, as reasoning RL has; run it with max_new_tokens=512, workers.tasks.LongTailTask)
     task: Literal["arithmetic", "longtail", "dataset"] = "arithmetic"
-    dataset_path: str | None = None
+    dataset_path: str | None = Field(None, min_length=1, max_length=MAX_PATH_CHARS, description=(
+        "a JSONL file under the server's data roots (task 'dataset')"))
     reward: Literal["arithmetic", "numeric", "exact"] = "arithmetic"  # registered rewards: no user code runs
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="numpy and torch generators take 32-bit seeds")
 
     # --- GRPO
     num_steps: int = Field(2, ge=1, le=100_000)
@@ -53,9 +62,9 @@ class JobSpec(BaseModel):
     temperature: float = Field(1.0, gt=0, le=2, description="on-policy sampling, as RL needs")
     lr: float = Field(1e-5, gt=0, le=1)
     clip_eps: float = Field(0.2, gt=0, lt=1)
-    kl_coef: float = Field(0.0, ge=0, description=(
+    kl_coef: float = Field(0.0, ge=0, le=100, description=(
         "verifiable rewards rarely need a KL leash (DAPO drops it), and it costs a frozen reference copy"))
-    max_grad_norm: float = Field(1.0, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0, le=1e6)
     micro_batch_size: int = Field(4, ge=1, le=4096, description="sequences per backward; bounds memory, not the result")
     normalize_std: bool = Field(True, description=(
         "divide advantages by the group's std (Dr. GRPO turns it off: it up-weights near-unanimous groups)"))
@@ -84,10 +93,17 @@ class JobSpec(BaseModel):
         "with tlt on, train the drafter on idle workers and hot-swap its new versions (TLT). false: speculate with "
         "the starting draft only, frozen (the baseline TLT is measured against: `tlt bench rl`'s arm b)"))
     drafter: DrafterSpec = Field(default_factory=DrafterSpec)
-    warm_draft: str | None = Field(None, min_length=1, max_length=4096, description=(
+    warm_draft: str | None = Field(None, min_length=1, max_length=MAX_PATH_CHARS, description=(
         "the draft the job starts from, published as its version 1 before the first rollout: a draft checkpoint "
         "path (as `tlt drafter train` writes it) or 'store:JOBID:VERSION' (another job's served version). "
         "null: an untrained head"))
+
+    @field_validator("model", "dataset_path", "warm_draft")
+    @classmethod
+    def _printable(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and not printable(value):
+            raise ValueError(f"{info.field_name} must be printable text (no NUL, control character or lone surrogate)")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
@@ -100,6 +116,11 @@ class JobSpec(BaseModel):
             raise ValueError(f"warm_draft must be a draft checkpoint path or 'store:JOBID:VERSION', "
                              f"got {self.warm_draft!r}")
         return self
+
+    @property
+    def model_is_path(self) -> bool:
+        """Whether `model` names a file or directory on the server (not a preset or the packaged SmolLM2)."""
+        return self.model not in PRESETS and self.model != SMOLLM2_SPEC
 
     @property
     def trains_drafter(self) -> bool:

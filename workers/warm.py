@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from drafter.config import cache_root
 
 WARM_TRAIN_SEED = 1_001  # the task's prompts the head trains on (a job's own seed is usually small)
 WARM_EVAL_SEED = 2_002  # held-out prompts the warm start measures accepted length on
@@ -50,9 +51,7 @@ class WarmRecipe:
 def warm_cache_dir(model: str, task: str, recipe: WarmRecipe) -> Path:
     """Where a warm draft built by `recipe` for `model` on `task` is cached: under $TLT_CACHE_DIR (the
     models' cache root, drafter.loading.default_cache_dir), keyed by all three."""
-    root = os.environ.get("TLT_CACHE_DIR")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "tlt-scheduler"
-    return base / "drafters" / f"{task}-{recipe.key(model, task)}"
+    return cache_root() / "drafters" / f"{task}-{recipe.key(model, task)}"
 
 
 def task_prompts(task: str, seed: int, num: int, tail_fraction: float | None = None) -> list[str]:

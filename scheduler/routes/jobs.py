@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Header, HTTPException, status
+from fastapi import APIRouter, Header, HTTPException, Query, status
 
-from scheduler.deps import Auth, Job, Launch, Store
+from scheduler.deps import AppSettings, Auth, Job, Launch, Store
+from scheduler.http_errors import field_error
+from scheduler.paths import job_roots, spec_path_errors
 from scheduler.schemas import JobOut
 from workers.progress import read_events, read_json_list
 from workers.protocol import TERMINAL_JOB_STATES, JobState, job_steps_key
@@ -15,6 +17,7 @@ from workers.spec import JobSpec
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 MAX_JOBS_LISTED = 1000
 MAX_EVENTS_READ = 100_000
+MAX_STEP_INDEX = (1 << 62)  # Redis list indexes are signed 64-bit
 
 
 def job_out(record: dict, num_steps: int) -> JobOut:
@@ -22,12 +25,20 @@ def job_out(record: dict, num_steps: int) -> JobOut:
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
-def submit(_: Auth, spec: JobSpec, store: Store, launcher: Launch,
+def submit(_: Auth, spec: JobSpec, store: Store, launcher: Launch, settings: AppSettings,
            idempotency_key: Annotated[str | None, Header()] = None) -> JobOut:
+    """Validate and start a job. Paths it names must lie under the server's roots (scheduler.paths): checked
+    here, before anything is stored, without opening them."""
+    model_roots, data_roots = job_roots(settings.model_roots, settings.data_roots, settings.store_dir)
+    errors = spec_path_errors(spec, model_roots, data_roots)
+    if errors:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
+                            [d for field, msg in errors for d in field_error(field, msg, "path_not_allowed")])
     try:
         record, created = store.create(spec, idempotency_key)
     except ValueError as exc:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"idempotency-key: {exc}") from None
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
+                            field_error("idempotency-key", f"idempotency-key: {exc}", where="header")) from None
     if created:
         launcher.start(record)
     return job_out(record, 0 if created else store.num_steps([record["job_id"]])[0])
@@ -56,7 +67,7 @@ def cancel(_: Auth, job: Job, store: Store, launcher: Launch) -> JobOut:  # 401 
 
 
 @router.get("/{job_id}/steps")
-def steps(job: Job, store: Store, start: int = 0) -> list[dict]:
+def steps(job: Job, store: Store, start: Annotated[int, Query(ge=0, le=MAX_STEP_INDEX)] = 0) -> list[dict]:
     """One StepRecord (workers/protocol.py) per finished RL step: timings by phase, per-worker rollout
     seconds, idle worker-seconds, tokens, accepted length, draft versions served, reward, failures.
     `start`: from that step index on (pollers fetch each record once). Validated when written."""
@@ -71,4 +82,5 @@ def events(job: Job, store: Store, limit: int = 10_000, after: str | None = None
     try:
         return read_events(store.redis, job["job_id"], count=max(1, min(limit, MAX_EVENTS_READ)), after=after)
     except ValueError as exc:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from None
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
+                            field_error("after", str(exc), where="query")) from None

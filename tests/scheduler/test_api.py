@@ -22,11 +22,12 @@ TINY = {"model": "tiny", "num_steps": 1, "num_prompts_per_step": 2, "group_size"
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    data_root = tmp_path_factory.mktemp("data")
     with PrivateRedis() as server:
-        app = create_app(Settings(redis_url=server.url, api_token=TOKEN,
+        app = create_app(Settings(redis_url=server.url, api_token=TOKEN, data_roots=(str(data_root),),
                                   store_dir=str(tmp_path_factory.mktemp("drafts")), start_ray=False))
         with TestClient(app) as c:
-            c.redis = server.client()
+            c.redis, c.data_root = server.client(), data_root
             yield c
     ray.shutdown()
 
@@ -108,8 +109,8 @@ def test_unknown_job_is_404_and_health(client):
     assert client.get("/readyz").status_code == 200
 
 
-def test_a_failing_job_records_its_drivers_error_in_one_line(client, tmp_path):
-    spec = TINY | {"task": "dataset", "dataset_path": str(tmp_path / "missing.jsonl")}
+def test_a_failing_job_records_its_drivers_error_in_one_line(client):
+    spec = TINY | {"task": "dataset", "dataset_path": str(client.data_root / "missing.jsonl")}  # under the roots
     job_id = client.post("/v1/jobs", json=spec, headers=AUTH).json()["job_id"]
     record = wait_state(client, job_id, {"SUCCEEDED", "FAILED"})
     assert record["state"] == "FAILED" and "missing.jsonl" in record["error"] and "\n" not in record["error"]

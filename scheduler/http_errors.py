@@ -1,0 +1,103 @@
+"""What the API answers to bad requests: a 4xx naming the field, never a 5xx, never the input echoed back.
+
+- Validation errors (422) list {loc, msg, type} per problem. FastAPI's own handler also echoes each
+  offending `input` (and `ctx`): a 50 MB body came back whole, and an input JSON cannot encode (NaN,
+  Infinity, a lone surrogate) turned the 422 into a 500. Messages are cut to MAX_MESSAGE_CHARS and
+  made encodable.
+- Bodies over MAX_BODY_BYTES are refused with 413 before they are parsed (Content-Length, or counted
+  as they arrive when it is absent).
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import FastAPI, Request, status
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+MAX_BODY_BYTES = 1 << 20  # a JobSpec is about 1 KB; datasets are named by path, never sent inline
+MAX_MESSAGE_CHARS = 300
+
+
+def safe_text(value: object, max_chars: int = MAX_MESSAGE_CHARS) -> str:
+    """`value` as text that JSON can always encode (lone surrogates and NULs escaped), at most max_chars."""
+    s = str(value)
+    s = s.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
+    return s if len(s) <= max_chars else s[: max_chars - 3] + "..."
+
+
+def validation_detail(errors) -> list[dict]:
+    """Pydantic/FastAPI errors without their inputs: [{"loc": [...], "msg": ..., "type": ...}]."""
+    return [{"loc": [safe_text(p, 100) if isinstance(p, str) else p for p in e.get("loc", ())],
+             "msg": safe_text(e.get("msg", "invalid")), "type": safe_text(e.get("type", "value_error"), 60)}
+            for e in errors]
+
+
+def field_error(field: str, message: str, kind: str = "value_error", where: str = "body") -> list[dict]:
+    """A route's own 422 detail for one field of the body (or "query", "header"), in the shape validation
+    errors have (what the OpenAPI schema declares for 422)."""
+    return [{"loc": [where, field], "msg": safe_text(message), "type": kind}]
+
+
+async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return JSONResponse({"detail": validation_detail(exc.errors())}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a request body over max_bytes (declared or counted)."""
+
+    def __init__(self, app, max_bytes: int = MAX_BODY_BYTES) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None:
+            try:
+                too_large = int(declared) > self.max_bytes
+            except ValueError:
+                await self._refuse(send, status.HTTP_400_BAD_REQUEST, "content-length: not a number")
+                return
+            if too_large:
+                await self._refuse(send, status.HTTP_413_CONTENT_TOO_LARGE, self._message())
+                return
+        received, over = 0, False
+
+        async def counted():
+            nonlocal received, over
+            if over:
+                return {"type": "http.request", "body": b"", "more_body": False}
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:  # stop reading: the app sees a cut body, the client gets the 413
+                    over = True
+                    return {"type": "http.request", "body": b"", "more_body": False}
+            return message
+
+        async def answered(message):
+            if not over:
+                await send(message)
+            elif message["type"] == "http.response.start":  # whatever the app made of the cut body
+                await self._refuse(send, status.HTTP_413_CONTENT_TOO_LARGE, self._message())
+
+        await self.app(scope, counted, answered)
+
+    def _message(self) -> str:
+        return f"request body over {self.max_bytes} bytes"
+
+    @staticmethod
+    async def _refuse(send, code: int, detail: str) -> None:
+        body = json.dumps({"detail": detail}).encode()
+        await send({"type": "http.response.start", "status": code,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def install(app: FastAPI, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+    """The handlers and the body limit above, on `app`."""
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
