@@ -8,6 +8,7 @@ so the watcher follows each running job however many jobs the store holds.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import uuid
@@ -37,23 +38,49 @@ class JobStore:
         self.redis = redis
 
     def create(self, spec: JobSpec, idem_key: str | None = None) -> tuple[dict, bool]:
-        """Store a new PENDING job; returns (record, created). With an idempotency key already used,
-        returns the earlier job and creates nothing."""
+        """Store a new PENDING job; returns (record, created). With an idempotency key already used for the
+        same spec, returns that job and creates nothing; ValueError naming the key if it was used for
+        another spec. The key, the record and the index entry are written in one MULTI/EXEC under WATCH, so
+        concurrent submits with one key create exactly one job, and a reader never sees the key without it."""
         job_id = uuid.uuid4().hex[:16]
         now = time.time()
-        record = {"job_id": job_id, "state": JobState.PENDING.value, "spec": spec.model_dump(), "created_at": now,
+        dumped = spec.model_dump()
+        record = {"job_id": job_id, "state": JobState.PENDING.value, "spec": dumped, "created_at": now,
                   "updated_at": now, "error": None}
-        # claim the key first (SET NX): two identical submits race for it, one wins
-        if idem_key is not None and not self.redis.set(idempotency_key(idem_key), job_id, nx=True,
-                                                       ex=IDEMPOTENCY_TTL_S):
-            earlier = self.get(self.redis.get(idempotency_key(idem_key)))
-            if earlier is not None:
-                return earlier, False
+        digest = hashlib.sha256(json.dumps(dumped, sort_keys=True).encode()).hexdigest()
+        idem = idempotency_key(idem_key) if idem_key is not None else None
         with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(job_key(job_id), json.dumps(record))
-            pipe.zadd(jobs_index_key(), {job_id: now})
-            pipe.execute()
-        return record, True
+            while True:
+                try:
+                    if idem is not None:
+                        pipe.watch(idem)
+                        claimed = pipe.get(idem)
+                        if claimed is not None:
+                            pipe.unwatch()
+                            return self._replay(text(claimed), digest, idem_key), False
+                    pipe.multi()
+                    if idem is not None:
+                        pipe.set(idem, json.dumps({"job_id": job_id, "spec_sha256": digest}), ex=IDEMPOTENCY_TTL_S)
+                    pipe.set(job_key(job_id), json.dumps(record))
+                    pipe.zadd(jobs_index_key(), {job_id: now})
+                    pipe.execute()
+                    return record, True
+                except redis_lib.WatchError:  # another submit claimed the key first: answer with its job
+                    continue
+
+    def _replay(self, claimed: str, digest: str, idem_key: str) -> dict:
+        """The job an idempotency key was claimed for, if `digest` is its spec's."""
+        try:
+            claim = json.loads(claimed)
+            job_id, spec_sha = claim["job_id"], claim["spec_sha256"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{idem_key!r} holds an unreadable claim") from None
+        if spec_sha != digest:
+            raise ValueError(f"{idem_key!r} was already used for a different job spec")
+        earlier = self.get(job_id)
+        if earlier is None:  # the job was deleted since: the key stays spent until it expires
+            raise ValueError(f"{idem_key!r} was used for job {job_id}, which no longer exists")
+        return earlier
 
     def get(self, job_id: str) -> dict | None:
         """The record, or None; ValueError (naming job_id) for an id that cannot be one."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Header, HTTPException, Query, status
+from fastapi import APIRouter, Header, HTTPException, Query, Response, status
 
 from scheduler.deps import AppSettings, Auth, Job, Launch, Store
 from scheduler.http_errors import field_error
@@ -24,8 +24,9 @@ def job_out(record: dict, num_steps: int) -> JobOut:
     return JobOut(**{k: v for k, v in record.items() if k in JobOut.model_fields and k != "steps"}, steps=num_steps)
 
 
-@router.post("", status_code=status.HTTP_201_CREATED)
-def submit(_: Auth, spec: JobSpec, store: Store, launcher: Launch, settings: AppSettings,
+@router.post("", status_code=status.HTTP_201_CREATED,
+             responses={200: {"description": "a replay: the job an Idempotency-Key was first used for"}})
+def submit(_: Auth, spec: JobSpec, store: Store, launcher: Launch, settings: AppSettings, response: Response,
            idempotency_key: Annotated[str | None, Header()] = None) -> JobOut:
     """Validate and start a job. Paths it names must lie under the server's roots (scheduler.paths): checked
     here, before anything is stored, without opening them."""
@@ -41,6 +42,8 @@ def submit(_: Auth, spec: JobSpec, store: Store, launcher: Launch, settings: App
                             field_error("idempotency-key", f"idempotency-key: {exc}", where="header")) from None
     if created:
         launcher.start(record)
+    else:
+        response.status_code = status.HTTP_200_OK
     return job_out(record, 0 if created else store.num_steps([record["job_id"]])[0])
 
 

@@ -92,9 +92,14 @@ def test_missing_or_wrong_token_gets_401_and_changes_nothing(client, headers):
 
 def test_idempotency_key_returns_the_same_job(client):
     h = AUTH | {"Idempotency-Key": "submit-42"}
-    a = client.post("/v1/jobs", json=TINY | {"num_steps": 50, "max_new_tokens": 64}, headers=h).json()
-    b = client.post("/v1/jobs", json=TINY | {"num_steps": 50, "max_new_tokens": 64}, headers=h).json()
-    assert a["job_id"] == b["job_id"]
+    first = client.post("/v1/jobs", json=TINY | {"num_steps": 50, "max_new_tokens": 64}, headers=h)
+    replay = client.post("/v1/jobs", json=TINY | {"num_steps": 50, "max_new_tokens": 64}, headers=h)
+    a, b = first.json(), replay.json()
+    assert (first.status_code, replay.status_code) == (201, 200) and a["job_id"] == b["job_id"]
+    before = client.redis.zcard(jobs_index_key())
+    other = client.post("/v1/jobs", json=TINY | {"num_steps": 51, "max_new_tokens": 64}, headers=h)
+    assert other.status_code == 422 and other.json()["detail"][0]["loc"] == ["header", "idempotency-key"]
+    assert "different job spec" in other.text and client.redis.zcard(jobs_index_key()) == before
     r = client.post(f"/v1/jobs/{a['job_id']}/cancel", headers=AUTH)
     assert r.status_code == 200 and r.json()["state"] == "CANCELLED"
     assert client.post(f"/v1/jobs/{a['job_id']}/cancel", headers=AUTH).status_code == 409

@@ -22,6 +22,7 @@ from workers.protocol import (
     job_leases_key,
     job_steps_key,
     job_tlt_key,
+    jobs_index_key,
     running_jobs_key,
 )
 from workers.redis_server import PrivateRedis
@@ -89,3 +90,37 @@ def test_an_old_running_job_among_many_is_watched_and_keeps_its_leases(redis, tm
     before = redis.get(job_key(old))
     watcher.tick()
     assert old not in watcher.jobs and redis.get(job_key(old)) == before
+
+
+def test_concurrent_submits_with_one_idempotency_key_create_exactly_one_job(redis):
+    """20 threads, one key, each on its own connection: one job, every caller answered with it."""
+    import threading
+
+    import redis as redis_lib
+
+    kwargs = redis.connection_pool.connection_kwargs
+    results, barrier = [], threading.Barrier(20)
+
+    def submit() -> None:
+        store = JobStore(redis_lib.Redis(host=kwargs["host"], port=kwargs["port"]))
+        barrier.wait()
+        results.append(store.create(JobSpec(model="tiny"), "the-same-key"))
+
+    threads = [threading.Thread(target=submit) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(results) == 20 and redis.zcard(jobs_index_key()) == 1
+    assert sum(created for _, created in results) == 1
+    assert len({record["job_id"] for record, _ in results}) == 1
+
+
+def test_an_idempotency_key_reused_for_another_spec_is_refused_and_creates_nothing(redis):
+    store = JobStore(redis)
+    first, created = store.create(JobSpec(model="tiny"), "k1")
+    again, created_again = store.create(JobSpec(model="tiny"), "k1")
+    assert created and not created_again and again["job_id"] == first["job_id"]
+    with pytest.raises(ValueError, match="'k1' was already used for a different job spec"):
+        store.create(JobSpec(model="tiny", num_steps=3), "k1")
+    assert redis.zcard(jobs_index_key()) == 1
