@@ -4,6 +4,7 @@
   offending `input` (and `ctx`): a 50 MB body came back whole, and an input JSON cannot encode (NaN,
   Infinity, a lone surrogate) turned the 422 into a 500. Messages are cut to MAX_MESSAGE_CHARS and
   made encodable.
+- Redis unreachable (a connection or timeout error): 503 with Retry-After, never a 500 with a traceback.
 - Bodies over MAX_BODY_BYTES are refused with 413 before they are parsed (Content-Length, or counted
   as they arrive when it is absent).
 """
@@ -11,13 +12,17 @@
 from __future__ import annotations
 
 import json
+import logging
 
+import redis as redis_lib
 from fastapi import FastAPI, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 MAX_BODY_BYTES = 1 << 20  # a JobSpec is about 1 KB; datasets are named by path, never sent inline
 MAX_MESSAGE_CHARS = 300
+RETRY_AFTER_S = 5  # what a 503 asks a client to wait while Redis is unreachable
+log = logging.getLogger(__name__)
 
 
 def safe_text(value: object, max_chars: int = MAX_MESSAGE_CHARS) -> str:
@@ -38,6 +43,12 @@ def field_error(field: str, message: str, kind: str = "value_error", where: str 
     """A route's own 422 detail for one field of the body (or "query", "header"), in the shape validation
     errors have (what the OpenAPI schema declares for 422)."""
     return [{"loc": [where, field], "msg": safe_text(message), "type": kind}]
+
+
+async def _on_redis_down(request: Request, exc: Exception) -> JSONResponse:
+    log.warning("%s %s: Redis is unreachable (%s)", request.method, request.url.path, exc)
+    return JSONResponse({"detail": "the scheduler's Redis is unreachable; retry later"},
+                        status_code=status.HTTP_503_SERVICE_UNAVAILABLE, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -100,4 +111,6 @@ class BodyLimit:
 def install(app: FastAPI, max_body_bytes: int = MAX_BODY_BYTES) -> None:
     """The handlers and the body limit above, on `app`."""
     app.add_exception_handler(RequestValidationError, _on_validation_error)
+    for exc_type in (redis_lib.ConnectionError, redis_lib.TimeoutError):  # Redis blinks: 503, never a 500
+        app.add_exception_handler(exc_type, _on_redis_down)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)

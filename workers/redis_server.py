@@ -92,9 +92,22 @@ class PrivateRedis:
                 errors.append(str(exc))
         raise RuntimeError(f"redis-server failed to start {MAX_START_ATTEMPTS} times: {errors}")
 
-    def _start_once(self, binary: str) -> None:
+    def kill(self) -> None:
+        """Kill the server at once (SIGKILL), keeping its port for `revive`: Redis going away under a client."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def revive(self) -> None:
+        """A new server on the killed one's port (empty: it persists nothing): Redis coming back."""
+        if self.proc is None or self.proc.poll() is None:
+            raise RuntimeError("revive() follows kill(): this PrivateRedis is not killed")
+        shutil.rmtree(self.dir or "", ignore_errors=True)
+        self._start_once(redis_server_binary(), self.port)
+
+    def _start_once(self, binary: str, port: int | None = None) -> None:
         self.dir = tempfile.mkdtemp(prefix="tlt-redis-")
-        self.port = free_port()
+        self.port = port or free_port()
         log_path = Path(self.dir) / "redis.log"
         self.proc = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",

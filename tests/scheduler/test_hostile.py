@@ -145,3 +145,22 @@ def test_safe_text_always_encodes():
     out = safe_text("a\ud800b\x00c" + "x" * 1000, 50)
     json.dumps(out).encode("utf-8")  # no surrogate left to fail the response
     assert len(out) == 50 and "\\x00" in out
+
+
+def test_redis_going_away_answers_503_and_the_api_recovers_when_it_returns(tmp_path):
+    redis_server = PrivateRedis().start()
+    try:
+        app = create_app(Settings(redis_url=redis_server.url, api_token=TOKEN, store_dir=str(tmp_path),
+                                  start_ray=False, watch=False))
+        with TestClient(app, raise_server_exceptions=False) as c:
+            assert c.get("/v1/jobs").status_code == 200
+            redis_server.kill()
+            submit = c.post("/v1/jobs", json={"model": "tiny"}, headers=AUTH)
+            for r in (c.get("/v1/jobs"), c.get("/v1/jobs/abc"), submit, c.get("/metrics")):
+                assert r.status_code == 503, (r.request.url, r.text)
+                assert r.headers["retry-after"] and "Redis is unreachable" in r.json()["detail"]
+            assert c.get("/readyz").status_code == 503
+            redis_server.revive()
+            assert c.get("/v1/jobs").json() == []  # reconnects by itself
+    finally:
+        redis_server.stop()
