@@ -95,7 +95,7 @@ def _submit(args: argparse.Namespace) -> int:
 def _jobs(args: argparse.Namespace) -> int:
     from scheduler.client import call
 
-    for job in call("GET", args.url, "/v1/jobs"):
+    for job in call("GET", args.url, "/v1/jobs", token=args.token):
         print(f"{job['job_id']}  {job['state']:<10} {job['spec']['model']:<16} steps {job.get('steps', 0)}")
     return 0
 
@@ -103,7 +103,7 @@ def _jobs(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from scheduler.client import watch
 
-    print(watch(args.url, args.job, once=not args.watch))
+    print(watch(args.url, args.job, once=not args.watch, token=args.token))
     return 0
 
 

@@ -83,10 +83,10 @@ def status_table(job: dict, workers: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def watch(url: str | None, job_id: str, interval_s: float = 1.0, once: bool = False) -> str:
+def watch(url: str | None, job_id: str, interval_s: float = 1.0, once: bool = False, token: str | None = None) -> str:
     while True:
-        job = call("GET", url, f"/v1/jobs/{job_id}")
-        table = status_table(job, call("GET", url, f"/v1/jobs/{job_id}/workers"))
+        job = call("GET", url, f"/v1/jobs/{job_id}", token=token)
+        table = status_table(job, call("GET", url, f"/v1/jobs/{job_id}/workers", token=token))
         if once or job["state"] in TERMINAL_JOB_STATES:
             return table
         print("\033[2J\033[H" + table, flush=True)

@@ -31,8 +31,9 @@ def _launcher(request: Request) -> Launcher:
     return request.app.state.launcher
 
 
-def _require_token(settings: Annotated[Settings, Depends(_settings)],
+def require_token(settings: Annotated[Settings, Depends(_settings)],
                    creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+    """With a token configured, every route that changes a job or reads its details needs it (docs/api.md)."""
     if settings.api_token is None:
         return
     if creds is None or creds.credentials != settings.api_token:
@@ -55,5 +56,5 @@ AppSettings = Annotated[Settings, Depends(_settings)]
 Store = Annotated[JobStore, Depends(_store)]
 Redis = Annotated[redis_lib.Redis, Depends(_redis)]
 Launch = Annotated[Launcher, Depends(_launcher)]
-Auth = Annotated[None, Depends(_require_token)]
+Auth = Annotated[None, Depends(require_token)]
 Job = Annotated[dict, Depends(_job)]  # the record of the job in the path

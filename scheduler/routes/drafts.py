@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from pydantic import ValidationError
 
-from scheduler.deps import Job, Redis
+from scheduler.deps import Job, Redis, require_token
 from scheduler.schemas import DraftsOut, DraftVersionOut, PublishDecision
 from scheduler.state import JobTLT
 from workers.draft_index import DraftIndex
 from workers.progress import read_json_list
 from workers.protocol import draft_namespaces, job_drafts_key, job_tlt_key, job_totals_key
 
-router = APIRouter(prefix="/v1/jobs", tags=["drafts"])
+router = APIRouter(prefix="/v1/jobs", tags=["drafts"],
+                   dependencies=[Depends(require_token)])  # job details: the token when one is set
 log = logging.getLogger(__name__)
 
 

@@ -48,14 +48,14 @@ def submit(_: Auth, spec: JobSpec, store: Store, launcher: Launch, settings: App
 
 
 @router.get("")
-def list_jobs(store: Store, limit: int = 100) -> list[JobOut]:
+def list_jobs(_: Auth, store: Store, limit: int = 100) -> list[JobOut]:
     """The newest jobs first (at most 1000)."""
     records = store.list(max(1, min(limit, MAX_JOBS_LISTED)))
     return [job_out(r, n) for r, n in zip(records, store.num_steps(r["job_id"] for r in records))]
 
 
 @router.get("/{job_id}")
-def get_job(job: Job, store: Store) -> JobOut:
+def get_job(_: Auth, job: Job, store: Store) -> JobOut:
     return job_out(job, store.num_steps([job["job_id"]])[0])
 
 
@@ -70,7 +70,8 @@ def cancel(_: Auth, job: Job, store: Store, launcher: Launch) -> JobOut:  # 401 
 
 
 @router.get("/{job_id}/steps")
-def steps(job: Job, store: Store, start: Annotated[int, Query(ge=0, le=MAX_STEP_INDEX)] = 0) -> list[dict]:
+def steps(_: Auth, job: Job, store: Store,
+          start: Annotated[int, Query(ge=0, le=MAX_STEP_INDEX)] = 0) -> list[dict]:
     """One StepRecord (workers/protocol.py) per finished RL step: timings by phase, per-worker rollout
     seconds, idle worker-seconds, tokens, accepted length, draft versions served, reward, failures.
     `start`: from that step index on (pollers fetch each record once). Validated when written."""
@@ -78,7 +79,7 @@ def steps(job: Job, store: Store, start: Annotated[int, Query(ge=0, le=MAX_STEP_
 
 
 @router.get("/{job_id}/events")
-def events(job: Job, store: Store, limit: int = 10_000, after: str | None = None) -> list[dict]:
+def events(_: Auth, job: Job, store: Store, limit: int = 10_000, after: str | None = None) -> list[dict]:
     """Worker state transitions, oldest first (the newest `limit`, at most 100000): the per-GPU
     timeline, {id, worker, from, to, ts, rl_step}. `after`: only those after that event id (pollers
     fetch each event once). Checked on read; left as dicts, the first load is 100k of them."""

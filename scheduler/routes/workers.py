@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import json
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Depends, Response
 
-from scheduler.deps import Job, Redis
+from scheduler.deps import Job, Redis, require_token
 from scheduler.schemas import WorkerOut
 from scheduler.state import read_classes
 from workers.progress import read_progress
 from workers.protocol import job_tlt_key
 
-router = APIRouter(prefix="/v1/jobs", tags=["workers"])
+router = APIRouter(prefix="/v1/jobs", tags=["workers"],
+                   dependencies=[Depends(require_token)])  # job details: the token when one is set
 
 
 @router.get("/{job_id}/workers", response_model=list[WorkerOut])

@@ -9,8 +9,22 @@ const STATES = ["ROLLING_OUT", "IDLE", "TRAINING", "SWAPPING", "FAILED"];
 let selected = new URLSearchParams(location.search).get("job");
 const seen = { job: null, events: [], steps: [], jobRecord: null, drafts: null };  // events fetched so far for the selected job: later polls ask only for new ones
 
+// With an API token configured on the scheduler, job details need it: asked for once on a 401, kept for
+// this tab only (sessionStorage), sent as a bearer token.
+const TOKEN_KEY = "tlt-api-token";
+
 async function get(path) {
-  const r = await fetch(path, { headers: { Accept: "application/json" } });
+  const headers = { Accept: "application/json" };
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  if (token) headers.Authorization = `Bearer ${token}`;
+  const r = await fetch(path, { headers });
+  if (r.status === 401) {
+    const entered = window.prompt("This scheduler needs its API token to show job details:");
+    if (entered) {
+      sessionStorage.setItem(TOKEN_KEY, entered.trim());
+      return get(path);
+    }
+  }
   if (!r.ok) throw new Error(`${path}: HTTP ${r.status}`);
   return r.json();
 }

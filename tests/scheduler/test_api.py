@@ -35,7 +35,7 @@ def client(tmp_path_factory):
 def wait_state(client, job_id, states, timeout=120):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        record = client.get(f"/v1/jobs/{job_id}").json()
+        record = client.get(f"/v1/jobs/{job_id}", headers=AUTH).json()
         if record["state"] in states:
             return record
         time.sleep(0.2)
@@ -53,8 +53,8 @@ def test_submit_runs_a_job_to_completion(client):
     result = JobResult.from_json(client.redis.get(job_result_key(job_id)))
     assert result.ok and result.steps == 1 and result.error is None
     assert "steps" not in json.loads(client.redis.get(f"tlt:job:{job_id}"))
-    assert job_id in [j["job_id"] for j in client.get("/v1/jobs").json()]
-    workers = client.get(f"/v1/jobs/{job_id}/workers").json()
+    assert job_id in [j["job_id"] for j in client.get("/v1/jobs", headers=AUTH).json()]
+    workers = client.get(f"/v1/jobs/{job_id}/workers", headers=AUTH).json()
     assert sorted(w["worker_id"] for w in workers) == ["w0", "w1"]
     metrics = client.get("/metrics").text
     assert 'tlt_jobs{state="SUCCEEDED"}' in metrics
@@ -104,12 +104,23 @@ def test_idempotency_key_returns_the_same_job(client):
     assert r.status_code == 200 and r.json()["state"] == "CANCELLED"
     assert client.post(f"/v1/jobs/{a['job_id']}/cancel", headers=AUTH).status_code == 409
     time.sleep(1.0)
-    assert client.get(f"/v1/jobs/{a['job_id']}").json()["state"] == "CANCELLED"
+    assert client.get(f"/v1/jobs/{a['job_id']}", headers=AUTH).json()["state"] == "CANCELLED"
+
+
+def test_job_details_need_the_token_when_one_is_set(client):
+    job_id = client.post("/v1/jobs", json=TINY | {"num_steps": 1}, headers=AUTH).json()["job_id"]
+    for path in ("/v1/jobs", f"/v1/jobs/{job_id}", f"/v1/jobs/{job_id}/steps", f"/v1/jobs/{job_id}/events",
+                 f"/v1/jobs/{job_id}/workers", f"/v1/jobs/{job_id}/drafts", "/v1/jobs/nope"):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = client.get(path, headers=headers)
+            assert r.status_code == 401 and job_id not in r.text, (path, r.text)
+        assert client.get(path, headers=AUTH).status_code in (200, 404)
+    wait_state(client, job_id, {"SUCCEEDED", "FAILED"})
 
 
 def test_unknown_job_is_404_and_health(client):
-    assert client.get("/v1/jobs/nope").status_code == 404
-    assert client.get("/v1/jobs/bad id!").status_code == 404
+    assert client.get("/v1/jobs/nope", headers=AUTH).status_code == 404
+    assert client.get("/v1/jobs/bad id!", headers=AUTH).status_code == 404
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.get("/readyz").status_code == 200
 

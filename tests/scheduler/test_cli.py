@@ -39,9 +39,11 @@ def test_submit_status_jobs_cancel(server, tmp_path, capsys):
                     "num_workers: 2\n")
     assert main(["submit", str(spec), "--url", server, "--token", "tok", "--json"]) == 0
     job_id = json.loads(capsys.readouterr().out)["job_id"]
-    assert main(["status", job_id, "--url", server]) == 0
+    assert main(["status", job_id, "--url", server]) == 2  # job details need the token
+    assert "HTTP 401" in capsys.readouterr().err
+    assert main(["status", job_id, "--url", server, "--token", "tok"]) == 0
     assert f"job {job_id}" in capsys.readouterr().out
-    assert main(["jobs", "--url", server]) == 0
+    assert main(["jobs", "--url", server, "--token", "tok"]) == 0
     assert job_id in capsys.readouterr().out
     assert main(["cancel", job_id, "--url", server, "--token", "tok"]) == 0
     assert "CANCELLED" in capsys.readouterr().out
