@@ -102,18 +102,18 @@ def test_bodies_over_the_limit_get_413_before_parsing(client):
 
 def test_out_of_range_query_parameters_get_422_not_500(client):
     base = f"/v1/jobs/{client.job_id}"
-    assert_clean(client.get(f"{base}/steps?start={2 ** 63}"), 422, "start")
-    assert_clean(client.get(f"{base}/steps?start=-1"), 422, "start")
-    assert_clean(client.get(f"{base}/steps?start=1e400"), 422, "start")
-    assert_clean(client.get(f"{base}/events?after=99999999999999999999-0"), 422, "after")
-    assert client.get(f"{base}/steps?start=5").json() == []
-    assert client.get(f"{base}/events?after=1-0").json() == []
-    assert client.get("/v1/jobs?limit=999999999999999999999999").status_code == 200  # clamped
+    assert_clean(client.get(f"{base}/steps?start={2 ** 63}", headers=AUTH), 422, "start")
+    assert_clean(client.get(f"{base}/steps?start=-1", headers=AUTH), 422, "start")
+    assert_clean(client.get(f"{base}/steps?start=1e400", headers=AUTH), 422, "start")
+    assert_clean(client.get(f"{base}/events?after=99999999999999999999-0", headers=AUTH), 422, "after")
+    assert client.get(f"{base}/steps?start=5", headers=AUTH).json() == []
+    assert client.get(f"{base}/events?after=1-0", headers=AUTH).json() == []
+    assert client.get("/v1/jobs?limit=999999999999999999999999", headers=AUTH).status_code == 200  # clamped
 
 
 def test_unicode_and_nul_in_ids_are_404(client):
     for job_id in ("%00", "%ED%A0%80", "..%2F..%2Fetc", "a" * 5000):
-        assert_clean(client.get(f"/v1/jobs/{job_id}"), 404)
+        assert_clean(client.get(f"/v1/jobs/{job_id}", headers=AUTH), 404)
 
 
 def test_path_checks_resolve_links_and_never_open_files(tmp_path):
@@ -153,14 +153,14 @@ def test_redis_going_away_answers_503_and_the_api_recovers_when_it_returns(tmp_p
         app = create_app(Settings(redis_url=redis_server.url, api_token=TOKEN, store_dir=str(tmp_path),
                                   start_ray=False, watch=False))
         with TestClient(app, raise_server_exceptions=False) as c:
-            assert c.get("/v1/jobs").status_code == 200
+            assert c.get("/v1/jobs", headers=AUTH).status_code == 200
             redis_server.kill()
             submit = c.post("/v1/jobs", json={"model": "tiny"}, headers=AUTH)
-            for r in (c.get("/v1/jobs"), c.get("/v1/jobs/abc"), submit, c.get("/metrics")):
+            for r in (c.get("/v1/jobs", headers=AUTH), c.get("/v1/jobs/abc", headers=AUTH), submit, c.get("/metrics")):
                 assert r.status_code == 503, (r.request.url, r.text)
                 assert r.headers["retry-after"] and "Redis is unreachable" in r.json()["detail"]
             assert c.get("/readyz").status_code == 503
             redis_server.revive()
-            assert c.get("/v1/jobs").json() == []  # reconnects by itself
+            assert c.get("/v1/jobs", headers=AUTH).json() == []  # reconnects by itself
     finally:
         redis_server.stop()
