@@ -37,6 +37,13 @@ class Launcher:
         self.store, self.settings = store, settings
         self.drivers: dict[str, object] = {}
 
+    @staticmethod
+    def cluster_gpus() -> int | None:
+        """GPUs the Ray cluster has (logical ones on CPU), None when this process has no Ray to ask."""
+        if not ray.is_initialized():
+            return None
+        return int(ray.cluster_resources().get("GPU", 0))
+
     def start(self, record: dict) -> None:
         threading.Thread(target=self._run, args=(record,), daemon=True, name=f"job-{record['job_id']}").start()
 

@@ -31,10 +31,14 @@ def submit(_: Auth, spec: JobSpec, store: Store, launcher: Launch, settings: App
     """Validate and start a job. Paths it names must lie under the server's roots (scheduler.paths): checked
     here, before anything is stored, without opening them."""
     model_roots, data_roots = job_roots(settings.model_roots, settings.data_roots, settings.store_dir)
-    errors = spec_path_errors(spec, model_roots, data_roots)
+    errors = [(field, msg, "path_not_allowed") for field, msg in spec_path_errors(spec, model_roots, data_roots)]
+    gpus = launcher.cluster_gpus()
+    if gpus is not None and spec.num_workers > gpus:  # it could never be placed: it would sit RUNNING with 0 steps
+        errors.append(("num_workers", f"num_workers: {spec.num_workers} rollout workers need a GPU each; the Ray "
+                                      f"cluster has {gpus}", "not_placeable"))
     if errors:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
-                            [d for field, msg in errors for d in field_error(field, msg, "path_not_allowed")])
+                            [d for field, msg, kind in errors for d in field_error(field, msg, kind)])
     try:
         record, created = store.create(spec, idempotency_key)
     except ValueError as exc:

@@ -77,6 +77,13 @@ def test_invalid_specs_get_422_naming_the_field_and_create_nothing(client, field
     assert client.redis.zcard(jobs_index_key()) == before
 
 
+def test_more_workers_than_the_cluster_has_gpus_is_a_422_not_a_job_stuck_running(client):
+    before = client.redis.zcard(jobs_index_key())
+    r = client.post("/v1/jobs", json=TINY | {"num_workers": 5}, headers=AUTH)  # the fixture's Ray has 4
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "num_workers"]
+    assert "the Ray cluster has 4" in r.text and client.redis.zcard(jobs_index_key()) == before
+
+
 def test_dataset_task_needs_a_path(client):
     r = client.post("/v1/jobs", json=TINY | {"task": "dataset"}, headers=AUTH)
     assert r.status_code == 422 and "dataset_path" in r.text
