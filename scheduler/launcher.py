@@ -36,6 +36,9 @@ class Launcher:
     def __init__(self, store: JobStore, settings: Settings) -> None:
         self.store, self.settings = store, settings
         self.drivers: dict[str, object] = {}
+        # a driver is registered and its job's state read under this lock, and a cancel looks for the driver
+        # under it: a cancel that lands while a driver is being created kills it either way
+        self._lock = threading.Lock()
 
     @staticmethod
     def cluster_gpus() -> int | None:
@@ -59,6 +62,12 @@ class Launcher:
             log.exception("job %s could not start", job_id)
             self._fail(job_id, f"its driver could not start: {one_line(exc)}")
             return
+        with self._lock:
+            self.drivers[job_id] = driver
+            current = self.store.get(job_id)
+        if current is not None and current["state"] == JobState.CANCELLED:  # cancelled while its driver started
+            log.info("job %s was cancelled as its driver started: killing it", job_id)
+            ray.kill(driver)
         self._follow(job_id, driver, ref)
 
     def _follow(self, job_id: str, driver, ref) -> None:
@@ -133,7 +142,10 @@ class Launcher:
         return done
 
     def cancel(self, job_id: str) -> None:
-        driver = self.drivers.get(job_id)
+        """Kill a cancelled job's driver (and with it its workers). Call it after the job's state changed to
+        CANCELLED: a driver still being created then sees that state when it registers, and is killed there."""
+        with self._lock:
+            driver = self.drivers.get(job_id)
         if driver is None:
             try:
                 driver = ray.get_actor(driver_actor_name(job_id), namespace=RAY_NAMESPACE)

@@ -10,7 +10,15 @@ import ray
 from fastapi.testclient import TestClient
 
 from scheduler.app import Settings, create_app
-from workers.protocol import RAY_NAMESPACE, JobResult, driver_actor_name, job_phase_key, job_result_key, jobs_index_key
+from workers.protocol import (
+    RAY_NAMESPACE,
+    JobResult,
+    driver_actor_name,
+    job_phase_key,
+    job_result_key,
+    job_steps_key,
+    jobs_index_key,
+)
 from workers.redis_server import PrivateRedis
 
 TOKEN = "s3cret"
@@ -123,6 +131,53 @@ def test_job_details_need_the_token_when_one_is_set(client):
             assert r.status_code == 401 and job_id not in r.text, (path, r.text)
         assert client.get(path, headers=AUTH).status_code in (200, 404)
     wait_state(client, job_id, {"SUCCEEDED", "FAILED"})
+
+
+def test_a_cancel_at_any_moment_leaves_no_live_driver(client):
+    """Create and cancel at once, and after waits up to the moment the driver exists: the race where a cancel
+    landed after RUNNING but before the driver was registered used to kill nothing."""
+    ids = []
+    for i in range(10):
+        job_id = client.post("/v1/jobs", json=TINY | {"num_steps": 50}, headers=AUTH).json()["job_id"]
+        time.sleep((i % 5) * 0.1)
+        assert client.post(f"/v1/jobs/{job_id}/cancel", headers=AUTH).status_code == 200
+        ids.append(job_id)
+    deadline = time.monotonic() + 60
+    for job_id in ids:
+        while True:
+            try:
+                ray.get_actor(driver_actor_name(job_id), namespace=RAY_NAMESPACE)
+            except ValueError:
+                break  # no live driver by that name
+            assert time.monotonic() < deadline, f"job {job_id}: its driver still lives after the cancel"
+            time.sleep(0.2)
+        assert client.get(f"/v1/jobs/{job_id}", headers=AUTH).json()["state"] == "CANCELLED"
+
+
+def test_a_cancel_landing_while_the_driver_is_created_kills_it(client, monkeypatch):
+    """The race, made certain: the cancel lands after RUNNING, before the driver exists (so there is nothing to
+    kill yet); the driver, once created, finds its job CANCELLED and is killed."""
+    import scheduler.launcher as launcher_module
+
+    real_start = launcher_module.start_driver
+
+    def cancel_first(job_id, *args, **kwargs):
+        assert client.post(f"/v1/jobs/{job_id}/cancel", headers=AUTH).status_code == 200
+        return real_start(job_id, *args, **kwargs)
+
+    monkeypatch.setattr(launcher_module, "start_driver", cancel_first)
+    job_id = client.post("/v1/jobs", json=TINY | {"num_steps": 50}, headers=AUTH).json()["job_id"]
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            driver = ray.get_actor(driver_actor_name(job_id), namespace=RAY_NAMESPACE)
+        except ValueError:
+            break
+        assert time.monotonic() < deadline, "the driver created after the cancel still lives"
+        del driver
+        time.sleep(0.2)
+    assert client.get(f"/v1/jobs/{job_id}", headers=AUTH).json()["state"] == "CANCELLED"
+    assert client.redis.llen(job_steps_key(job_id)) == 0
 
 
 def test_unknown_job_is_404_and_health(client):
