@@ -13,6 +13,7 @@ from scheduler.app import Settings, create_app
 from workers.protocol import (
     RAY_NAMESPACE,
     JobResult,
+    JobState,
     driver_actor_name,
     job_phase_key,
     job_result_key,
@@ -161,8 +162,10 @@ def test_a_cancel_landing_while_the_driver_is_created_kills_it(client, monkeypat
 
     real_start = launcher_module.start_driver
 
-    def cancel_first(job_id, *args, **kwargs):
-        assert client.post(f"/v1/jobs/{job_id}/cancel", headers=AUTH).status_code == 200
+    def cancel_first(job_id, *args, **kwargs):  # what POST /cancel does (this thread must not use the client)
+        state = client.app.state
+        assert state.store.transition(job_id, JobState.CANCELLED, {JobState.RUNNING}) is not None
+        state.launcher.cancel(job_id)
         return real_start(job_id, *args, **kwargs)
 
     monkeypatch.setattr(launcher_module, "start_driver", cancel_first)
