@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -160,25 +161,25 @@ def test_a_cancel_landing_while_the_driver_is_created_kills_it(client, monkeypat
     kill yet); the driver, once created, finds its job CANCELLED and is killed."""
     import scheduler.launcher as launcher_module
 
-    real_start = launcher_module.start_driver
+    real_start, started = launcher_module.start_driver, threading.Event()
 
     def cancel_first(job_id, *args, **kwargs):  # what POST /cancel does (this thread must not use the client)
         state = client.app.state
         assert state.store.transition(job_id, JobState.CANCELLED, {JobState.RUNNING}) is not None
         state.launcher.cancel(job_id)
-        return real_start(job_id, *args, **kwargs)
+        try:
+            return real_start(job_id, *args, **kwargs)
+        finally:
+            started.set()
 
     monkeypatch.setattr(launcher_module, "start_driver", cancel_first)
     job_id = client.post("/v1/jobs", json=TINY | {"num_steps": 50}, headers=AUTH).json()["job_id"]
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            driver = ray.get_actor(driver_actor_name(job_id), namespace=RAY_NAMESPACE)
-        except ValueError:
-            break
-        assert time.monotonic() < deadline, "the driver created after the cancel still lives"
-        del driver
-        time.sleep(0.2)
+    assert started.wait(60)
+    follower = next(t for t in threading.enumerate() if t.name == f"job-{job_id}")  # follows the driver to its end
+    follower.join(60)
+    assert not follower.is_alive(), "the driver created after the cancel still runs"
+    with pytest.raises(ValueError):
+        ray.get_actor(driver_actor_name(job_id), namespace=RAY_NAMESPACE)
     assert client.get(f"/v1/jobs/{job_id}", headers=AUTH).json()["state"] == "CANCELLED"
     assert client.redis.llen(job_steps_key(job_id)) == 0
 
