@@ -107,7 +107,8 @@ class Launcher:
             why = f": {one_line(cause)}" if cause is not None else " (did the Ray cluster restart?)"
             self._fail(job_id, f"its driver is gone and recorded no result{why}")
         elif result.ok:
-            self.store.transition(job_id, JobState.SUCCEEDED, {JobState.RUNNING})
+            fields = {"warning": result.warning} if result.warning else {}
+            self.store.transition(job_id, JobState.SUCCEEDED, {JobState.RUNNING}, **fields)
         else:
             self._fail(job_id, result.error or "its driver reported a failure without a message")
 

@@ -18,6 +18,7 @@ class JobOut(BaseModel):
     created_at: float
     updated_at: float
     error: str | None = None  # one line, when the job failed
+    warning: str | None = None  # one line, when it succeeded degraded (a rollout worker lost; JobResult.warning)
     steps: int = 0  # RL steps finished: the length of the job's step records
 
 

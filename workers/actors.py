@@ -75,7 +75,8 @@ class JobDriver:
             spec = JobSpec.model_validate(self.spec)
             driver = self._driver = Driver(self.job_id, spec, redis, self.redis_url, self.store_dir)
             driver.run()
-            result = JobResult(ok=True, steps=driver.num_steps_done, finished_at=time.time())
+            result = JobResult(ok=True, steps=driver.num_steps_done, finished_at=time.time(),
+                               warning=driver.degraded_summary())
             return result.to_dict()
         except BaseException as exc:
             log.exception("job %s failed", self.job_id)

@@ -24,12 +24,16 @@ from workers.errors import one_line
 from workers.grpo import group_advantages, grpo_update, response_mask, sequence_logprobs
 from workers.pinning import usable_cores
 from workers.protocol import Phase, PhaseRecord, StepRecord, job_phase_key, job_steps_key, job_totals_key
+from workers.rollout import engine_unavailable_reason
 from workers.spec import JobSpec
 from workers.store import job_stores
 from workers.tasks import get_reward, load_jsonl_dataset, make_task
 from workers.warm import publish_warm_draft
 
 log = logging.getLogger(__name__)
+# a rollout worker lost mid-job is started again at the next step, at most this many times per slot (one that
+# keeps dying, e.g. out of memory, would otherwise be restarted every step); beyond it the job runs degraded
+MAX_WORKER_RESTARTS = 2
 MAX_PROMPT_BYTES = 48  # a tokenizer-less preset reads this many bytes of a prompt (tests only)
 
 
@@ -93,6 +97,9 @@ def rollout_seed(spec: JobSpec, rl_step: int, index: int) -> int:
 class Driver:
     def __init__(self, job_id: str, spec: JobSpec, redis: redis_lib.Redis, redis_url: str, store_dir: str) -> None:
         self.job_id, self.spec, self.redis = job_id, spec, redis
+        reason = engine_unavailable_reason(spec.engine)  # one clear line now, not a worker's traceback later
+        if reason is not None:
+            raise ValueError(reason)
         torch.manual_seed(spec.seed)
         loaded = load_model(spec.model)
         self.policy, self.tokenizer = loaded.model, loaded.tokenizer
@@ -105,6 +112,9 @@ class Driver:
             self.problems = make_task(spec.task, spec.seed).sample(spec.num_steps * spec.num_prompts_per_step)
         self.warm_version = self._publish_warm_draft(redis, store_dir)  # before the workers start: they install it
         self.worker_ids = [f"w{i}" for i in range(spec.num_workers)]
+        self.redis_url, self.store_dir = redis_url, store_dir
+        self.restarts: dict[str, int] = {}  # worker id -> times it was started again after it was lost
+        self.lost: list[str] = []  # "w1 at step 3", each loss, for the run's warning
         self.workers = {wid: start_worker(job_id, wid, spec, redis_url, store_dir, i)
                         for i, wid in enumerate(self.worker_ids)}
         # wait for them to start (load the model) so that step 0's weight sync times the sync alone; one that
@@ -139,10 +149,40 @@ class Driver:
         self.redis.set(job_phase_key(self.job_id), PhaseRecord(phase, rl_step, time.time()).to_json())
 
     def _drop(self, wid: str, exc: Exception, rl_step: int, failures: list) -> None:
-        """A failed worker leaves the job; its GPU share goes to the others."""
+        """A failed worker leaves the job; its GPU share goes to the others until it is restarted
+        (_restart_lost, at the next step)."""
         failures.append({"worker": wid, "error": one_line(exc)})
         log.error("job %s step %d: worker %s failed: %s", self.job_id, rl_step, wid, exc)
         self.workers.pop(wid, None)
+        self.lost.append(f"{wid} at step {rl_step}")
+
+    def _restart_lost(self, rl_step: int) -> None:
+        """Start a worker again in each slot whose worker was lost, up to MAX_WORKER_RESTARTS times per slot.
+        It loads the model and installs the served draft as any worker does; the step's sync gives it the
+        policy. One that fails to start is dropped at that sync, with its error."""
+        missing = [wid for wid in self.worker_ids if wid not in self.workers
+                   and self.restarts.get(wid, 0) < MAX_WORKER_RESTARTS]
+        for wid in missing:
+            self.restarts[wid] = self.restarts.get(wid, 0) + 1
+            log.warning("job %s step %d: starting worker %s again (restart %d of %d)", self.job_id, rl_step, wid,
+                        self.restarts[wid], MAX_WORKER_RESTARTS)
+            try:
+                self.workers[wid] = start_worker(self.job_id, wid, self.spec, self.redis_url, self.store_dir,
+                                                 self.worker_ids.index(wid))
+            except ValueError as exc:  # e.g. its name is still held by the dying actor: try again next step
+                log.error("job %s step %d: worker %s could not start again: %s", self.job_id, rl_step, wid, exc)
+        ready = [self.workers[wid].__ray_ready__.remote() for wid in missing if wid in self.workers]
+        ray.wait(ready, num_returns=len(ready))
+
+    def degraded_summary(self) -> str | None:
+        """One line for a run that lost rollout workers (None for a clean one): which, when, and whether
+        every slot had its worker back by the end."""
+        if not self.lost:
+            return None
+        down = [wid for wid in self.worker_ids if wid not in self.workers]
+        tail = (f"; {', '.join(down)} not running at the end ({self.spec.num_workers - len(down)} of "
+                f"{self.spec.num_workers} workers)" if down else "; each was started again")
+        return f"rollout workers lost: {', '.join(self.lost)}{tail}"
 
     def step(self, rl_step: int) -> StepRecord:
         spec, t, failures = self.spec, {}, []
@@ -151,6 +191,7 @@ class Driver:
         prompts = [encode_text(self.tokenizer, p.prompt, self.policy.cfg.vocab_size) for p in problems]
         self.set_phase(Phase.SYNC, rl_step)
         t0 = time.perf_counter()
+        self._restart_lost(rl_step)
         self._sync(rl_step, failures)
         t["weight_sync"] = time.perf_counter() - t0
 

@@ -281,6 +281,9 @@ class JobResult(Message):
     steps: int  # RL steps finished
     finished_at: float
     error: str | None = None  # one line for the user: no traceback, no host or path details
+    # a run that succeeded with less than it was given (a rollout worker lost and not replaced, or replaced late):
+    # one line saying which and when, so a degraded run never reads as a clean one
+    warning: str | None = None
 
 
 @dataclass

@@ -124,3 +124,18 @@ def test_an_idempotency_key_reused_for_another_spec_is_refused_and_creates_nothi
     with pytest.raises(ValueError, match="'k1' was already used for a different job spec"):
         store.create(JobSpec(model="tiny", num_steps=3), "k1")
     assert redis.zcard(jobs_index_key()) == 1
+
+
+def test_a_degraded_run_succeeds_with_its_warning_on_the_job(redis):
+    from scheduler.launcher import Launcher
+    from scheduler.settings import Settings
+    from workers.protocol import JobResult, job_result_key
+
+    store = JobStore(redis)
+    job_id = store.create(JobSpec(model="tiny"))[0]["job_id"]
+    store.transition(job_id, JobState.RUNNING, {JobState.PENDING})
+    warning = "rollout workers lost: w1 at step 0; w1 not running at the end (1 of 2 workers)"
+    redis.set(job_result_key(job_id), JobResult(ok=True, steps=2, finished_at=time.time(), warning=warning).to_json())
+    Launcher(store, Settings(redis_url="redis://unused")).settle(job_id)
+    record = store.get(job_id)
+    assert record["state"] == JobState.SUCCEEDED and record["warning"] == warning and record["error"] is None

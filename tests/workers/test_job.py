@@ -221,16 +221,19 @@ def test_stop_training_stops_a_lease_fast_and_it_publishes_only_whole_copies(ray
 def test_a_worker_killed_mid_rollout_is_reported_and_the_others_results_kept(ray_cluster, private_redis,
                                                                              redis_client, tmp_path):
     with writes_to(redis_client, job_result_key("j5")) as writes, \
-            job("j5", private_redis.url, tmp_path, num_steps=1, max_new_tokens=400) as driver:
+            job("j5", private_redis.url, tmp_path, num_steps=2, max_new_tokens=400) as driver:
         run = driver.run.remote()
         until(lambda: any(p.worker_id == "w1" and p.state == WorkerState.ROLLING_OUT
                           for p in read_progress(redis_client, "j5")), timeout_s=120, what="w1 generating")
         ray.kill(get_worker("j5", "w1"))
         result = ray.get(run, timeout=300)
     assert result["ok"] and writes == ["set"]
-    step = StepRecord.from_dict(read_json_list(redis_client, job_steps_key("j5"))[0])
+    step, after = (StepRecord.from_dict(s) for s in read_json_list(redis_client, job_steps_key("j5")))
     assert [f["worker"] for f in step.failures] == ["w1"] and "\n" not in step.failures[0]["error"]
     assert step.num_rollouts == 4  # w0's two groups of two are kept
     assert step.policy_version == 1  # and the update ran on them
+    # the lost worker is started again for the next step, and the run says it was degraded
+    assert sorted(after.worker_rollout_s) == ["w0", "w1"] and after.num_rollouts == 8 and not after.failures
+    assert result["warning"] == "rollout workers lost: w1 at step 0; each was started again"
     served, _ = job_stores(redis_client, tmp_path, "j5")
     assert served.consistency_check() == {"bad": [], "orphans": []}
