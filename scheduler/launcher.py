@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import ray
 
@@ -18,6 +19,7 @@ from scheduler.jobs import JobStore
 from scheduler.settings import Settings
 from workers.actors import start_driver
 from workers.errors import MAX_ERROR_CHARS, one_line
+from workers.policy_checkpoint import has_policy_checkpoint, remove_policy_checkpoints
 from workers.protocol import (
     RAY_NAMESPACE,
     JobResult,
@@ -29,6 +31,10 @@ from workers.protocol import (
 from workers.spec import JobSpec
 
 log = logging.getLogger(__name__)
+# a job whose driver died without a result is resumed from its policy checkpoint at most this many times (a driver
+# that keeps dying, e.g. out of memory, would otherwise restart forever)
+MAX_DRIVER_RESTARTS = 2
+NAME_RELEASE_S = 30.0  # how long a new driver waits for a dead one's actor name to be released
 
 
 
@@ -36,6 +42,7 @@ class Launcher:
     def __init__(self, store: JobStore, settings: Settings) -> None:
         self.store, self.settings = store, settings
         self.drivers: dict[str, object] = {}
+        self.driver_restarts: dict[str, int] = {}  # job id -> drivers started again from its policy checkpoint
         # a driver is registered and its job's state read under this lock, and a cancel looks for the driver
         # under it: a cancel that lands while a driver is being created kills it either way
         self._lock = threading.Lock()
@@ -54,9 +61,12 @@ class Launcher:
         job_id = record["job_id"]
         if self.store.transition(job_id, JobState.RUNNING, {JobState.PENDING}) is None:
             return  # cancelled before it started
+        self._launch(job_id, record["spec"])
+
+    def _launch(self, job_id: str, spec: dict) -> None:
+        """Start a RUNNING job's driver (it resumes from the job's policy checkpoint if there is one) and follow it."""
         try:
-            driver = start_driver(job_id, JobSpec.model_validate(record["spec"]), self.settings.redis_url,
-                                  self.settings.store_dir)
+            driver = self._start_driver(job_id, JobSpec.model_validate(spec))
             ref = driver.run.remote()
         except Exception as exc:  # the job boundary: recorded on the job, logged with its id
             log.exception("job %s could not start", job_id)
@@ -69,6 +79,33 @@ class Launcher:
             log.info("job %s was cancelled as its driver started: killing it", job_id)
             ray.kill(driver)
         self._follow(job_id, driver, ref)
+
+    def _start_driver(self, job_id: str, spec: JobSpec):
+        """start_driver, waiting out a dead driver's name still being released (after a crash)."""
+        deadline = time.monotonic() + NAME_RELEASE_S
+        while True:
+            try:
+                return start_driver(job_id, spec, self.settings.redis_url, self.settings.store_dir)
+            except ValueError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def _resume(self, job_id: str) -> bool:
+        """A RUNNING job whose driver is gone without a result starts a new driver, which resumes from the
+        job's policy checkpoint: at most MAX_DRIVER_RESTARTS times, and only where there is a checkpoint.
+        Returns whether it did."""
+        record = self.store.get(job_id)
+        restarts = self.driver_restarts.get(job_id, 0)
+        if (record is None or record["state"] != JobState.RUNNING or restarts >= MAX_DRIVER_RESTARTS
+                or not has_policy_checkpoint(self.settings.store_dir, job_id)):
+            return False
+        self.driver_restarts[job_id] = restarts + 1
+        log.warning("job %s: its driver is gone; starting a new one from its policy checkpoint (restart %d of %d)",
+                    job_id, restarts + 1, MAX_DRIVER_RESTARTS)
+        threading.Thread(target=self._launch, args=(job_id, record["spec"]), daemon=True,
+                         name=f"job-{job_id}-resume{restarts + 1}").start()
+        return True
 
     def _follow(self, job_id: str, driver, ref) -> None:
         """Wait for the driver's run (or wait) call, then record the job's end from its JobResult."""
@@ -103,12 +140,15 @@ class Launcher:
     def settle(self, job_id: str, cause: BaseException | None = None) -> None:
         """Record a RUNNING job's end from its JobResult; none means the driver died without one."""
         result = self.result(job_id)
+        if result is None and self._resume(job_id):
+            return
         if result is None:
             why = f": {one_line(cause)}" if cause is not None else " (did the Ray cluster restart?)"
             self._fail(job_id, f"its driver is gone and recorded no result{why}")
         elif result.ok:
             fields = {"warning": result.warning} if result.warning else {}
             self.store.transition(job_id, JobState.SUCCEEDED, {JobState.RUNNING}, **fields)
+            remove_policy_checkpoints(self.settings.store_dir, job_id)  # nothing will resume from it
         else:
             self._fail(job_id, result.error or "its driver reported a failure without a message")
 
@@ -151,5 +191,7 @@ class Launcher:
             try:
                 driver = ray.get_actor(driver_actor_name(job_id), namespace=RAY_NAMESPACE)
             except ValueError:
-                return
-        ray.kill(driver)
+                driver = None
+        if driver is not None:
+            ray.kill(driver)
+        remove_policy_checkpoints(self.settings.store_dir, job_id)

@@ -23,6 +23,7 @@ from workers.actors import start_worker
 from workers.errors import one_line
 from workers.grpo import group_advantages, grpo_update, response_mask, sequence_logprobs
 from workers.pinning import usable_cores
+from workers.policy_checkpoint import load_policy, policy_checkpoint_path, save_policy
 from workers.protocol import Phase, PhaseRecord, StepRecord, job_phase_key, job_steps_key, job_totals_key
 from workers.rollout import engine_unavailable_reason
 from workers.spec import JobSpec
@@ -127,6 +128,30 @@ class Driver:
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=spec.lr)
         # a frozen copy of the initial policy, only when the KL term is on
         self.ref_model = copy.deepcopy(self.policy).requires_grad_(False) if spec.kl_coef > 0 else None
+        self.checkpoint_path = policy_checkpoint_path(store_dir, job_id)
+        self.resumed: list[str] = []  # "after step 3 (steps 4..5 redone)", each resume, for the run's warning
+        if self.checkpoint_path.is_file():
+            self._resume()
+
+    def _resume(self) -> None:
+        """Continue from the policy checkpoint a driver of this job wrote before it died: the policy and its
+        optimizer as they were after that step; the step records past it are dropped (those steps run again)."""
+        step, self.policy_version = load_policy(self.checkpoint_path, self.policy, self.optimizer)
+        recorded = self.redis.llen(job_steps_key(self.job_id))
+        self.redis.ltrim(job_steps_key(self.job_id), 0, step)  # keep records 0..step
+        self.num_steps_done = step + 1
+        redone = f" (steps {step + 1}..{recorded - 1} redone)" if recorded > step + 1 else ""
+        self.resumed.append(f"after step {step}{redone}")
+        log.warning("job %s: resumed from its policy checkpoint after step %d%s", self.job_id, step, redone)
+
+    def _checkpoint(self, rl_step: int, t: dict) -> None:
+        """Every spec.checkpoint_every steps (not after the last: nothing would resume from it)."""
+        every = self.spec.checkpoint_every
+        if not every or (rl_step + 1) % every or rl_step + 1 >= self.spec.num_steps:
+            return
+        t0 = time.perf_counter()
+        save_policy(self.checkpoint_path, self.policy, self.optimizer, rl_step, self.policy_version)
+        t["checkpoint"] = time.perf_counter() - t0
 
     def _publish_warm_draft(self, redis: redis_lib.Redis, store_dir: str) -> int | None:
         """spec.warm_draft as the served store's first version (None without one, or if the store has
@@ -141,7 +166,7 @@ class Driver:
         return version
 
     def run(self) -> None:
-        for rl_step in range(self.spec.num_steps):
+        for rl_step in range(self.num_steps_done, self.spec.num_steps):
             self.step(rl_step)
             self.num_steps_done += 1
 
@@ -175,14 +200,17 @@ class Driver:
         ray.wait(ready, num_returns=len(ready))
 
     def degraded_summary(self) -> str | None:
-        """One line for a run that lost rollout workers (None for a clean one): which, when, and whether
-        every slot had its worker back by the end."""
-        if not self.lost:
-            return None
-        down = [wid for wid in self.worker_ids if wid not in self.workers]
-        tail = (f"; {', '.join(down)} not running at the end ({self.spec.num_workers - len(down)} of "
-                f"{self.spec.num_workers} workers)" if down else "; each was started again")
-        return f"rollout workers lost: {', '.join(self.lost)}{tail}"
+        """One line for a run that lost its driver (resumed from a checkpoint) or rollout workers, None for a
+        clean one: which, when, and whether every slot had its worker back by the end."""
+        parts = []
+        if self.resumed:
+            parts.append(f"driver lost, resumed from its policy checkpoint {'; '.join(self.resumed)}")
+        if self.lost:
+            down = [wid for wid in self.worker_ids if wid not in self.workers]
+            tail = (f"; {', '.join(down)} not running at the end ({self.spec.num_workers - len(down)} of "
+                    f"{self.spec.num_workers} workers)" if down else "; each was started again")
+            parts.append(f"rollout workers lost: {', '.join(self.lost)}{tail}")
+        return "; ".join(parts) or None
 
     def step(self, rl_step: int) -> StepRecord:
         spec, t, failures = self.spec, {}, []
@@ -210,6 +238,7 @@ class Driver:
                                 for g in groups]) if groups else torch.zeros(0, spec.group_size)
         t["reward"] = time.perf_counter() - t0
         stats = self._update(groups, results, rewards, t) if groups else {}
+        self._checkpoint(rl_step, t)
         outs = [o for v in results.values() for o in v]
         num_tokens = sum(len(o["token_ids"]) for o in outs)
         record = StepRecord(rl_step=rl_step, policy_version=self.policy_version, timings=t, worker_rollout_s=worker_s,

@@ -68,6 +68,9 @@ class JobSpec(BaseModel):
     micro_batch_size: int = Field(4, ge=1, le=4096, description="sequences per backward; bounds memory, not the result")
     normalize_std: bool = Field(True, description=(
         "divide advantages by the group's std (Dr. GRPO turns it off: it up-weights near-unanimous groups)"))
+    checkpoint_every: int = Field(10, ge=0, le=100_000, description=(
+        "save the policy and its optimizer every N steps (0: never), so a job whose driver dies resumes from the "
+        "last one and redoes at most N-1 steps; each costs a write of about three times the policy's size"))
     num_updates_per_step: int = Field(1, ge=1, le=64, description=(
         "1 is strictly on-policy (the ratio is 1, clipping idle); more reuse the rollouts off-policy"))
 

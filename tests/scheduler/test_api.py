@@ -11,6 +11,7 @@ import ray
 from fastapi.testclient import TestClient
 
 from scheduler.app import Settings, create_app
+from workers.policy_checkpoint import has_policy_checkpoint
 from workers.protocol import (
     RAY_NAMESPACE,
     JobResult,
@@ -198,6 +199,26 @@ def test_a_failing_job_records_its_drivers_error_in_one_line(client):
     assert record["state"] == "FAILED" and "missing.jsonl" in record["error"] and "\n" not in record["error"]
     result = JobResult.from_json(client.redis.get(job_result_key(job_id)))
     assert not result.ok and record["error"] == result.error  # the job says what its JobResult says
+
+
+def test_a_driver_killed_mid_job_resumes_from_its_policy_checkpoint(client):
+    """checkpoint_every 1: the driver is killed after its first step's checkpoint; a new driver resumes from it,
+    the job finishes with one record per step, and says it was resumed."""
+    spec = TINY | {"num_steps": 4, "checkpoint_every": 1, "max_new_tokens": 16}
+    job_id = client.post("/v1/jobs", json=spec, headers=AUTH).json()["job_id"]
+    deadline = time.monotonic() + 120
+    while client.redis.llen(job_steps_key(job_id)) < 1:  # step 0 recorded: its checkpoint is written
+        assert time.monotonic() < deadline, "the first step never finished"
+        time.sleep(0.1)
+    ray.kill(ray.get_actor(driver_actor_name(job_id), namespace=RAY_NAMESPACE))
+    record = wait_state(client, job_id, {"SUCCEEDED", "FAILED"}, timeout=240)
+    assert record["state"] == "SUCCEEDED", record["error"]
+    assert record["warning"].startswith("driver lost, resumed from its policy checkpoint after step ")
+    steps = client.get(f"/v1/jobs/{job_id}/steps", headers=AUTH).json()
+    assert [s["rl_step"] for s in steps] == [0, 1, 2, 3]  # a redone step is recorded once
+    assert [s["policy_version"] for s in steps] == [1, 2, 3, 4]  # the policy carried on from the checkpoint
+    store_dir = client.app.state.settings.store_dir
+    assert not has_policy_checkpoint(store_dir, job_id)  # a finished job's checkpoint is removed
 
 
 def test_a_driver_that_dies_without_a_result_fails_its_job_in_one_line(client):
