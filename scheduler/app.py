@@ -65,8 +65,9 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="tlt-scheduler", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     http_errors.install(app)  # 4xx naming the field, inputs never echoed, bodies size-limited
-    for module in (jobs, workers, drafts, ops):
-        app.include_router(module.router)
+    for module in (jobs, workers, drafts):
+        app.include_router(module.router, responses=http_errors.JOB_ROUTE_ERRORS)
+    app.include_router(ops.router, responses=http_errors.OPS_ROUTE_ERRORS)
     # the status page: static files shipped in the package, no build step (scheduler/ui/)
     app.mount("/ui", StaticFiles(directory=Path(__file__).with_name("ui"), html=True), name="ui")
     return app

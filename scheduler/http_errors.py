@@ -18,11 +18,34 @@ import redis as redis_lib
 from fastapi import FastAPI, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 MAX_BODY_BYTES = 1 << 20  # a JobSpec is about 1 KB; datasets are named by path, never sent inline
 MAX_MESSAGE_CHARS = 300
 RETRY_AFTER_S = 5  # what a 503 asks a client to wait while Redis is unreachable
 log = logging.getLogger(__name__)
+
+
+class ErrorOut(BaseModel):
+    """Every error but a 422: one line."""
+
+    detail: str
+
+
+def _documented(description: str) -> dict:
+    return {"model": ErrorOut, "description": description}
+
+
+# the error answers of the /v1/jobs routes, as the OpenAPI schema documents them (422s are FastAPI's own)
+JOB_ROUTE_ERRORS = {
+    400: _documented("a body that cannot be read (malformed framing, nesting too deep, a bad Content-Length)"),
+    401: _documented("a token is configured and the request has none, or a wrong one"),
+    404: _documented("no such job"),
+    409: _documented("the job already ended (cancel)"),
+    413: _documented(f"a body over {MAX_BODY_BYTES} bytes"),
+    503: _documented("the scheduler's Redis is unreachable; retry after Retry-After seconds"),
+}
+OPS_ROUTE_ERRORS = {503: _documented("not ready (readyz: what is missing) or Redis unreachable")}
 
 
 def safe_text(value: object, max_chars: int = MAX_MESSAGE_CHARS) -> str:

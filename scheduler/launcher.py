@@ -65,6 +65,9 @@ class Launcher:
 
     def _launch(self, job_id: str, spec: dict) -> None:
         """Start a RUNNING job's driver (it resumes from the job's policy checkpoint if there is one) and follow it."""
+        if not ray.is_initialized():  # never let a driver's creation start a Ray of its own inside this process
+            self._fail(job_id, "the scheduler has no Ray cluster to run it on (started without Ray)")
+            return
         try:
             driver = self._start_driver(job_id, JobSpec.model_validate(spec))
             ref = driver.run.remote()
