@@ -67,7 +67,7 @@ class JobDriver:
             if self._is_started:
                 raise RuntimeError(f"job {self.job_id}: run was already called")
             self._is_started = True
-        redis = connect(self.redis_url)
+        redis = connect(self.redis_url, patient=True)  # a Redis that blinks mid-job must not end the job
         driver, result = None, None
         try:
             from workers.driver import Driver  # torch, here only

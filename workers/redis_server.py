@@ -62,8 +62,10 @@ def free_port() -> int:
 class PrivateRedis:
     """`with PrivateRedis() as r: client = r.client()` — a throwaway redis-server on 127.0.0.1."""
 
-    def __init__(self, start_timeout_s: float = START_TIMEOUT_S) -> None:
-        self.start_timeout_s = start_timeout_s
+    def __init__(self, start_timeout_s: float = START_TIMEOUT_S, persistent: bool = False) -> None:
+        """persistent: an append-only file fsynced on every write (as deploy/ configures Redis), kept across
+        kill() and revive()."""
+        self.start_timeout_s, self.persistent = start_timeout_s, persistent
         self.proc: subprocess.Popen | None = None
         self.port = 0
         self.dir: str | None = None
@@ -99,18 +101,21 @@ class PrivateRedis:
             self.proc.wait()
 
     def revive(self) -> None:
-        """A new server on the killed one's port (empty: it persists nothing): Redis coming back."""
+        """A new server on the killed one's port: Redis coming back, empty, or with its data when persistent."""
         if self.proc is None or self.proc.poll() is None:
             raise RuntimeError("revive() follows kill(): this PrivateRedis is not killed")
-        shutil.rmtree(self.dir or "", ignore_errors=True)
+        if not self.persistent:
+            shutil.rmtree(self.dir or "", ignore_errors=True)
+            self.dir = None
         self._start_once(redis_server_binary(), self.port)
 
     def _start_once(self, binary: str, port: int | None = None) -> None:
-        self.dir = tempfile.mkdtemp(prefix="tlt-redis-")
+        self.dir = self.dir or tempfile.mkdtemp(prefix="tlt-redis-")
         self.port = port or free_port()
         log_path = Path(self.dir) / "redis.log"
+        aof = ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else ["--appendonly", "no"]
         self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *aof,
              "--dir", self.dir, "--logfile", str(log_path)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis_lib.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2, socket_timeout=0.2,
