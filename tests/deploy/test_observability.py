@@ -59,7 +59,7 @@ def stack(tmp_path_factory):
     ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     with PrivateRedis() as redis_server:
         base, server = start_server(Settings(redis_url=redis_server.url, store_dir=str(tmp / "drafts"),
-                                             start_ray=False, watch_tick_s=0.05,
+                                             start_ray=False, watch_tick_s=0.05, model_roots=(str(tmp),),
                                              policy=PolicySettings(min_lease_s=0.05, min_buffer_tokens=16)))
         port = int(base.rsplit(":", 1)[1])
         prom_port = free_port()

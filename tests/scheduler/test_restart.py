@@ -81,7 +81,8 @@ def cluster():
 def serve(redis_url: str, ray_address: str, port: int, store_dir: str, log: Path) -> subprocess.Popen:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "REDIS_URL": redis_url, "TLT_WATCH_TICK_S": "0.05",
            "TLT_POLICY_MIN_LEASE_S": "0.05",
-           "TLT_POLICY_MIN_BUFFER_TOKENS": "16"}
+           "TLT_POLICY_MIN_BUFFER_TOKENS": "16",
+           "TLT_MODEL_ROOTS": str(Path(store_dir).parent)}  # the test's model directory sits beside the store
     proc = subprocess.Popen([sys.executable, "-m", "scheduler.cli", "serve", "--port", str(port), "--ray-address",
                              ray_address, "--store-dir", store_dir], env=env, stdout=log.open("ab"),
                             stderr=subprocess.STDOUT)
