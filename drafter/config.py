@@ -71,6 +71,43 @@ PRESETS: dict[str, ModelConfig] = {  # random weights, for fast tests; copied (d
 }
 
 
+# The draft heads' layout and checkpoint format: the standard EAGLE-3 one (LlamaForCausalLMEagle3, drafter.head,
+# drafter.eagle3). Part of every cache key of a trained draft and of the head_config a checkpoint records, so a
+# draft of another layout (the EAGLE-1-style head before it) is never loaded as one of this layout.
+DRAFT_FORMAT = "eagle3"
+NUM_AUX_LAYERS = 3  # EAGLE-3 fuses three target layers' hidden states: a low, a middle and a high one
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """The target layers an EAGLE-3 head fuses, as vLLM numbers them (`eagle_aux_hidden_state_layer_ids`):
+    id i is the residual stream entering decoder layer i (0: the embeddings; num_layers: the last layer's output,
+    before the final norm). vLLM's own default, (2, L // 2, L - 3), where it names three distinct layers (L >= 7);
+    for the tiny test models, three ids spread over [0, L], distinct from L = 2 on (vLLM captures every id in
+    [0, L]; SGLang every id in [1, L - 1])."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    ids = (2, num_layers // 2, num_layers - 3)
+    if 0 <= ids[0] < ids[1] < ids[2] <= num_layers:
+        return ids
+    low, high = (1 if num_layers >= 3 else 0), (num_layers - 1 if num_layers >= 4 else num_layers)
+    return low, (low + high) // 2, high
+
+
+def check_aux_layer_ids(ids, num_layers: int) -> tuple[int, int, int]:
+    """`ids` as a tuple of NUM_AUX_LAYERS ints in [0, num_layers], in layer order (the order the policy's forward
+    passes them, which is the order an engine concatenates them in); ValueError naming aux_layer_ids."""
+    try:
+        out = tuple(int(i) for i in ids)
+    except (TypeError, ValueError):
+        raise ValueError(f"aux_layer_ids must be {NUM_AUX_LAYERS} ints, got {ids!r}") from None
+    if len(out) != NUM_AUX_LAYERS or any(isinstance(i, bool) for i in ids):
+        raise ValueError(f"aux_layer_ids must be {NUM_AUX_LAYERS} ints, got {ids!r}")
+    if not all(0 <= i <= num_layers for i in out) or list(out) != sorted(out):
+        raise ValueError(f"aux_layer_ids must be ids in [0, {num_layers}] (the policy's layers) in layer order, "
+                         f"got {ids!r}")
+    return out  # type: ignore[return-value]
+
+
 @dataclass
 class TrainConfig:
     lr: float = 1e-3  # a freshly initialised 1-layer head tolerates a high rate; EAGLE fine-tunes use 3e-5

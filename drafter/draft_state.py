@@ -1,5 +1,5 @@
-"""The state an EagleDrafter (drafter.eagle) keeps while it serves, in small parts: the draft LM head
-it scores with, the head waiting to be swapped in, what swaps have cost, and the live rows' draft state."""
+"""The state an EagleDrafter (drafter.eagle) keeps while it serves, in small parts: the head waiting to be
+swapped in, what swaps have cost, and the live rows' draft state."""
 
 from __future__ import annotations
 
@@ -10,30 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafter.head import EagleHead, draft_lm_weight
-from drafter.model import CausalLM, Int8Linear, KVCache, PackedWeight
+from drafter.head import EagleHead
+from drafter.model import KVCache
 
 MAX_SWAP_LOG = 64  # swaps remembered with their times: a job swaps once per draft version, readers want the recent
-
-
-@dataclass
-class DraftLM:
-    """The policy's LM head restricted to the served head's draft vocabulary, in the serving precision."""
-
-    weight: torch.Tensor  # (V', D), sliced once, in the head's dtype
-    packed: PackedWeight  # its oneDNN copy for CPU inference, packed on first use (drafter.model.linear)
-    int8: Int8Linear | None  # its int8 copy, for an int8 drafter
-
-    @classmethod
-    def of(cls, head: EagleHead, policy: CausalLM, dtype: torch.dtype, int8: bool) -> DraftLM:
-        weight = draft_lm_weight(head, policy).to(dtype).contiguous()
-        return cls(weight, PackedWeight(), Int8Linear(weight) if int8 else None)
-
-    def logits(self, head: EagleHead, predicted: torch.Tensor) -> torch.Tensor:
-        """(B, T, D) predicted features -> (B, T, V') logits over the draft vocabulary."""
-        if self.int8 is not None:
-            return self.int8(predicted)
-        return head.draft_logits(predicted, self.weight, self.packed)
 
 
 class PendingSwap:
@@ -78,17 +58,17 @@ class SwapStats:
 @dataclass
 class DraftRows:
     """Per-row draft state of the live batch: the head's KV cache over the true pairs fed so far, the
-    true (policy hidden state, token that followed) pairs not fed yet, and every true pair so far (the
-    history a newly swapped-in head is re-fed)."""
+    true (policy features, token that followed) pairs not fed yet, and every true pair so far (the
+    history a newly swapped-in head is re-fed). Features: drafter.model.draft_features, (n, F) per row."""
 
     cache: KVCache | None = None
-    pending_hidden: list[torch.Tensor] = field(default_factory=list)  # per row: (n, D) states not yet fed
+    pending_hidden: list[torch.Tensor] = field(default_factory=list)  # per row: (n, F) features not yet fed
     pending_tokens: list[list[int]] = field(default_factory=list)  # per row: the n tokens that followed them
     history_hidden: list[list[torch.Tensor]] = field(default_factory=list)  # per row: every true pair so far
     history_tokens: list[list[int]] = field(default_factory=list)
 
     def begin(self, prompts: list[list[int]], prefill_hidden: torch.Tensor | None, empty: torch.Tensor) -> None:
-        """A new batch: each prompt's pairs (h_i, t_{i+1}) are pending; prefill_hidden (B, P, D)."""
+        """A new batch: each prompt's pairs (features at i, t_{i+1}) are pending; prefill_hidden (B, P, F)."""
         self.cache = None
         self.pending_hidden, self.pending_tokens = [], []
         for b, p in enumerate(prompts):

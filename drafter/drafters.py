@@ -29,11 +29,12 @@ class Proposal:
 
 
 class Drafter(ABC):
-    needs_hidden: bool = False  # True when the drafter consumes the policy's hidden states
+    needs_hidden: bool = False  # True when the drafter consumes the policy's features (drafter.model.draft_features)
+    aux_layers: tuple[int, ...] | None = None  # the policy layers those features carry (EAGLE-3's aux states)
     name: str = "drafter"
 
     def begin(self, prompts: list[list[int]], prefill_hidden: torch.Tensor | None) -> None:
-        """A new batch starts. prefill_hidden (B, P, D): hidden states of prompt[:-1], right-padded."""
+        """A new batch starts. prefill_hidden (B, P, F): the policy's features at prompt[:-1], right-padded."""
         return None
 
     @abstractmethod
@@ -53,8 +54,8 @@ class Drafter(ABC):
         raise NotImplementedError(f"{type(self).__name__} drafts chains only")
 
     def observe(self, new_tokens: list[list[int]], hidden: torch.Tensor | None) -> None:
-        """new_tokens[b]: tokens the policy emitted this step; hidden (B, T, D): its hidden states
-        at the verified positions, of which the first len(new_tokens[b]) are valid for row b."""
+        """new_tokens[b]: tokens the policy emitted this step; hidden (B, T, F): its features at the
+        verified positions, of which the first len(new_tokens[b]) are valid for row b."""
         return None
 
     def keep_rows(self, rows: torch.Tensor) -> None:

@@ -1,9 +1,10 @@
-"""The drafting runtime: an EagleHead (drafter.head) drafts up to k tokens per verify step, one KV
-cache row per sequence, and is hot-swapped between decode steps without pausing generation.
+"""The drafting runtime: an EagleHead (drafter.head, EAGLE-3 layout) drafts up to k tokens per verify
+step, one KV cache row per sequence, and is hot-swapped between decode steps without pausing generation.
 
-The head is fed the policy's true (hidden state, next token) pairs as the policy accepts them, then
-drafts autoregressively from its own predictions; a head swapped in mid-generation re-feeds every
-true pair of the live rows first (DraftRows.history), so it drafts as if it had served all along.
+The head is fed the policy's true (aux layers' states, next token) pairs as the policy accepts them
+(fused by its fc), then drafts autoregressively from its own outputs; a head swapped in mid-generation
+re-feeds every true pair of the live rows first (DraftRows.history), so it drafts as if it had served
+all along. The engine asks the policy for the aux layers of `EagleDrafter.aux_layers`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 
 import torch
 
-from drafter.draft_state import DraftLM, DraftRows, PendingSwap, SwapStats
+from drafter.draft_state import DraftRows, PendingSwap, SwapStats
 from drafter.drafters import Drafter, Proposal
 from drafter.head import EagleHead
 from drafter.model import CausalLM, Int8Linear, KVCache, fast_bf16, int8_linear_available, quantize_int8
@@ -55,7 +56,8 @@ def serving_dtype(policy: CausalLM, dtype: torch.dtype | str | None) -> torch.dt
 
 
 class EagleDrafter(Drafter):
-    """Runs an EagleHead autoregressively for k steps per verify, one KV cache row per sequence."""
+    """Runs an EagleHead autoregressively for k steps per verify, one KV cache row per sequence. Every head it
+    serves fuses the same policy layers (aux_layers, fixed by the first): the engine records those."""
 
     needs_hidden = True
     name = "eagle"
@@ -76,6 +78,7 @@ class EagleDrafter(Drafter):
             raise ValueError(f"tree_side_depth must be >= 1 and tree_max_batch >= 0, got {tree_side_depth}, "
                              f"{tree_max_batch}")
         self.tree_side_depth, self.tree_max_batch = tree_side_depth, tree_max_batch
+        self.aux_layers = head.aux_layers  # the policy layers the engine hands over (drafter.model.draft_features)
         self._install(self._prepare(head))
         self.version: int | None = None  # draft version serving, for progress reports
         self.pending = PendingSwap()
@@ -95,6 +98,9 @@ class EagleDrafter(Drafter):
         (an int8 head is a quantized copy: the float head passed in stays trainable and intact)."""
         if head.policy_cfg.hidden_size != self.policy.cfg.hidden_size:
             raise ValueError("draft head hidden_size does not match the policy's")
+        if head.aux_layers != self.aux_layers:
+            raise ValueError(f"draft head fuses layers {head.aux_layers}; this drafter serves heads of "
+                             f"{self.aux_layers}")
         if isinstance(head.fc, Int8Linear):
             if not self.int8:
                 raise ValueError("an int8 head can only be served by an int8 drafter")
@@ -111,8 +117,7 @@ class EagleDrafter(Drafter):
         return (quantize_int8(head) if self.int8 else head).eval()
 
     def _install(self, head: EagleHead) -> None:
-        self.head = head  # the head serving, and the draft vocabulary's LM head it scores with
-        self.lm = DraftLM.of(head, self.policy, self.dtype, self.int8)
+        self.head = head  # the head serving (its own LM head over the draft vocabulary included)
 
     def request_swap(self, head: EagleHead, version: int | None = None) -> None:
         """Serve `head` from the next draft step on (thread-safe; never mid-forward). Its KV cache is
@@ -121,8 +126,9 @@ class EagleDrafter(Drafter):
         self.pending.put(self._prepare(head), version)
 
     def refresh(self) -> None:
-        """The policy's weights changed: re-slice its LM head at the next draft step. A head already
-        requested keeps its place (it is installed against the new weights anyway)."""
+        """The policy's weights changed: re-install the serving head at the next draft step (its cache is
+        rebuilt from the true pairs; the head holds nothing of the policy's, whose embedding it reads live). A
+        head already requested keeps its place."""
         self.pending.put(self.head, self.version, replace=False)
 
     def apply_pending_swap(self) -> None:
@@ -155,7 +161,7 @@ class EagleDrafter(Drafter):
             self.rows.keep(rows)
 
     def _empty(self) -> torch.Tensor:
-        return torch.zeros(0, self.policy.cfg.hidden_size, dtype=self.policy.dtype, device=self.policy.device)
+        return torch.zeros(0, self.head.feature_size, dtype=self.policy.dtype, device=self.policy.device)
 
     def tree_for(self, k: int, batch_size: int = 1) -> Tree | None:
         if k < 1 or not any(w > 1 for w in self.tree_widths) or batch_size > self.tree_max_batch:
@@ -172,7 +178,7 @@ class EagleDrafter(Drafter):
 
     def _feed_pending(self, B: int, extra: int) -> tuple[torch.Tensor, torch.Tensor, KVCache] | None:
         """Run every row's pending true pairs through the head (ragged, right-padded). Returns the
-        head's prediction after each row's last pair (B, 1, D), the number fed per row and the cache,
+        head's output after each row's last pair (B, 1, D), the number fed per row and the cache,
         with room for `extra` speculative slots; None when no row has anything pending."""
         device, rows = self.policy.device, self.rows
         num_pending = torch.tensor([len(t) for t in rows.pending_tokens], dtype=torch.long, device=device)
@@ -181,14 +187,15 @@ class EagleDrafter(Drafter):
         cache = rows.ensure_cache(self.head, B, needed, self.dtype, device)
         if P == 0:
             return None
-        feats = torch.zeros(B, P, self.policy.cfg.hidden_size, dtype=self.dtype, device=device)
+        feats = torch.zeros(B, P, self.head.feature_size, dtype=self.dtype, device=device)
         toks = torch.zeros(B, P, dtype=torch.long, device=device)
         for b in range(B):
             n = len(rows.pending_tokens[b])
             feats[b, :n] = rows.pending_hidden[b]
             toks[b, :n] = torch.tensor(rows.pending_tokens[b], dtype=torch.long)
         positions = cache.lens.unsqueeze(1) + torch.arange(P, device=device)  # (B, P)
-        out = self.head(feats, self.policy.embed_tokens(toks).to(self.dtype), positions, cache)  # (B, P, D)
+        hidden = self.head.fuse(feats)  # (B, P, 4D) -> (B, P, D)
+        out = self.head(hidden, self.policy.embed_tokens(toks).to(self.dtype), positions, cache)  # (B, P, D)
         last = (num_pending - 1).clamp(min=0)
         pred = out[torch.arange(B, device=device), last].unsqueeze(1)  # (B, 1, D)
         cache.lens = cache.lens + num_pending
@@ -211,9 +218,9 @@ class EagleDrafter(Drafter):
         pred, num_pending, cache = fed
         lens = torch.where(num_pending > 0, torch.tensor(caps, device=device).clamp(max=K), 0)
         pos = cache.lens.unsqueeze(1)  # (B, 1): next speculative slot
-        # 2) draft autoregressively from the head's own predictions
+        # 2) draft autoregressively from the head's own outputs
         for j in range(K):
-            logits = self.lm.logits(self.head, pred)  # (B, 1, V')
+            logits = self.head.logits(pred)  # (B, 1, V')
             if sampling.all_greedy:
                 x = vocab_ids[logits[:, 0].argmax(-1)]
             else:
@@ -253,7 +260,7 @@ class EagleDrafter(Drafter):
             at_d = [j for j in range(1, N + 1) if int(tree.depth[j]) == d]
             pars = sorted({parents[j - 1] for j in at_d})
             # one pass over the draft LM head for the whole depth: reading its weight is the cost
-            depth_logits = self.lm.logits(self.head, node_pred[:, pars]).float()
+            depth_logits = self.head.logits(node_pred[:, pars]).float()
             for col, par in enumerate(pars):
                 kids = [int(c) for c in tree.children[par] if c > 0]
                 logits = depth_logits[:, col]  # (B, V')

@@ -18,8 +18,9 @@ from typing import Protocol
 
 import torch
 
+from drafter.config import check_aux_layer_ids, default_aux_layer_ids
 from drafter.drafters import Drafter
-from drafter.model import CausalLM
+from drafter.model import CausalLM, draft_features
 from drafter.sampling import BatchSampling, SamplingParams, Verdict, verify
 from drafter.tree import Tree, compact_path, tree_attention, verify_tree
 
@@ -39,8 +40,10 @@ class GenerationOutput:
     num_draft_tokens: int  # drafts proposed for it
     num_accepted: int  # drafts accepted
     text: str | None = None  # decoded, cut before a matched stop string
-    hidden_states: torch.Tensor | None = None  # (N, D): policy state that produced token_ids[i]
-    prompt_hidden_states: torch.Tensor | None = None  # (P-1, D): states at prompt positions 0..P-2
+    # (N, F): the policy's features (drafter.model.draft_features: the aux layers' states, then the final
+    # hidden state) at the position that produced token_ids[i]
+    hidden_states: torch.Tensor | None = None
+    prompt_hidden_states: torch.Tensor | None = None  # (P-1, F): features at prompt positions 0..P-2
 
     @property
     def mean_accepted_length(self) -> float:
@@ -55,6 +58,7 @@ class EngineStats:
     num_generated: int = 0
     num_draft_tokens: int = 0
     num_accepted: int = 0
+    num_verify_steps: int = 0  # sequence-steps that verified at least one drafted token
     accept_hist: Counter = field(default_factory=Counter)  # accepted drafts per sequence-step
 
     @property
@@ -148,8 +152,12 @@ class Engine:
     def generate(self, requests: list[Request], k: int = 0, drafter: Drafter | None = None,
                  record_hidden: bool = False,
                  on_step: Callable[[int, int], None] | None = None,
-                 tuner: DraftLengthChooser | None = None) -> list[GenerationOutput]:
+                 tuner: DraftLengthChooser | None = None,
+                 aux_layers: tuple[int, ...] | None = None) -> list[GenerationOutput]:
         """Generate for all requests as one batch. k: max draft tokens per step (0 = plain).
+        record_hidden: return each position's policy features (drafter.model.draft_features) over
+        `aux_layers` (None: the drafter's, else drafter.config.default_aux_layer_ids), the pairs a draft
+        head trains on; a drafter that consumes features gets the same ones. Neither: no layer is kept.
         on_step(num_finished, num_generated) is called after every step (progress reporting).
         tuner: chooses each step's draft length in [0, k] from the live batch size, and is told the
         tokens the step emitted and its seconds (drafting + verifying); None: k every step. The KV
@@ -165,12 +173,14 @@ class Engine:
         largest = drafter.tree_for(k) if drafter is not None else None  # room for its side slots
         cache = model.new_cache(len(rows), max(limits), extra=largest.num_nodes if largest is not None else 0)
         needs_hidden = drafter is not None and drafter.needs_hidden
-        prefill_hidden = self._prefill(rows, cache, needs_hidden or record_hidden)
+        aux = self._aux_layers(drafter if needs_hidden else None, record_hidden, aux_layers)
+        prefill_hidden = self._prefill(rows, cache, needs_hidden or record_hidden, aux)
         if record_hidden:
+            width = (len(aux) + 1) * model.cfg.hidden_size
             for b, r in enumerate(rows):
                 n = r.num_prompt - 1
                 r.prompt_hidden = (prefill_hidden[b, :n].clone() if prefill_hidden is not None
-                                   else torch.zeros(0, model.cfg.hidden_size, dtype=model.dtype))
+                                   else torch.zeros(0, width, dtype=model.dtype))
         if drafter is not None:
             drafter.begin([r.tokens for r in rows], prefill_hidden)
         while order:
@@ -181,10 +191,10 @@ class Engine:
             tree = drafter.tree_for(step_k, len(live)) if largest is not None else None  # the tail: a tree
             if tree is not None:
                 uniforms = None if sampling.all_greedy else self._uniforms(live, tree.num_uniforms + tree.num_nodes)
-                self._tree_step(live, cache, tree, drafter, sampling, uniforms, step_k)
+                self._tree_step(live, cache, tree, drafter, sampling, uniforms, step_k, aux)
             else:
                 uniforms = None if sampling.all_greedy else self._uniforms(live, 2 * step_k + 1)
-                self._chain_step(live, cache, drafter, sampling, uniforms, step_k)
+                self._chain_step(live, cache, drafter, sampling, uniforms, step_k, aux)
             if tuner is not None:
                 tuner.record(len(live), step_k, sum(len(r.tokens) for r in live) - num_before,
                              time.perf_counter() - start)
@@ -200,10 +210,30 @@ class Engine:
                     drafter.keep_rows(keep)
         return [self._output(r) for r in rows]
 
-    def _chain_step(self, live, cache, drafter, sampling, uniforms, k) -> None:
+    def _aux_layers(self, drafter: Drafter | None, record_hidden: bool,
+                    aux_layers: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        """The policy layers whose states the forwards return (None: none is kept)."""
+        num_layers = self.model.cfg.num_layers
+        if drafter is not None:
+            theirs = check_aux_layer_ids(drafter.aux_layers or default_aux_layer_ids(num_layers), num_layers)
+            if aux_layers is not None and check_aux_layer_ids(aux_layers, num_layers) != theirs:
+                raise ValueError(f"aux_layers {tuple(aux_layers)} differ from the drafter's {theirs}")
+            return theirs
+        if not record_hidden:
+            return None
+        return check_aux_layer_ids(aux_layers or default_aux_layer_ids(num_layers), num_layers)
+
+    def _forward(self, aux: tuple[int, ...] | None, *args, **kwargs) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The policy forward: (logits, hidden states), or with `aux` (logits, features)."""
+        if aux is None:
+            return self.model(*args, **kwargs)
+        logits, hidden, states = self.model(*args, aux_layers=aux, **kwargs)
+        return logits, draft_features(hidden, states)  # (B, T, 4D)
+
+    def _chain_step(self, live, cache, drafter, sampling, uniforms, k, aux=None) -> None:
         """One verify forward of [last, d_1..d_K] per row (K = 0: plain decoding; a drafter still
         observes what the policy emitted, so it can draft again at a later step)."""
-        model, device = self.model, self.model.device
+        device = self.model.device
         if drafter is not None and k > 0:
             caps = [r.cap(k) for r in live]
             prop = drafter.propose([r.tokens for r in live], caps, sampling,
@@ -218,7 +248,7 @@ class Engine:
         positions = cache.lens.unsqueeze(1) + torch.arange(K + 1, device=device)  # (B, K+1)
         # rows drafting fewer than K tokens are padded; their pad slots lie past every real one
         positions = positions.clamp_(max=cache.max_len - 1)
-        logits, hidden = model(input_ids, positions, cache, logits_for="all")
+        logits, hidden = self._forward(aux, input_ids, positions, cache, logits_for="all")
         if K == 0:
             draft_tokens = torch.zeros(len(live), 0, dtype=torch.long, device=device)
             draft_lens = torch.zeros(len(live), dtype=torch.long, device=device)
@@ -226,7 +256,7 @@ class Engine:
         verdict = verify(logits, draft_tokens, draft_lens, draft_probs, sampling, verify_u)
         self._advance(live, cache, verdict, draft_tokens, draft_lens, hidden, drafter)
 
-    def _tree_step(self, live, cache, tree: Tree, drafter, sampling, uniforms, k) -> None:
+    def _tree_step(self, live, cache, tree: Tree, drafter, sampling, uniforms, k, aux=None) -> None:
         """One verify forward of [last, tree nodes] per row under the tree mask (drafter.tree), then
         the accepted path's K/V moved to consecutive slots and its hidden states handed on in order."""
         model, device = self.model, self.model.device
@@ -240,8 +270,8 @@ class Engine:
         positions = (base.view(B, 1) + tree.depth.to(device).view(1, -1)).clamp_(max=model.cfg.max_position - 1)
         slots = base.view(B, 1) + torch.arange(N + 1, device=device).view(1, -1)
         mask = tree_attention(base, torch.arange(N + 1, device=device), tree, 0, int(base.max()) + N + 1)
-        logits, hidden = model(torch.cat([last, tokens], dim=1), positions, cache, logits_for="all",
-                               tree=(slots, mask))
+        logits, hidden = self._forward(aux, torch.cat([last, tokens], dim=1), positions, cache, logits_for="all",
+                                       tree=(slots, mask))
         verdict = verify_tree(logits, tree, tokens, valid, None if prop.probs is None else prop.probs.to(device),
                               sampling, None if uniforms is None else uniforms[:, : tree.num_uniforms])
         compact_path(cache, verdict.path, verdict.num_accepted)
@@ -257,7 +287,7 @@ class Engine:
         random stream depends on its own seed only, not on what else is in the batch."""
         return torch.stack([torch.rand(n, generator=r.gen) for r in live]).to(self.model.device)
 
-    def _prefill(self, rows: list[_Row], cache, needs_hidden: bool) -> torch.Tensor | None:
+    def _prefill(self, rows: list[_Row], cache, needs_hidden: bool, aux=None) -> torch.Tensor | None:
         """Run prompt[:-1] of every row through the policy (no logits needed)."""
         P = max(len(r.tokens) - 1 for r in rows)
         cache.lens = torch.tensor([len(r.tokens) - 1 for r in rows], dtype=torch.long, device=cache.lens.device)
@@ -268,7 +298,7 @@ class Engine:
             ids[b, : len(r.tokens) - 1] = torch.tensor(r.tokens[:-1], dtype=torch.long)
         device = self.model.device
         positions = torch.arange(P, device=device).expand(len(rows), P)  # padding slots get overwritten later
-        _, hidden = self.model(ids.to(device), positions, cache, logits_for="none")
+        _, hidden = self._forward(aux, ids.to(device), positions, cache, logits_for="none")
         return hidden if needs_hidden else None
 
     def _advance(self, live, cache, verdict, draft_tokens, draft_lens, hidden, drafter) -> None:
@@ -292,6 +322,7 @@ class Engine:
             st.num_generated += len(taken)
             st.num_draft_tokens += lens[b]
             st.num_accepted += n
+            st.num_verify_steps += int(lens[b] > 0)
             st.accept_hist[n] += 1
         cache.lens = cache.lens + verdict.num_accepted + 1
         if drafter is not None:

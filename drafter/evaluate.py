@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from drafter.buffer import Rollout, iter_batches
-from drafter.head import EagleHead, draft_lm_weight
+from drafter.head import EagleHead
 from drafter.model import CausalLM
 from drafter.unroll import loss_mask, unrolled_predictions
 
@@ -67,7 +67,6 @@ def expected_accepted_lengths(head: EagleHead, policy: CausalLM, rollouts: list[
     head.eval()
     dtype = head.fc.weight.dtype
     lm_full = policy.lm_head.weight.to(dtype)  # (V, D)
-    lm_draft = draft_lm_weight(head, policy).to(dtype)  # (V', D): gathered once, not per batch and step
     vocab_ids = head.vocab_ids
     n = len(draft_temperatures)
     total, count = [0.0] * n, 0
@@ -76,7 +75,8 @@ def expected_accepted_lengths(head: EagleHead, policy: CausalLM, rollouts: list[
             feats = batch.feats.to(dtype)
             batch.feats = feats
             preds = unrolled_predictions(head, policy.embed_tokens, batch, k)
-            target_logits = F.linear(feats[:, 1:], lm_full).float()  # (R, T-1, V): the policy at slot j
+            # (R, T-1, V): the policy at slot j
+            target_logits = F.linear(head.policy_hidden(feats[:, 1:]), lm_full).float()
             R, T1 = target_logits.shape[:2]
             alphas, valid = [[] for _ in range(n)], []
             if greedy:
@@ -84,7 +84,7 @@ def expected_accepted_lengths(head: EagleHead, policy: CausalLM, rollouts: list[
             else:
                 p_draft_vocab = target_logits.softmax(-1)[..., vocab_ids]  # (R, T-1, V')
             for s, pred in enumerate(preds):
-                draft_logits = head.draft_logits(pred[:, :-1], lm_draft).float()  # (R, T-1, V')
+                draft_logits = head.logits(pred[:, :-1]).float()  # (R, T-1, V')
                 for i, tau in enumerate(draft_temperatures):
                     if greedy:
                         alpha = (vocab_ids[draft_logits.argmax(-1)] == target_top).float()

@@ -228,18 +228,25 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32,
     return LoadedModel(_finish(model, dtype, device), tokenizer, path.name, path)
 
 
+def hf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our state dict (fused q/k/v and gate/up) under HF names, un-fused, as contiguous CPU copies: what an HF
+    directory's model.safetensors holds, and what an engine that loads HF checkpoints (vLLM) takes."""
+    tensors: dict[str, torch.Tensor] = {}
+    for ours, hf_names, rows in _name_plan(cfg):
+        if ours not in state:
+            raise ValueError(f"the state dict lacks {ours}")
+        # clone: split views share storage, which safetensors refuses to write
+        for name, part in zip(hf_names, state[ours].split(rows), strict=True):
+            tensors[name] = part.detach().to("cpu").clone()
+    return tensors
+
+
 def save_hf_dir(model: CausalLM, tokenizer: object | None, path: str | Path) -> None:
     """Write an HF-format directory (un-fused model.safetensors + config.json [+ tokenizer]) transformers loads."""
     path = Path(path)
     config = hf_config_dict(model.cfg)  # validates before anything is written
     path.mkdir(parents=True, exist_ok=True)
-    state = model.state_dict()
-    tensors: dict[str, torch.Tensor] = {}
-    for ours, hf_names, rows in _name_plan(model.cfg):
-        # clone: split views share storage, which safetensors refuses to write
-        for name, part in zip(hf_names, state[ours].split(rows), strict=True):
-            tensors[name] = part.detach().to("cpu").clone()
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(hf_tensors(model.state_dict(), model.cfg), str(path / "model.safetensors"), metadata={"format": "pt"})
     config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer is not None:

@@ -300,8 +300,17 @@ def tree_inputs(positions: torch.Tensor, cache: KVCache | None,
     return slots, mask, mask.shape[-1]
 
 
+def draft_features(hidden: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    """The features the engine records per position for drafter training and hands an EAGLE-3 draft head:
+    the aux layers' states (..., 3D), then the final-norm hidden state (..., D), concatenated (..., 4D). The
+    head fuses the first 3D (drafter.head.EagleHead.fuse); the last D is only a training target (the policy's
+    next-token distribution there is its LM head over it)."""
+    return torch.cat([aux, hidden], dim=-1)
+
+
 class CausalLM(nn.Module):
-    """Llama/Qwen2-family decoder. `forward` returns (logits, hidden) for the requested positions."""
+    """Llama/Qwen2-family decoder. `forward` returns (logits, hidden) for the requested positions, and the
+    hidden states of chosen layers (EAGLE-3's aux states) when asked."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -330,24 +339,41 @@ class CausalLM(nn.Module):
                        c.head_dim, self.dtype, self.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
-                logits_for: str = "all", tree: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor | None, torch.Tensor]:
+                logits_for: str = "all", tree: tuple[torch.Tensor, torch.Tensor] | None = None,
+                aux_layers: tuple[int, ...] | None = None) -> tuple:
         """input_ids, positions: (B, T). Writes K/V at `positions`; does not change cache.lens.
         cache=None: a self-contained causal forward (training, log-probabilities), differentiable.
         tree: (slots (B, T), mask (B, 1, T, S)) for a draft tree (drafter.tree), whose siblings share
         a rotary position: K/V go to `slots` and attention follows `mask` instead of the positions.
 
         logits_for: "all" -> (B, T, V); "last" -> (B, 1, V); "none" -> None (prefill).
-        Returns the final-norm hidden states (B, T, D), the features a draft head consumes.
+        Returns (logits, hidden): hidden the final-norm hidden states (B, T, D). With `aux_layers`
+        (layer ids as vLLM numbers EAGLE-3's aux states: id i is the residual stream entering layer i, 0 the
+        embeddings, num_layers the last layer's output before the final norm) it returns (logits, hidden, aux)
+        too, aux (B, T, len(aux_layers) * D) their concatenation in the order given: what an EAGLE-3 head
+        fuses. Keeping a reference per asked layer is all it costs; nothing is kept when not asked.
         """
         x = self.embed_tokens(input_ids)  # (B, T, D)
         rope = self.rotary(positions, x.dtype)
         slots, mask, num_slots = tree_inputs(positions, cache, tree)
+        wanted = set(aux_layers) if aux_layers is not None else set()
+        kept: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
+            if i in wanted:
+                kept[i] = x  # the layers never write x in place: a reference is a snapshot
             x = layer(x, rope, cache, i, slots, mask, num_slots)
+        if len(self.layers) in wanted:
+            kept[len(self.layers)] = x
         hidden = self.norm(x)
         if logits_for == "none":
-            return None, hidden
-        if logits_for == "last":
-            return self.lm_head(hidden[:, -1:]), hidden
-        return self.lm_head(hidden), hidden
+            logits = None
+        elif logits_for == "last":
+            logits = self.lm_head(hidden[:, -1:])
+        else:
+            logits = self.lm_head(hidden)
+        if aux_layers is None:
+            return logits, hidden
+        missing = sorted(wanted - set(kept))
+        if missing:
+            raise ValueError(f"aux_layers {missing} are not layers of this model (0..{len(self.layers)})")
+        return logits, hidden, torch.cat([kept[i] for i in aux_layers], dim=-1)  # (B, T, n * D)

@@ -1,9 +1,10 @@
 """Drafter training: the EAGLE head learns the policy's next-token distribution from rollouts.
 
-Loss per pair j = (h_j, x_{j+1}): cross-entropy of the head's draft distribution against the
-policy's own distribution softmax(lm_head(h_{j+1})) over the draft vocabulary, plus a smooth-L1
-regression of the predicted feature onto h_{j+1}, for each step of the training-time unrolling
-(drafter.unroll), weighted by unroll_decay**s.
+Loss per pair j = (a_j, x_{j+1}) (a_j: the policy's three aux layers' states at position j):
+cross-entropy of the head's draft distribution (its own LM head) against the policy's own distribution
+softmax(lm_head(h_{j+1})) over the draft vocabulary (h: the policy's final-norm hidden state), plus a
+smooth-L1 regression of the head's normed output onto h_{j+1}, for each step of the training-time
+unrolling (drafter.unroll), weighted by unroll_decay**s.
 
 Training runs in micro-steps (one optimizer step each); a stop request aborts the current micro-step
 before its optimizer update, so a trainer stops within one micro-step and never half-applies one.
@@ -34,13 +35,13 @@ class StopRequestedError(Exception):
 def draft_loss(head: EagleHead, policy: CausalLM, batch: PackedBatch, cfg: TrainConfig,
                check_stop: Callable[[], None] | None = None,
                lm_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """lm_weight: draft_lm_weight(head, policy), possibly already in the autocast dtype (a trainer
-    keeps one copy instead of gathering and casting 8192 x D weights at every use). The LM head, the
-    largest matmul of a step, runs on the trained pairs only (loss_mask), not on padding or pairs
-    without a chain."""
+    """lm_weight: draft_lm_weight(head, policy), the policy's LM head over the draft vocabulary that scores
+    the targets, possibly already in the autocast dtype (a trainer keeps one copy instead of gathering and
+    casting 8192 x D weights at every use). The LM heads, the largest matmuls of a step, run on the
+    trained pairs only (loss_mask), not on padding or pairs without a chain."""
     if lm_weight is None:
         lm_weight = draft_lm_weight(head, policy)
-    target_feats = batch.feats[:, 1:]  # (R, T-1, D): h_{j+1} for pair j
+    target_feats = head.policy_hidden(batch.feats[:, 1:])  # (R, T-1, D): h_{j+1} for pair j
     first = loss_mask(batch, 0)  # every later step's pairs are among these
     with torch.no_grad():
         target_logits = F.linear(target_feats[first], lm_weight).float()  # (N, V')
@@ -55,8 +56,8 @@ def draft_loss(head: EagleHead, policy: CausalLM, batch: PackedBatch, cfg: Train
         if not bool(valid.any()):
             continue
         picked = valid[first]  # (N,): which of the targets this step trains on
-        trained = pred[:, :-1][valid]  # (n, D)
-        logits = head.draft_logits(trained, lm_weight)  # (n, V')
+        trained = head.norm(pred[:, :-1][valid])  # (n, D): the normed output the head's LM head scores
+        logits = head.lm_head(trained)  # (n, V')
         logp = F.log_softmax(logits.float(), dim=-1)
         ce = -(target_p[picked] * logp).sum(-1).mean()
         reg = F.smooth_l1_loss(trained, target_feats[valid])

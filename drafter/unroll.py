@@ -1,8 +1,8 @@
 """Training-time unrolling (EAGLE-3's "training-time test"): the head's forward over packed rollouts
 for draft steps 0..num_unroll-1 at once, and the attention kernels it runs on.
 
-At inference, draft step s > 0 feeds the head its own previous prediction instead of the policy's
-feature. Unroll step s reproduces that: slot j's input feature is step s-1's prediction at slot j-1,
+At inference, draft step s > 0 feeds the head its own previous output instead of the fused policy
+states. Unroll step s reproduces that: slot j's input hidden is step s-1's output at slot j-1,
 and its attention sees exactly what it would see at inference: the true-feature keys of its chain's
 past (positions <= j - s) plus the keys its own chain produced at steps 1..s (one per step, on the
 diagonal). Step 0 is plain causal attention within each packed segment, so on a GPU it can run on
@@ -103,18 +103,26 @@ def _stop_in_backward(x: torch.Tensor, check_stop: Callable[[], None] | None) ->
 def unrolled_predictions(head: EagleHead, embed: torch.nn.Embedding, batch: PackedBatch,
                          num_unroll: int, check_stop: Callable[[], None] | None = None,
                          varlen_kernel=None) -> list[torch.Tensor]:
-    """Predicted features for unroll steps 0..num_unroll-1, each (R, T, D). With `varlen_kernel`
-    (flash-attn's on a GPU) step 0 runs it over the packed segments; later steps need keys from
-    other steps on the diagonal, which no varlen kernel expresses, so they stay on masked SDPA."""
+    """The head's layer outputs (before the final norm: head.logits scores them) for unroll steps
+    0..num_unroll-1, each (R, T, D). Step 0 takes fc over the recorded aux states (head.fuse); step s
+    takes step s-1's output at the slot before, as drafting feeds its own output back. With
+    `varlen_kernel` (flash-attn's on a GPU) step 0 runs it over the packed segments; later steps need
+    keys from other steps on the diagonal, which no varlen kernel expresses, so they stay on masked SDPA."""
     feats, positions, seq = batch.feats, batch.positions, batch.seq_ids
+    if feats.shape[-1] != head.feature_size:
+        raise ValueError(f"the batch's features are {feats.shape[-1]} wide; this head takes {head.feature_size} "
+                         f"(three aux layers' states and the final hidden state, each {head.policy_cfg.hidden_size}): "
+                         "rollouts recorded for another head layout or policy")
     layout = varlen_layout(seq) if varlen_kernel is not None else None
     R, T, _ = feats.shape
     emb = embed(batch.tokens)  # (R, T, D), frozen
     rope = head.rotary(positions, feats.dtype)
     same = (seq[:, :, None] == seq[:, None, :]) & (seq[:, :, None] >= 0)  # (R, Tq, Tk)
     eye = torch.eye(T, dtype=torch.bool, device=feats.device).expand(R, T, T)
-    layer_keys: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in head.layers]
-    preds, x_feats = [], feats
+    layer = head.midlayer
+    attn = layer.self_attn
+    step_keys: list[tuple[torch.Tensor, torch.Tensor]] = []
+    preds, hidden = [], head.fuse(feats)  # (R, T, 4D) -> (R, T, D)
     for s in range(num_unroll):
         if check_stop is not None:
             check_stop()
@@ -126,31 +134,26 @@ def unrolled_predictions(head: EagleHead, embed: torch.nn.Embedding, batch: Pack
         # no chain of s steps inside the segment (or padding): attend to itself, never to nothing
         lonely = (positions - batch.seg_start < s) | (seq < 0)
         mask[..., :T] |= eye.unsqueeze(1) & lonely.view(R, 1, T, 1)
-        x = head.fc(torch.cat([emb, x_feats], dim=-1))  # (R, T, 2D) -> (R, T, D)
-        for li, layer in enumerate(head.layers):
-            attn = layer.attn
-            h = layer.input_norm(x)
-            q, k, v = attn.qkv_proj(h).split(attn.split, dim=-1)
-            q = apply_rotary(q.view(R, T, attn.num_heads, attn.head_dim), *rope).transpose(1, 2)  # (R, H, T, D)
-            k = apply_rotary(k.view(R, T, attn.num_kv_heads, attn.head_dim), *rope).transpose(1, 2)
-            v = v.view(R, T, attn.num_kv_heads, attn.head_dim).transpose(1, 2)  # (R, Hkv, T, D)
-            layer_keys[li].append((k, v))
-            ks = [layer_keys[li][0][0]] + [_shift_right(layer_keys[li][t][0].transpose(1, 2), s - t).transpose(1, 2)
-                                           for t in range(1, s + 1)]
-            vs = [layer_keys[li][0][1]] + [_shift_right(layer_keys[li][t][1].transpose(1, 2), s - t).transpose(1, 2)
-                                           for t in range(1, s + 1)]
-            if s == 0 and layout is not None:
-                out = varlen_step0_attention(q, k, v, layout, varlen_kernel)
-            else:
-                out = F.scaled_dot_product_attention(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), attn_mask=mask,
-                                                     enable_gqa=attn.num_heads != attn.num_kv_heads)  # (R, H, T, D)
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(R, T, -1))
-            _stop_in_backward(x, check_stop)
-            x = x + layer.mlp(layer.post_attn_norm(x))
-            _stop_in_backward(x, check_stop)
-        pred = head.norm(x)
-        preds.append(pred)
-        x_feats = _shift_right(pred, 1)  # slot j's next input is this step's prediction at slot j-1
+        q, k, v = attn.qkv_proj(layer.attn_input(hidden, emb)).split(attn.split, dim=-1)  # (R, T, 2D) in
+        q = apply_rotary(q.view(R, T, attn.num_heads, attn.head_dim), *rope).transpose(1, 2)  # (R, H, T, D)
+        k = apply_rotary(k.view(R, T, attn.num_kv_heads, attn.head_dim), *rope).transpose(1, 2)
+        v = v.view(R, T, attn.num_kv_heads, attn.head_dim).transpose(1, 2)  # (R, Hkv, T, D)
+        step_keys.append((k, v))
+        ks = [step_keys[0][0]] + [_shift_right(step_keys[t][0].transpose(1, 2), s - t).transpose(1, 2)
+                                  for t in range(1, s + 1)]
+        vs = [step_keys[0][1]] + [_shift_right(step_keys[t][1].transpose(1, 2), s - t).transpose(1, 2)
+                                  for t in range(1, s + 1)]
+        if s == 0 and layout is not None:
+            out = varlen_step0_attention(q, k, v, layout, varlen_kernel)
+        else:
+            out = F.scaled_dot_product_attention(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), attn_mask=mask,
+                                                 enable_gqa=attn.num_heads != attn.num_kv_heads)  # (R, H, T, D)
+        attn_out = attn.o_proj(out.transpose(1, 2).reshape(R, T, -1))  # (R, T, D)
+        _stop_in_backward(attn_out, check_stop)
+        x = layer.finish(hidden, attn_out)
+        _stop_in_backward(x, check_stop)
+        preds.append(x)
+        hidden = _shift_right(x, 1)  # slot j's next input is this step's output at slot j-1
     return preds
 
 

@@ -22,6 +22,7 @@ from scheduler.state import read_classes
 from workers.progress import read_progress
 from workers.protocol import (
     REPORTED_STATES,
+    TOTALS_DRAFT_COLLAPSES,
     JobState,
     WorkerState,
     draft_namespaces,
@@ -87,6 +88,8 @@ class RedisCollector(Collector):
                                         "on otherwise idle GPUs", labels=["job"])
         info = GaugeMetricFamily("tlt_job_info", "1 per job, its labels describe it (the job table)",
                                  labels=["job", "state", "model", "tlt", "num_workers"])
+        collapses = CounterMetricFamily("tlt_draft_collapses", "Draft versions a worker's swap guard rolled back: "
+                                        "acceptance collapsed after the swap", labels=["job"])
         steps_done = GaugeMetricFamily("tlt_job_steps_done", "RL steps finished", labels=["job"])
         serving = GaugeMetricFamily("tlt_job_draft_version_served", "Newest published draft version",
                                     labels=["job"])
@@ -123,6 +126,9 @@ class RedisCollector(Collector):
                     f"tlt_worker_mean_accepted_length{{{labels}}} {_num(r.mean_accepted_length)}\n")
                 lines["tlt_worker_draft_version"].append(f"tlt_worker_draft_version{{{labels}}} "
                                                          f"{_num(r.draft_version)}\n")
+            # one read of the totals; collapses from 0 on, so the alert's increase() sees the first one
+            idle_s, num_collapses = redis.hmget(job_totals_key(jid), "idle_worker_s", TOTALS_DRAFT_COLLAPSES)
+            collapses.add_metric([jid], float(num_collapses or 0))
             last = redis.lindex(job_steps_key(jid), -1)
             if last is not None:
                 try:
@@ -130,12 +136,12 @@ class RedisCollector(Collector):
                         phase.add_metric([jid, name], float(seconds))
                 except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
                     log.error("job %s: unreadable last step record", jid)
-                idle.add_metric([jid], float(redis.hget(job_totals_key(jid), "idle_worker_s") or 0.0))
+                idle.add_metric([jid], float(idle_s or 0.0))
             steps_done.add_metric([jid], num_steps)
         self.local.worker_text = "".join(
             f"# HELP {name} {help_}\n# TYPE {name} gauge\n{''.join(lines[name])}"
             for name, help_ in WORKER_FAMILIES)
-        yield from (phase, idle, reclaimed, info, steps_done, serving)
+        yield from (phase, idle, reclaimed, info, steps_done, serving, collapses)
 
 
 def exposition(registry: CollectorRegistry, collector: RedisCollector) -> bytes:

@@ -8,7 +8,7 @@ import typing
 
 from pydantic import BaseModel, create_model
 
-from workers.protocol import JobState, ProgressRecord, WorkerState
+from workers.protocol import CollapseEvent, JobState, ProgressRecord, WorkerState
 
 
 class JobOut(BaseModel):
@@ -30,6 +30,14 @@ WorkerOut = create_model(
     **{f.name: (_PROGRESS_HINTS[f.name], ...) for f in dataclasses.fields(ProgressRecord) if f.name != "job_id"},
     scheduler_class=(WorkerState | None, None),  # the watcher's view: ROLLING_OUT, STRAGGLER, IDLE, ...
 )
+
+
+# A draft version a worker's swap guard rolled back (the CollapseEvent it recorded), built from the
+# message type as WorkerOut is
+_COLLAPSE_HINTS = typing.get_type_hints(CollapseEvent)
+CollapseOut = create_model(
+    "CollapseOut", **{f.name: (_COLLAPSE_HINTS[f.name], f.default if f.default is not dataclasses.MISSING else ...)
+                      for f in dataclasses.fields(CollapseEvent)})
 
 
 class PublishDecision(BaseModel):
@@ -76,6 +84,8 @@ class DraftsOut(BaseModel):
     idle_worker_s: float = 0.0  # the driver's running total over the steps (its step records have each step's)
     # rl_step -> reclaimed worker-seconds within that step's rollout (the newest 1000 steps)
     reclaimed_by_step: dict[int, float] = {}
+    num_collapses: int = 0  # draft versions the workers' swap guards rolled back (acceptance collapsed)
+    collapses: list[CollapseOut] = []  # the newest of them, oldest first
 
 
 class HealthOut(BaseModel):

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
 from drafter.config import ModelConfig
 from drafter.model import CausalLM
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked vllm run where vllm is importable (.venv-engines: `make test` runs them there with -m vllm);
+    elsewhere they are skipped, saying why. vllm installed but broken fails them: it never skips them."""
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    skip = pytest.mark.skip(reason="vllm is not installed in this venv: `make test` runs these in .venv-engines")
+    for item in items:
+        if item.get_closest_marker("vllm") is not None:
+            item.add_marker(skip)
 
 
 def tiny_model(vocab_size: int = 64, seed: int = 0, std: float = 0.3, max_position: int = 512,

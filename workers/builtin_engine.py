@@ -1,5 +1,5 @@
 """The built-in RolloutEngine: drafter.engine.Engine (batched speculative decoding in PyTorch) with an
-EAGLE drafter (drafter.eagle.EagleDrafter), on CPU or one GPU.
+EAGLE-3 drafter (drafter.eagle.EagleDrafter), on CPU or one GPU.
 
 It shares its policy module with the worker (the learner-side copy the drafter trains against):
 load_policy writes the weights into that module.
@@ -54,8 +54,8 @@ class BuiltinEngine(RolloutEngine):
         self.policy.load_state_dict(as_tensors(state))
         self.policy.requires_grad_(False)
         self.policy_version = policy_version
-        # the drafter slices the policy's LM head: refresh it for the new weights (never dropping a
-        # draft version that arrived meanwhile and is waiting for the next decode step)
+        # the drafter's cache holds states of the old weights: refresh it (never dropping a draft version that
+        # arrived meanwhile and is waiting for the next decode step)
         self.drafter.refresh()
 
     def generate(self, prompts: list[list[int]], params: list[dict], *, speculation: Speculation = "off",
@@ -73,8 +73,10 @@ class BuiltinEngine(RolloutEngine):
         before = chooser.bucket_totals()
         start = time.perf_counter()
         try:
+            # harvested features carry the layers the drafter's heads fuse, drafting or not
             outs = self.engine.generate(reqs, k=k, drafter=self.drafter if k else None,
-                                        record_hidden=harvest_into is not None, on_step=on_progress, tuner=chooser)
+                                        record_hidden=harvest_into is not None, on_step=on_progress, tuner=chooser,
+                                        aux_layers=self.drafter.aux_layers)
         finally:
             with self._lock:
                 self._generate_seconds += time.perf_counter() - start
@@ -105,5 +107,6 @@ class BuiltinEngine(RolloutEngine):
         with self._lock:
             return EngineStats(num_generated=s.num_generated, num_seq_steps=s.num_seq_steps,
                                num_draft_tokens=s.num_draft_tokens, num_accepted=s.num_accepted,
+                               num_verify_steps=s.num_verify_steps,
                                generate_seconds=self._generate_seconds, num_swaps=self._num_installs,
                                swap_seconds=self.drafter.swaps.seconds)

@@ -59,6 +59,9 @@ class EngineStats:
     num_seq_steps: int = 0  # sum over policy forwards of the sequences in them
     num_draft_tokens: int = 0  # drafted tokens proposed
     num_accepted: int = 0  # drafted tokens accepted
+    # sequence-steps that verified at least one drafted token: the swap guard's unit (workers.guard); an engine
+    # that cannot count them leaves 0, and the guard then never judges its swaps
+    num_verify_steps: int = 0
     generate_seconds: float = 0.0  # wall time inside generate
     num_swaps: int = 0  # draft versions installed
     swap_seconds: float = 0.0  # time the decode loop spent switching drafts

@@ -12,7 +12,9 @@ plain clients. Every value is JSON: no pickle crosses Redis.
     tlt:job:{job}:phase                        PhaseRecord: where the driver is in its step
     tlt:job:{job}:result                       JobResult: how the driver's run ended (the one record of it)
     tlt:job:{job}:steps                        list of StepRecord JSON, one per finished RL step
-    tlt:job:{job}:totals                       hash of running totals over the steps (idle_worker_s)
+    tlt:job:{job}:totals                       hash of running totals: idle_worker_s (the driver, per step),
+                                               num_draft_collapses (the workers' swap guards)
+    tlt:job:{job}:collapses                    list of CollapseEvent JSON (bounded): drafts the swap guard rolled back
     tlt:job:{job}:workers                      set of worker ids that ever reported
     tlt:job:{job}:worker:{worker}:progress     ProgressRecord JSON, expires after PROGRESS_TTL_S
     tlt:job:{job}:events                       stream of worker state transitions (event_fields)
@@ -48,6 +50,8 @@ MAX_PROGRESS_UPDATES_PER_S = 10  # enough for a live view; 256 workers stay unde
 PROGRESS_TTL_S = 15  # a worker silent this long is gone: 150 missed updates, far past any GC pause
 EVENTS_MAXLEN = 10_000  # state transitions kept per job (approximate trim): hours of a busy job
 MAX_LEASE_OUTCOMES = 64  # lease outcomes a worker keeps in the leases hash (collected within seconds)
+MAX_COLLAPSE_EVENTS = 256  # collapse events kept per job: each is a draft version rolled back on one worker
+TOTALS_DRAFT_COLLAPSES = "num_draft_collapses"  # job_totals_key field: collapses the workers' swap guards saw
 
 _ID = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.\-:]{1,200}")
@@ -183,6 +187,10 @@ def progress_key(job_id: str, worker_id: str) -> str:
 
 def job_events_key(job_id: str) -> str:
     return f"{job_key(job_id)}:events"
+
+
+def job_collapses_key(job_id: str) -> str:
+    return f"{job_key(job_id)}:collapses"
 
 
 def job_leases_key(job_id: str) -> str:
@@ -382,6 +390,28 @@ class ScoringResult(Message):
     candidate_draft_temperature: float | None = None
     num_tokens: int = 0  # recorded pairs the scores were measured on
     error: str | None = None
+
+
+@dataclass
+class CollapseEvent(Message):
+    """A worker's swap guard found a swapped-in draft accepting almost nothing of its published score
+    (workers.guard), and rolled back; appended to job_collapses_key, counted in job_totals_key."""
+
+    worker_id: str
+    version: int  # the draft version that collapsed
+    rolled_back_to: int | None  # the version reinstalled; None: none in the store to go back to, or it failed
+    published_accepted_length: float  # its score when published, at the job's draft_k
+    expected_accepted_length: float  # that score carried over to the draft lengths served
+    measured_accepted_length: float  # tokens per verify step the engine gave since the swap
+    num_verify_steps: int
+    mean_draft_length: float
+    rl_step: int
+    at: float  # wall clock of the rollback
+    error: str | None = None  # why the rollback failed (one line)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_id("worker_id", self.worker_id)
 
 
 # ----- events -------------------------------------------------------------------------------------

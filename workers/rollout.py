@@ -3,7 +3,7 @@ idle. `RolloutRunner` is the plain-Python worker (testable without Ray); workers
 is the Ray actor around it.
 
 Its parts, by concern:
-    engine    the RolloutEngine it drives (workers.engine; the built-in one by default)
+    engine    the RolloutEngine it drives (workers.engine; JobSpec.engine picks it, the built-in one by default)
     policy    the learner-side policy module the drafter trains and is scored against
     buffer    harvested (token, policy hidden state) pairs for drafter training
     stores    the job's served and copies draft stores
@@ -22,8 +22,9 @@ import redis as redis_lib
 import torch
 
 from drafter.buffer import RolloutBuffer
-from drafter.loading import load_model
+from drafter.loading import LoadedModel, load_model
 from workers.builtin_engine import BuiltinEngine, as_tensors
+from workers.engine import RolloutEngine
 from workers.leases import LeaseRunner
 from workers.protocol import WorkerState
 from workers.scoring import Scorer
@@ -37,6 +38,36 @@ NUM_THREADS = 1  # torch threads per worker: several workers share a CPU box, ea
 BUFFER_BYTES = 256 << 20  # harvested pairs kept per worker: ~2 steps of SmolLM2 rollouts in bf16
 
 
+def engine_unavailable_reason(engine: str) -> str | None:
+    """Why JobSpec.engine `engine` cannot run in this Python environment (None: it can); the driver asks before
+    it starts workers, so a job fails with this one line rather than with a worker's traceback."""
+    if engine == "vllm":
+        from workers.vllm_engine import vllm_missing_reason
+
+        return vllm_missing_reason()
+    if engine == "sglang":
+        from workers.sglang_engine import sglang_missing_reason
+
+        return sglang_missing_reason(needs_gpu=False)  # the driver sees no GPU; each worker checks its own
+    return None
+
+
+def build_engine(spec: JobSpec, loaded: LoadedModel, num_threads: int) -> RolloutEngine:
+    """The RolloutEngine JobSpec.engine names, serving `loaded` (the worker's own policy copy, shared with it)."""
+    reason = engine_unavailable_reason(spec.engine)
+    if reason is not None:
+        raise ValueError(reason)
+    if spec.engine == "vllm":
+        from workers.vllm_engine import VllmEngine  # needs vllm: imported only when chosen
+
+        return VllmEngine(loaded.model, loaded.tokenizer, spec, model_dir=loaded.path, num_threads=num_threads)
+    if spec.engine == "sglang":
+        from workers.sglang_engine import SglangEngine  # needs sglang and a CUDA GPU: imported only when chosen
+
+        return SglangEngine(loaded.model, loaded.tokenizer, spec, model_dir=loaded.path)
+    return BuiltinEngine(loaded.model, loaded.tokenizer, spec)
+
+
 class RolloutRunner:
     """One worker's state and work; every public method is safe to call from another thread."""
 
@@ -46,11 +77,11 @@ class RolloutRunner:
         torch.set_num_threads(num_threads)
         loaded = load_model(spec.model)
         self.policy = loaded.model
-        self.engine = BuiltinEngine(self.policy, loaded.tokenizer, spec)
+        self.engine = build_engine(spec, loaded, num_threads)
         self.buffer = RolloutBuffer(max_bytes=buffer_bytes)
         self.served, self.copies = job_stores(redis, store_dir, job_id)
         self.status = WorkerStatus(redis, job_id, worker_id, self._facts)
-        self.swapper = Swapper(self.engine, self.served, self.status)
+        self.swapper = Swapper(self.engine, self.served, self.status, spec)
         self.leases = LeaseRunner(spec, redis, self.policy, self.buffer, self.served, self.copies, self.status)
         self.scorer = Scorer(redis, self.policy, self.buffer, self.served, self.copies, self.status)
 

@@ -14,7 +14,7 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from drafter.config import cache_root
+from drafter.config import DRAFT_FORMAT, cache_root, check_aux_layer_ids
 
 WARM_TRAIN_SEED = 1_001  # the task's prompts the head trains on (a job's own seed is usually small)
 WARM_EVAL_SEED = 2_002  # held-out prompts the warm start measures accepted length on
@@ -43,8 +43,9 @@ class WarmRecipe:
     tail_fraction: float = 0.75
 
     def key(self, model: str, task: str) -> str:
-        """Cache key: the model, the task and every field of the recipe."""
-        blob = json.dumps([model, task, asdict(self), WARM_TRAIN_SEED, WARM_EVAL_SEED], sort_keys=True)
+        """Cache key: the model, the task, every field of the recipe and the draft layout (DRAFT_FORMAT: a
+        draft cached in another layout is never found as one of this layout)."""
+        blob = json.dumps([model, task, asdict(self), WARM_TRAIN_SEED, WARM_EVAL_SEED, DRAFT_FORMAT], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -75,7 +76,8 @@ def parse_store_ref(ref: str) -> tuple[str, int] | None:
 def check_fits(head_config: dict, policy_cfg, source: str) -> None:
     """ValueError naming warm_draft unless a draft with `head_config` can serve a policy with `policy_cfg`
     (a drafter.config.ModelConfig): the same hidden size and vocabulary (the head shares the policy's
-    embedding and LM head), and a draft vocabulary within it."""
+    embedding, and its LM head scores the policy's tokens), this project's draft layout (DRAFT_FORMAT), a draft
+    vocabulary within the policy's, and aux layers the policy has."""
     try:
         theirs = head_config["policy"]
         eagle = head_config["eagle"]
@@ -86,9 +88,17 @@ def check_fits(head_config: dict, policy_cfg, source: str) -> None:
         raise ValueError(f"warm_draft {source} does not fit the policy: the head was trained for hidden size "
                          f"{hidden} and vocabulary {vocab}, the policy has {policy_cfg.hidden_size} and "
                          f"{policy_cfg.vocab_size}")
+    if head_config.get("format") != DRAFT_FORMAT:
+        raise ValueError(f"warm_draft {source} is a draft of another layout ({head_config.get('format')!r}, not "
+                         f"{DRAFT_FORMAT!r}: an EAGLE-1-style head from before EAGLE-3); train a new one")
     num_draft = eagle.get("draft_vocab_size") or vocab
     if not 0 < num_draft <= policy_cfg.vocab_size:
         raise ValueError(f"warm_draft {source}: draft vocabulary {num_draft} is outside the policy's {vocab}")
+    if eagle.get("aux_layer_ids") is not None:
+        try:
+            check_aux_layer_ids(eagle["aux_layer_ids"], policy_cfg.num_layers)
+        except ValueError as exc:
+            raise ValueError(f"warm_draft {source}: {exc}") from None
 
 
 def load_warm_draft(ref: str, redis, store_dir: str | Path, policy_cfg):

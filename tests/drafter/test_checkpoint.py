@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -73,8 +72,7 @@ def test_eagle_head_round_trip(tmp_path: Path) -> None:
     head = EagleHead(TINY, ecfg)
     state = head.state_dict()
     assert not any("rotary" in k for k in state)  # non-persistent buffers stay out
-    m = DraftMeta(version=0, parent_version=None, policy_version=0,
-                  head_config={"policy": TINY.to_dict(), "eagle": asdict(ecfg)})
+    m = DraftMeta(version=0, parent_version=None, policy_version=0, head_config=head_config(head))
     save_draft(draft_path(tmp_path, 0), state, m)
     loaded, m2 = load_draft(draft_path(tmp_path, 0))
     rebuilt = EagleHead(ModelConfig.from_dict(m2.head_config["policy"]),
@@ -280,5 +278,20 @@ def test_head_from_state_holds_the_checkpoint_and_real_rotary_tables(tmp_path: P
     feats, embeds = torch.randn(1, 4, TINY.hidden_size), torch.randn(1, 4, TINY.hidden_size)
     positions = torch.arange(4)[None]
     assert torch.equal(rebuilt(feats, embeds, positions, None), head(feats, embeds, positions, None))
-    with pytest.raises(RuntimeError, match="Missing key"):
+    with pytest.raises(ValueError, match="Missing key.*fc.weight"):
         head_from_state(head_config(head), {k: v for k, v in head.state_dict().items() if "fc" not in k})
+
+
+def test_an_old_layout_checkpoint_is_refused_with_a_clear_error() -> None:
+    """A draft of the EAGLE-1-style layout this project used before EAGLE-3 (no format, fc over 2D, layers.0.*)
+    must fail to load with a ValueError saying so, never a crash or a half-loaded head."""
+    old_config = {"policy": TINY.to_dict(), "eagle": {"num_layers": 1, "draft_vocab_size": None, "init_seed": 0,
+                                                       "draft_temperature": 1.0}}
+    D = TINY.hidden_size
+    old_state = {"fc.weight": torch.zeros(D, 2 * D), "layers.0.input_norm.weight": torch.ones(D),
+                 "norm.weight": torch.ones(D), "vocab_ids": torch.arange(TINY.vocab_size)}
+    with pytest.raises(ValueError, match="another layout"):
+        head_from_state(old_config, old_state)
+    new = head_config(EagleHead(TINY))
+    with pytest.raises(ValueError, match="do not fit"):  # the new config over old tensors
+        head_from_state(new, old_state)

@@ -6,13 +6,16 @@ import pytest
 import torch
 
 from drafter.adaptive import DraftLengthTuner
+from drafter.buffer import PackedBatch
+from drafter.config import default_aux_layer_ids
 from drafter.draft_state import MAX_SWAP_LOG
 from drafter.drafters import NgramDrafter
 from drafter.eagle import EagleDrafter, serving_dtype, serving_precision
 from drafter.engine import Engine, Request
 from drafter.head import EagleHead
-from drafter.model import CausalLM, fast_bf16, int8_linear_available
+from drafter.model import CausalLM, draft_features, fast_bf16, int8_linear_available
 from drafter.sampling import SamplingParams
+from drafter.unroll import unrolled_predictions
 from tests.conftest import random_prompts, tiny_model
 
 LENGTHS_8 = [1, 3, 5, 9, 2, 17, 4, 33]
@@ -117,10 +120,9 @@ def test_swaps_are_counted_and_their_log_is_bounded(tiny):
     drafter.refresh()  # the queued head keeps its place
     drafter.apply_pending_swap()
     assert drafter.version == num + 1 and drafter.head is heads[0]
-    drafter.refresh()  # nothing queued: the serving head again, its draft LM head re-sliced
-    lm = drafter.lm
+    drafter.refresh()  # nothing queued: the serving head again, re-fed against the new policy's states
     drafter.apply_pending_swap()
-    assert drafter.version == num + 1 and drafter.head is heads[0] and drafter.lm is not lm
+    assert drafter.version == num + 1 and drafter.head is heads[0]
     assert drafter.swaps.num_swaps == num + 2
 
 
@@ -150,22 +152,28 @@ def test_batch_output_equals_single_sequence_output(tiny):
         assert engine.generate([req])[0].token_ids == out.token_ids
 
 
-def fit_eagle_head(model: CausalLM, prompts: list[list[int]], steps: int = 200) -> EagleHead:
-    """Teacher-forced fit of a draft head on the policy's own greedy rollouts (a test-only trainer)."""
+def fit_eagle_head(model: CausalLM, prompts: list[list[int]], steps: int = 200, num_unroll: int = 3) -> EagleHead:
+    """Fit of a draft head on the policy's own greedy rollouts (a test-only trainer: plain cross-entropy on
+    the tokens, over drafter.unroll's training-time unrolling, which tests/drafter/test_train.py checks
+    against inference), so that drafts past the first are accepted too."""
     outs = Engine(model).generate(greedy_requests(prompts, max_new_tokens=32))
     seqs = torch.tensor([o.prompt_ids + o.token_ids for o in outs if len(o.token_ids) == 32])  # (N, L)
     N, L = seqs.shape
-    positions = torch.arange(L).expand(N, L)
-    with torch.no_grad():
-        _, hidden = model(seqs, positions, model.new_cache(N, L), logits_for="none")  # (N, L, D)
     head = EagleHead(model.cfg)
+    with torch.no_grad():
+        _, hidden, aux = model(seqs, torch.arange(L).expand(N, L), model.new_cache(N, L), logits_for="none",
+                               aux_layers=head.aux_layers)  # (N, L, D), (N, L, 3D)
+    head.init_lm_head(model)
+    T = L - 1  # pair j = (f_j, x_{j+1}) at step s predicts x_{j+2} from a chain rooted at pair j - s
+    batch = PackedBatch(feats=draft_features(hidden, aux)[:, :T], tokens=seqs[:, 1:],
+                        positions=torch.arange(T).expand(N, T), seq_ids=torch.arange(N).unsqueeze(1).expand(N, T),
+                        target_mask=torch.ones(N, T, dtype=torch.bool), seg_start=torch.zeros(N, T, dtype=torch.long),
+                        num_tokens=N * T, num_sequences=N)
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
-    # pair i = (h_i, x_{i+1}) predicts h_{i+1} and, through the policy's head, x_{i+2}
-    feats, toks, target = hidden[:, :-2], seqs[:, 1:-1], seqs[:, 2:]
     for _ in range(steps):
-        pred = head(feats, model.embed_tokens(toks), positions[:, : L - 2], head.new_cache(N, L, torch.float32, "cpu"))
-        loss = torch.nn.functional.cross_entropy(model.lm_head(pred).flatten(0, 1), target.flatten())
-        loss = loss + torch.nn.functional.smooth_l1_loss(pred, hidden[:, 1:-1])
+        preds = unrolled_predictions(head, model.embed_tokens, batch, num_unroll)
+        loss = sum(torch.nn.functional.cross_entropy(head.logits(out[:, s : T - 1]).flatten(0, 1),
+                                                     seqs[:, s + 2 :].flatten()) for s, out in enumerate(preds))
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -221,8 +229,11 @@ def test_record_hidden_matches_a_full_forward(tiny):
     seq = torch.tensor([out.prompt_ids + out.token_ids])
     L = seq.shape[1]
     _, hidden = tiny(seq, torch.arange(L).unsqueeze(0), tiny.new_cache(1, L), logits_for="none")
+    _, _, aux = tiny(seq, torch.arange(L).unsqueeze(0), tiny.new_cache(1, L), logits_for="none",
+                     aux_layers=default_aux_layer_ids(tiny.cfg.num_layers))
+    hidden = draft_features(hidden, aux)  # the aux layers' states, then the final hidden state
     P = len(out.prompt_ids)
-    assert out.hidden_states.shape == (len(out.token_ids), tiny.cfg.hidden_size)
+    assert out.hidden_states.shape == (len(out.token_ids), 4 * tiny.cfg.hidden_size)
     # the state at position P-1+i produced generated token i
     torch.testing.assert_close(out.hidden_states, hidden[0, P - 1 : L - 1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.prompt_hidden_states, hidden[0, : P - 1], atol=1e-4, rtol=1e-4)

@@ -12,12 +12,12 @@ import torch
 
 from drafter.buffer import PackedBatch, RolloutBuffer
 from drafter.checkpoint import DraftMeta, load_draft
-from drafter.config import TrainConfig
+from drafter.config import TrainConfig, default_aux_layer_ids
 from drafter.eagle import EagleDrafter
 from drafter.engine import Engine, Request
 from drafter.evaluate import DRAFT_TEMPERATURES, calibrate_draft_temperature, expected_accepted_length
-from drafter.head import EagleConfig, EagleHead, draft_lm_weight
-from drafter.model import Int8Linear, fast_bf16, int8_linear_available
+from drafter.head import EagleConfig, EagleHead, draft_lm_weight, new_head
+from drafter.model import Int8Linear, draft_features, fast_bf16, int8_linear_available
 from drafter.sampling import SamplingParams
 from drafter.train import DraftTrainer, StopRequestedError, draft_loss
 from drafter.unroll import unrolled_predictions
@@ -34,19 +34,21 @@ def offline_cfg(**kwargs) -> TrainConfig:
 def single_sequence_batch(model, seq: list[int]) -> PackedBatch:
     L = len(seq)
     ids = torch.tensor([seq])
-    _, hidden = model(ids, torch.arange(L).unsqueeze(0), model.new_cache(1, L), logits_for="none")  # (1, L, D)
-    T = L - 1  # pairs (h_j, x_{j+1}), j = 0..L-2
+    _, hidden, aux = model(ids, torch.arange(L).unsqueeze(0), model.new_cache(1, L), logits_for="none",
+                           aux_layers=default_aux_layer_ids(model.cfg.num_layers))  # (1, L, D), (1, L, 3D)
+    T = L - 1  # pairs (f_j, x_{j+1}), j = 0..L-2
     target = torch.ones(1, T, dtype=torch.bool)
     target[0, -1] = False
-    return PackedBatch(feats=hidden[:, :T], tokens=ids[:, 1:], positions=torch.arange(T).unsqueeze(0),
+    feats = draft_features(hidden, aux)[:, :T]  # (1, T, 4D)
+    return PackedBatch(feats=feats, tokens=ids[:, 1:], positions=torch.arange(T).unsqueeze(0),
                        seq_ids=torch.zeros(1, T, dtype=torch.long), target_mask=target,
                        seg_start=torch.zeros(1, T, dtype=torch.long), num_tokens=T, num_sequences=1)
 
 
 @torch.no_grad()
 def test_unrolled_training_sees_what_inference_sees():
-    """Unroll step s at slot j must equal running the head with a KV cache: true pairs up to the
-    chain start c = j - s, then s steps fed with its own predicted features."""
+    """Unroll step s at slot j must equal running the head with a KV cache: true pairs (fused aux states)
+    up to the chain start c = j - s, then s steps fed with its own outputs."""
     model = tiny_model(seed=3).double()  # float64: a wrong mask or shift differs by O(1), rounding by 1e-12
     head = EagleHead(model.cfg, EagleConfig(init_seed=1)).double().eval()
     for p in head.parameters():  # larger weights, so a wrong mask or shift shows clearly
@@ -57,8 +59,9 @@ def test_unrolled_training_sees_what_inference_sees():
     emb = model.embed_tokens
     for c in (0, 3, 7):
         cache = head.new_cache(1, 32, torch.float64, "cpu")
-        out = head(batch.feats[:, : c + 1], emb(batch.tokens[:, : c + 1]), torch.arange(c + 1).unsqueeze(0), cache)
-        pred = out[:, -1:]  # (1, 1, D): prediction of h_{c+1}
+        out = head(head.fuse(batch.feats[:, : c + 1]), emb(batch.tokens[:, : c + 1]), torch.arange(c + 1).unsqueeze(0),
+                   cache)
+        pred = out[:, -1:]  # (1, 1, D): the output that scores x_{c+2}
         torch.testing.assert_close(pred[0, 0], preds[0][0, c], atol=1e-9, rtol=1e-9)
         for s in (1, 2):
             j = c + s
@@ -87,10 +90,10 @@ def test_the_loss_trains_chains_rooted_inside_their_segment_only():
     expected = 0.0
     for s in range(3):
         pairs = list(range(s, 4)) + list(range(5 + s, T - 1))  # the root j - s stays in the pair's segment
-        targets = batch.feats[0, [j + 1 for j in pairs]]
+        targets = head.policy_hidden(batch.feats[0, [j + 1 for j in pairs]])  # the policy's final hidden h_{j+1}
         p = torch.softmax(torch.nn.functional.linear(targets, lm), -1)
-        pred = preds[s][0, pairs]
-        ce = -(p * torch.log_softmax(head.draft_logits(pred, lm), -1)).sum(-1).mean()
+        pred = head.norm(preds[s][0, pairs])
+        ce = -(p * torch.log_softmax(head.lm_head(pred), -1)).sum(-1).mean()
         reg = torch.nn.functional.smooth_l1_loss(pred, targets)
         expected += cfg.unroll_decay**s * (ce + cfg.hidden_loss_weight * reg)
         assert stats[f"ce_{s}"] == pytest.approx(float(ce), rel=1e-5)
@@ -110,7 +113,7 @@ def structured():
 
 def test_loss_decreases_on_a_fixed_batch(structured):
     model, _, buffer, _ = structured
-    head = EagleHead(model.cfg)
+    head = new_head(model, None, None)
     trainer = DraftTrainer(model, head, offline_cfg(warmup_steps=1))
     batch = trainer.next_batch(buffer)
     first = trainer.micro_step(batch)["loss"]
@@ -121,9 +124,9 @@ def test_loss_decreases_on_a_fixed_batch(structured):
 
 def test_trained_drafter_beats_untrained_on_held_out_rollouts(structured):
     model, engine, buffer, held_out = structured
-    head = EagleHead(model.cfg)
+    head = new_head(model, None, None)
     DraftTrainer(model, head, offline_cfg(total_steps=150)).train(buffer, max_steps=150)
-    untrained = measure(engine, held_out, 3, EagleDrafter(model, EagleHead(model.cfg)), max_new_tokens=32)
+    untrained = measure(engine, held_out, 3, EagleDrafter(model, new_head(model, None, None)), max_new_tokens=32)
     trained = measure(engine, held_out, 3, EagleDrafter(model, head), max_new_tokens=32)
     assert trained.mean_accepted_length > untrained.mean_accepted_length + 0.5
     # and it stays lossless
@@ -134,7 +137,7 @@ def test_trained_drafter_beats_untrained_on_held_out_rollouts(structured):
     # served in bf16 (a copy: the trained head stays float32), it drafts nearly as well and stays lossless
     bf16 = EagleDrafter(model, head, "bfloat16")
     assert bf16.head.fc.weight.dtype == torch.bfloat16 and head.fc.weight.dtype == torch.float32
-    assert bf16.lm.weight.dtype == torch.bfloat16
+    assert bf16.head.lm_head.weight.dtype == torch.bfloat16
     half = measure(engine, held_out, 3, bf16, max_new_tokens=32)
     assert half.mean_accepted_length > trained.mean_accepted_length - 0.15
     assert [o.token_ids for o in engine.generate(reqs, k=3, drafter=bf16)] == [o.token_ids for o in plain]
@@ -142,7 +145,7 @@ def test_trained_drafter_beats_untrained_on_held_out_rollouts(structured):
         return
     # with int8 weights (a quantized copy: the trained head keeps its float32 Linear layers), likewise
     int8 = EagleDrafter(model, head, "int8")
-    assert isinstance(int8.head.fc, Int8Linear) and isinstance(int8.lm.int8, Int8Linear)
+    assert isinstance(int8.head.fc, Int8Linear) and isinstance(int8.head.lm_head, Int8Linear)
     assert isinstance(head.fc, torch.nn.Linear) and head.fc.weight.dtype == torch.float32
     quarter = measure(engine, held_out, 3, int8, max_new_tokens=32)
     assert quarter.mean_accepted_length > trained.mean_accepted_length - 0.15
@@ -151,7 +154,7 @@ def test_trained_drafter_beats_untrained_on_held_out_rollouts(structured):
 
 def test_stop_request_is_honoured_mid_epoch(structured):
     model, _, buffer, _ = structured
-    trainer = DraftTrainer(model, EagleHead(model.cfg), offline_cfg())
+    trainer = DraftTrainer(model, new_head(model, None, None), offline_cfg())
     saved = []
     result = {}
 
@@ -176,7 +179,7 @@ def test_a_stop_during_backward_aborts_the_micro_step_unapplied(structured):
     """The stop arrives once backward has begun: backward is cut short by a gradient hook and the
     optimizer step never runs."""
     model, _, buffer, _ = structured
-    head = EagleHead(model.cfg)
+    head = new_head(model, None, None)
     trainer = DraftTrainer(model, head, offline_cfg())
     batch = trainer.next_batch(buffer)
     before = {k: v.clone() for k, v in head.state_dict().items()}
@@ -204,7 +207,7 @@ def test_a_stop_during_backward_aborts_the_micro_step_unapplied(structured):
 
 def test_train_needs_a_budget_and_data(structured):
     model, _, buffer, _ = structured
-    trainer = DraftTrainer(model, EagleHead(model.cfg), offline_cfg())
+    trainer = DraftTrainer(model, new_head(model, None, None), offline_cfg())
     with pytest.raises(ValueError, match="max_steps or max_seconds"):
         trainer.train(buffer)
     with pytest.raises(ValueError, match="empty"):
@@ -214,7 +217,7 @@ def test_train_needs_a_budget_and_data(structured):
     for r in buffer.rollouts[:6]:
         short.add(r.tokens[:2], r.hidden[:1], policy_version=0)
     small = offline_cfg(num_rows=1, max_tokens_per_row=8)
-    trainer = DraftTrainer(model, EagleHead(model.cfg), small)
+    trainer = DraftTrainer(model, new_head(model, None, None), small)
     with pytest.raises(ValueError, match="no pair of the rollout buffer has a target"):
         trainer.train(short, max_steps=1)
     for r in buffer.rollouts[:2]:
@@ -229,7 +232,7 @@ def test_anneal_to_budget_ends_each_call_at_the_floor_rate(structured):
     near lr * min_lr_ratio whatever total_steps says; without it they stay near the peak."""
     model, _, buffer, _ = structured
     cfg = offline_cfg(lr=1e-3, warmup_steps=2, total_steps=10_000, min_lr_ratio=0.0, anneal_to_budget=True)
-    trainer = DraftTrainer(model, EagleHead(model.cfg), cfg)
+    trainer = DraftTrainer(model, new_head(model, None, None), cfg)
     lrs = []
     trainer.train(buffer, max_steps=12, on_step=lambda step, stats: lrs.append(stats["lr"]))
     assert lrs[:2] == pytest.approx([5e-4, 1e-3])  # warmup
@@ -238,7 +241,7 @@ def test_anneal_to_budget_ends_each_call_at_the_floor_rate(structured):
     lrs.clear()  # a second call (the next lease) anneals over its own budget again, by time here
     trainer.train(buffer, max_seconds=1.0, on_step=lambda step, stats: lrs.append(stats["lr"]))
     assert lrs[0] > 0.9 * 1e-3 and lrs[-1] < 0.3 * 1e-3
-    flat = DraftTrainer(model, EagleHead(model.cfg), dataclasses.replace(cfg, anneal_to_budget=False))
+    flat = DraftTrainer(model, new_head(model, None, None), dataclasses.replace(cfg, anneal_to_budget=False))
     lrs.clear()
     flat.train(buffer, max_steps=12, on_step=lambda step, stats: lrs.append(stats["lr"]))
     assert lrs[-1] > 0.99 * 1e-3
@@ -248,10 +251,10 @@ def test_anneal_to_budget_ends_each_call_at_the_floor_rate(structured):
 
 def test_bf16_autocast_trains_like_float32_and_keeps_float32_weights(structured):
     model, _, buffer, _ = structured
-    batch = DraftTrainer(model, EagleHead(model.cfg), offline_cfg()).next_batch(buffer)
+    batch = DraftTrainer(model, new_head(model, None, None), offline_cfg()).next_batch(buffer)
     losses = {}
     for bf16 in (False, True):
-        head = EagleHead(model.cfg)
+        head = new_head(model, None, None)
         trainer = DraftTrainer(model, head, offline_cfg(warmup_steps=1, bf16_autocast=bf16))
         losses[bf16] = [trainer.micro_step(batch)["loss"] for _ in range(31)]
         assert all(p.dtype == torch.float32 for p in head.parameters())
@@ -261,7 +264,8 @@ def test_bf16_autocast_trains_like_float32_and_keeps_float32_weights(structured)
     assert losses[True][-1] < 0.5 * losses[True][0]  # and it learns as float32 does
     assert losses[True][-1] < 1.5 * losses[False][-1]
     # None: on where the device has native bf16 matmuls
-    assert DraftTrainer(model, EagleHead(model.cfg), TrainConfig(bf16_autocast=None)).bf16_autocast == fast_bf16("cpu")
+    auto = DraftTrainer(model, new_head(model, None, None), TrainConfig(bf16_autocast=None))
+    assert auto.bf16_autocast == fast_bf16("cpu")
     assert TrainConfig().bf16_autocast is None and TrainConfig().anneal_to_budget  # the online lease's defaults
 
 
@@ -311,7 +315,7 @@ def test_killed_trainer_resumes_from_its_last_checkpoint(structured, tmp_path):
     model, _, buffer, _ = structured
     path = tmp_path / "trainer.safetensors"
     meta = DraftMeta(version=2, parent_version=1, policy_version=0)
-    trainer = DraftTrainer(model, EagleHead(model.cfg), offline_cfg(warmup_steps=1))
+    trainer = DraftTrainer(model, new_head(model, None, None), offline_cfg(warmup_steps=1))
     trainer.train(buffer, max_steps=5, checkpoint=lambda t: t.save(path, meta), checkpoint_every=2)
     saved = {k: v.clone() for k, v in trainer.head.state_dict().items()}
     # "killed" after the checkpoint: a fresh process rebuilds the trainer and resumes
@@ -326,11 +330,11 @@ def test_killed_trainer_resumes_from_its_last_checkpoint(structured, tmp_path):
 
 def test_head_swap_mid_generation_is_lossless_and_takes_effect(structured):
     model, engine, buffer, held_out = structured
-    trained = EagleHead(model.cfg)
+    trained = new_head(model, None, None)
     DraftTrainer(model, trained, offline_cfg(total_steps=100)).train(buffer, max_steps=100)
     reqs = [Request(p, SamplingParams(max_new_tokens=32)) for p in held_out]
     plain = engine.generate(reqs)
-    drafter = EagleDrafter(model, EagleHead(model.cfg))
+    drafter = EagleDrafter(model, new_head(model, None, None))
     calls = {"n": 0}
     original = drafter.propose
 
@@ -344,16 +348,16 @@ def test_head_swap_mid_generation_is_lossless_and_takes_effect(structured):
     swapped = engine.generate(reqs, k=3, drafter=drafter)
     assert [o.token_ids for o in swapped] == [o.token_ids for o in plain]
     assert drafter.swaps.num_swaps == 1 and drafter.version == 7
-    untrained = engine.generate(reqs, k=3, drafter=EagleDrafter(model, EagleHead(model.cfg)))
+    untrained = engine.generate(reqs, k=3, drafter=EagleDrafter(model, new_head(model, None, None)))
     assert sum(o.num_accepted for o in swapped) > sum(o.num_accepted for o in untrained) + 20
     # a bf16 drafter takes a float32 head: converted when requested, the published head left as it was
-    half = EagleDrafter(model, EagleHead(model.cfg), "bfloat16")
+    half = EagleDrafter(model, new_head(model, None, None), "bfloat16")
     half.request_swap(trained, version=8)
     assert [o.token_ids for o in engine.generate(reqs, k=3, drafter=half)] == [o.token_ids for o in plain]
     assert half.version == 8 and half.head.fc.weight.dtype == torch.bfloat16
     assert trained.fc.weight.dtype == torch.float32 and half.head is not trained
     if int8_linear_available():  # likewise int8; a head converted in place (as a worker's fresh load) is not copied
-        q = EagleDrafter(model, EagleHead(model.cfg), "int8")
+        q = EagleDrafter(model, new_head(model, None, None), "int8")
         q.request_swap(trained, version=9)
         assert [o.token_ids for o in engine.generate(reqs, k=3, drafter=q)] == [o.token_ids for o in plain]
         assert isinstance(q.head.fc, Int8Linear) and isinstance(trained.fc, torch.nn.Linear)
@@ -369,9 +373,9 @@ def test_offline_acceptance_tracks_online_decoding(structured):
     """The scheduler's publish rule scores drafts on recorded rollouts (drafter/evaluate.py): it must
     rank drafts as decoding does, and under greedy land near the accepted length decoding measures."""
     model, engine, buffer, held_out = structured
-    head = EagleHead(model.cfg)
+    head = new_head(model, None, None)
     DraftTrainer(model, head, offline_cfg(total_steps=150)).train(buffer, max_steps=150)
-    untrained = EagleHead(model.cfg)
+    untrained = new_head(model, None, None)
     greedy_rollouts = RolloutBuffer(max_bytes=16 << 20, hidden_dtype=torch.float32)
     harvest(engine, held_out, greedy_rollouts, cfg=HarvestConfig(batch_size=8, max_new_tokens=32, temperature=0.0))
     sampled_rollouts = RolloutBuffer(max_bytes=16 << 20, hidden_dtype=torch.float32)
@@ -395,7 +399,7 @@ def test_calibrated_draft_temperature_scores_best_offline_and_online(structured)
     """calibrate_draft_temperature picks the candidate with the most expected tokens per step under
     sampling; the offline score of a draft temperature tracks what sampled decoding measures with it."""
     model, engine, buffer, held_out = structured
-    head = EagleHead(model.cfg)
+    head = new_head(model, None, None)
     DraftTrainer(model, head, offline_cfg(total_steps=150)).train(buffer, max_steps=150)
     sampled_rollouts = RolloutBuffer(max_bytes=16 << 20, hidden_dtype=torch.float32)
     harvest(engine, held_out, sampled_rollouts, cfg=HarvestConfig(batch_size=8, max_new_tokens=32, temperature=1.0,

@@ -9,6 +9,7 @@ import torch
 from drafter.eagle import EagleDrafter
 from drafter.engine import Engine, Request
 from drafter.head import EagleHead
+from drafter.model import draft_features
 from drafter.sampling import SamplingParams
 from drafter.tree import Tree, compact_path, parse_widths, tree_attention
 from tests.conftest import random_prompts, tiny_model
@@ -89,7 +90,8 @@ def test_greedy_tree_equals_plain(tiny, tree, k, dtype, max_batch):
 def fitted():
     model = tiny_model(vocab_size=32, seed=5, std=0.4)
     prompts = random_prompts([4] * 32, model.cfg.vocab_size, seed=7)
-    return model, prompts, fit_eagle_head(model, prompts)
+    # a short fit: a head that misses now and then (a perfect one leaves a tree nothing to catch)
+    return model, prompts, fit_eagle_head(model, prompts, steps=60)
 
 
 def test_fitted_head_accepts_more_as_a_tree_and_stays_lossless(fitted):
@@ -100,7 +102,8 @@ def test_fitted_head_accepts_more_as_a_tree_and_stays_lossless(fitted):
     requests = greedy_requests(prompts[:8], max_new_tokens=32)
     plain = engine.generate(requests)
     chain = engine.generate(requests, k=4, drafter=EagleDrafter(model, head))
-    tree = engine.generate(requests, k=4, drafter=EagleDrafter(model, head, tree="3,2", tree_side_depth=2))
+    tree = engine.generate(requests, k=4, drafter=EagleDrafter(model, head, tree="3,2", tree_side_depth=2,
+                                                               tree_max_batch=len(requests)))  # a tree at every step
     for outs in (chain, tree):
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
 
@@ -119,8 +122,10 @@ def test_tree_records_the_hidden_states_of_the_accepted_path(fitted):
                                  record_hidden=True)[0]
     seq = torch.tensor([out.prompt_ids + out.token_ids])
     L, P = seq.shape[1], len(out.prompt_ids)
-    _, hidden = model(seq, torch.arange(L).unsqueeze(0), model.new_cache(1, L), logits_for="none")
-    torch.testing.assert_close(out.hidden_states, hidden[0, P - 1 : L - 1], atol=1e-4, rtol=1e-4)
+    _, hidden, aux = model(seq, torch.arange(L).unsqueeze(0), model.new_cache(1, L), logits_for="none",
+                           aux_layers=head.aux_layers)
+    feats = draft_features(hidden, aux)  # (1, L, 4D): what a draft head trains on
+    torch.testing.assert_close(out.hidden_states, feats[0, P - 1 : L - 1], atol=1e-4, rtol=1e-4)
     assert out.num_accepted > 0
 
 

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from drafter.buffer import RolloutBuffer, iter_batches
+from drafter.config import default_aux_layer_ids
 from drafter.head import EagleConfig, EagleHead
+from drafter.model import draft_features
 from drafter.unroll import flash_varlen_kernel, unrolled_predictions, varlen_attention_reference, varlen_layout
 from tests.conftest import random_prompts, tiny_model
 
@@ -18,8 +20,9 @@ def packed_batch(model, lengths):
     buffer = RolloutBuffer(max_bytes=1 << 24, hidden_dtype=torch.float32)
     for seq in random_prompts(lengths, model.cfg.vocab_size, seed=7):
         L = len(seq)
-        _, hidden = model(torch.tensor([seq]), torch.arange(L)[None], model.new_cache(1, L), logits_for="none")
-        buffer.add(torch.tensor(seq), hidden[0, :-1], policy_version=0)
+        _, hidden, aux = model(torch.tensor([seq]), torch.arange(L)[None], model.new_cache(1, L), logits_for="none",
+                               aux_layers=default_aux_layer_ids(model.cfg.num_layers))
+        buffer.add(torch.tensor(seq), draft_features(hidden, aux)[0, :-1], policy_version=0)
     return next(iter_batches(buffer, max_tokens_per_row=24, num_rows=4, shuffle=True, seed=1))
 
 

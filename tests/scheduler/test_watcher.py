@@ -36,7 +36,7 @@ def client(tmp_path_factory):
     save_hf_dir(random_model(cfg, init_seed=0), None, model_dir)
     with PrivateRedis() as server:
         app = create_app(Settings(redis_url=server.url, store_dir=store_dir, start_ray=False, policy=POLICY,
-                                  watch_tick_s=0.05))
+                                  watch_tick_s=0.05, model_roots=(str(model_dir.parent),)))
         with TestClient(app) as c:
             c.redis, c.store_dir, c.model = server.client(), store_dir, str(model_dir)
             yield c

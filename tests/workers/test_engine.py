@@ -98,7 +98,7 @@ def test_install_draft_serves_the_version_from_the_next_step():
     assert e.draft_version == 5 and e.stats().num_swaps == 1
     outs = e.generate(PROMPTS, params(0.0), speculation="always")
     assert {o.draft_version for o in outs} == {5}
-    with pytest.raises(RuntimeError):  # a state that does not fit its config: the draft serving stays
+    with pytest.raises(ValueError, match="fc.weight"):  # a state that does not fit its config: the draft serving stays
         e.install_draft(6, {k: v for k, v in head.state_dict().items() if k != "fc.weight"}, head_config(head))
     assert e.draft_version == 5 and e.stats().num_swaps == 1
 

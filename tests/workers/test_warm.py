@@ -53,6 +53,23 @@ def test_a_head_for_another_policy_does_not_fit():
         check_fits(head_cfg, TINY, "x")
     with pytest.raises(ValueError, match="does not describe a head"):
         check_fits({}, TINY, "x")
+    # a draft of the layout before EAGLE-3 (its head_config has no format) is refused, not loaded
+    with pytest.raises(ValueError, match="warm_draft x is a draft of another layout"):
+        check_fits({"policy": TINY.to_dict(), "eagle": {"num_layers": 1}}, TINY, "x")
+    fused = head_config(EagleHead(TINY, EagleConfig(aux_layer_ids=(0, 1, 2))))
+    deeper = dataclasses.replace(TINY, num_layers=1)
+    with pytest.raises(ValueError, match="warm_draft x: aux_layer_ids"):
+        check_fits({**fused, "policy": deeper.to_dict()}, deeper, "x")
+
+
+def test_the_warm_cache_key_names_the_draft_layout(monkeypatch):
+    """A warm draft cached in another layout is never found: the key covers DRAFT_FORMAT."""
+    import workers.warm as warm
+
+    recipe = warm.WarmRecipe()
+    before = recipe.key("m", "arithmetic")
+    monkeypatch.setattr(warm, "DRAFT_FORMAT", "eagle3-next")
+    assert recipe.key("m", "arithmetic") != before
 
 
 def test_publish_from_a_file_and_from_another_jobs_store(redis_client, tmp_path):

@@ -1,0 +1,372 @@
+"""The SGLang RolloutEngine: upstream SGLang 0.5.x's offline engine (`sglang.Engine`) with EAGLE-3
+speculation, on one CUDA GPU, behind the same seam as the built-in engine (workers.engine).
+
+Written against sglang 0.5.23 (names checked by tests/engines/test_sglang_contract.py against the installed
+package); it needs a CUDA GPU (SGLang's kernels have no CPU build that is published).
+
+- Drafts: our head exported as a `LlamaForCausalLMEagle3` directory (drafter.eagle3) for the engine's start;
+  every later version is loaded into the live engine in a weight-update session on the DRAFT runner only:
+  begin_weight_update(selector="draft"), update_weights_from_tensor(selector="draft"), end_weight_update().
+  Never SGLang's default selector "all": it hands the same tensors to the target and the draft runner, and
+  names both models have (the final norm, the LM head) overwrite the other's weights (the bug that took
+  another project's accepted length from 2.71 to 1.00). `weight_update_requests` refuses any other selector.
+  The swap guard (workers.guard) catches what a silent mis-load still does.
+- SGLang copies the draft vocabulary map (d2t) once, when it starts: a version with another draft
+  vocabulary (the first trained one replacing the untrained head, usually) starts the engine again, with the
+  policy's current weights, between two batches; install_draft waits for a batch under way to end first.
+- Policy updates: the same session on the TARGET runner, then the prefix cache is flushed (its KV entries
+  came from the old policy).
+- What crosses processes: the tensors go from the rollout worker to its own SGLang scheduler process as
+  SGLang's MultiprocessingSerializer payload (a pickle of CUDA IPC handles, read back with its restricted
+  unpickler) over a local ZMQ socket; nothing leaves the worker's own process tree.
+- generate: one request per prompt with its own sampling settings and seed (per-request seeds take effect
+  in SGLang only with enable_deterministic_inference, which this engine turns on; an unseeded request is
+  given a drawn seed, since SGLang would give every unseeded request the same one). Acceptance comes from
+  each response's meta_info (spec_verify_ct, spec_num_correct_drafts, spec_num_proposed_drafts; else
+  spec_accept_length and spec_accept_rate).
+- harvest_into: the responses' hidden states (enable_return_hidden_states) are harvested when their width
+  is the drafter's feature width; otherwise the pairs come from the learner's forward (logged once).
+- Speculation is fixed when the engine starts: tlt on and speculation other than "off" drafts draft_k tokens
+  every step ("adaptive" included); otherwise plain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import importlib
+import importlib.util
+import logging
+import random
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from drafter.adaptive import FixedDraftLength
+from drafter.buffer import RolloutBuffer
+from drafter.config import NUM_AUX_LAYERS
+from drafter.model import CausalLM
+from drafter.sampling import SamplingParams
+from workers.builtin_engine import as_tensors
+from workers.engine import SPECULATION_MODES, Completion, EngineStats, ProgressCallback, RolloutEngine, Speculation
+from workers.spec import JobSpec
+
+log = logging.getLogger(__name__)
+SGLANG_VERSION = "0.5.23"
+INSTALL_HINT = (f"on a GPU node: `pip install sglang=={SGLANG_VERSION}` into the workers' environment "
+                "(docs/operations.md, \"Engines\")")
+SELECTORS = ("target", "draft")  # the weight-update runners this engine names; never SGLang's default "all"
+DRAFT_SELECTOR = "draft"
+_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+
+
+def sglang_missing_reason(needs_gpu: bool = True) -> str | None:
+    """Why the SGLang engine (JobSpec.engine 'sglang') cannot run in this process (None: it can); `needs_gpu`
+    False asks about the package only (a job's driver, which holds no GPU)."""
+    if importlib.util.find_spec("sglang") is None:
+        return f"the SGLang engine needs the sglang package, which is not installed here; {INSTALL_HINT}"
+    import torch
+
+    if needs_gpu and not torch.cuda.is_available():
+        return ("the SGLang engine needs a CUDA GPU and this machine has none: SGLang's kernels (sglang-kernel) "
+                "are published for CUDA only. Use the 'vllm' or 'builtin' engine on CPU")
+    return None
+
+
+def server_kwargs(model_dir: str | Path, draft_dir: str | Path | None, k: int, spec: JobSpec, *,
+                  has_tokenizer: bool, dtype: str, context_length: int) -> dict[str, Any]:
+    """sglang.Engine's keyword arguments (ServerArgs fields) for a policy directory and, with k > 0, an EAGLE-3
+    draft directory drafting k tokens per step as one chain."""
+    kwargs: dict[str, Any] = {
+        "model_path": str(model_dir), "skip_tokenizer_init": not has_tokenizer, "dtype": dtype,
+        "context_length": context_length, "random_seed": spec.seed, "log_level": "error",
+        "enable_deterministic_inference": True,  # per-request sampling seeds are read only in this mode
+        # rollouts' (token, hidden state) pairs, asked for per request when the job trains its drafter
+        "enable_return_hidden_states": spec.trains_drafter,
+    }
+    if k:
+        kwargs |= {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(draft_dir),
+                   "speculative_num_steps": k, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": k + 1}
+    return kwargs
+
+
+def sampling_params(params: dict, eos_token_ids: tuple[int, ...], has_tokenizer: bool,
+                    rng: random.Random) -> dict[str, Any]:
+    """SGLang sampling parameters for one request's settings (workers.engine's dict), checked as the built-in
+    engine checks them (ValueError naming the setting). The model's EOS ids join stop_token_ids, as the
+    built-in engine adds them; an unseeded request gets a seed drawn from `rng`."""
+    p = SamplingParams(**{k: tuple(v) if k.startswith("stop_") else v for k, v in params.items()})
+    if p.stop_strings and not has_tokenizer:
+        raise ValueError("stop_strings need a tokenizer; this model has none")
+    stops = list(dict.fromkeys([*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]))
+    return {"temperature": float(p.temperature), "top_p": float(p.top_p), "top_k": int(p.top_k) or -1,
+            "max_new_tokens": p.max_new_tokens, "stop": list(p.stop_strings) or None,
+            "stop_token_ids": stops or None, "ignore_eos": p.ignore_eos,
+            "sampling_seed": p.seed if p.seed is not None else rng.getrandbits(63)}
+
+
+def spec_counts(meta: dict, num_tokens: int, k: int) -> tuple[int, int, int, int]:
+    """(num_steps, num_accepted, num_draft_tokens, num_verify_steps) of one response from its meta_info. Every
+    policy forward yields one token of its own besides the drafts it accepts, so steps = tokens - accepted."""
+    verify = int(meta.get("spec_verify_ct") or 0)
+    if not verify or num_tokens == 0:
+        return num_tokens, 0, 0, 0
+    if "spec_num_correct_drafts" in meta:
+        accepted, drafted = int(meta["spec_num_correct_drafts"]), int(meta.get("spec_num_proposed_drafts") or 0)
+    else:  # spec_accept_length = completion tokens / verify steps; spec_accept_rate = accepted / proposed
+        accepted = round((float(meta.get("spec_accept_length") or 1.0) - 1.0) * verify)
+        rate = float(meta.get("spec_accept_rate") or 0.0)
+        drafted = round(accepted / rate) if rate > 0 else verify * k
+    accepted = max(0, min(accepted, num_tokens - 1))
+    return num_tokens - accepted, accepted, drafted or verify * k, verify
+
+
+def weight_update_requests(io: Any, selector: str, payloads: list[bytes], *, flush_cache: bool) -> tuple:
+    """The (begin, update, end) requests of one weight-update session on one runner (`io`: SGLang's
+    sglang.srt.managers.io_struct). ValueError for any selector but "target" or "draft"."""
+    if selector not in SELECTORS:
+        raise ValueError(f"selector must be one of {SELECTORS}, got {selector!r}: SGLang's 'all' would load the "
+                         "same tensors into the target and the draft")
+    return (io.BeginWeightUpdateReqInput(selector=selector),
+            io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, flush_cache=flush_cache,
+                                               selector=selector),
+            io.EndWeightUpdateReqInput())
+
+
+def _import_sglang():
+    reason = sglang_missing_reason()
+    if reason is not None:
+        raise ValueError(reason)
+    return importlib.import_module("sglang")
+
+
+class SglangEngine(RolloutEngine):
+    """`policy` is the worker's own copy (the drafter trains and is scored against it; load_policy updates it
+    too); `model_dir` the HF directory it came from (None: written from `policy`). SGLang starts at the first
+    batch, with the draft installed by then (a job's warm draft is installed before its first rollout)."""
+
+    def __init__(self, policy: CausalLM, tokenizer, spec: JobSpec, *, model_dir: str | Path | None = None,
+                 engine_options: dict | None = None) -> None:
+        self.sgl = _import_sglang()
+        from drafter.head import new_head
+
+        self.policy, self.tokenizer, self.spec = policy, tokenizer, spec
+        self.k = spec.draft_k if spec.tlt and spec.speculation != "off" else 0
+        self.meter = FixedDraftLength(self.k)
+        self.engine_options = dict(engine_options or {})
+        self._model_dir = None if model_dir is None else Path(model_dir)  # None once the policy changed
+        self._dir = Path(tempfile.mkdtemp(prefix="tlt-sglang-"))  # private: what SGLang starts from
+        self._head = new_head(policy, None, spec.draft_vocab_size) if self.k else None  # version 0
+        self._vocab = None  # the draft vocabulary (d2t) the running engine started with
+        self.engine = self._loop = None
+        self.device = "cuda"  # where tensors go before a weight update: SGLang reads them as CUDA IPC handles
+        self._engine_lock = threading.Lock()  # a batch, or an engine (re)start
+        self._lock = threading.Lock()  # the counters
+        self._rng = random.Random(spec.seed)
+        self._counts = dict.fromkeys(("num_generated", "num_seq_steps", "num_draft_tokens", "num_accepted",
+                                      "num_verify_steps", "num_swaps"), 0)
+        self._seconds = {"generate": 0.0, "swap": 0.0}
+        self._version, self._num_launches = 0, 0
+        self.policy_version, self._warned_width = 0, False
+
+    # ----- the engine's life ---------------------------------------------------------------------------
+    def _launch(self) -> None:
+        """(Re)start SGLang from the policy's current weights and the current draft (under _engine_lock)."""
+        from drafter.eagle3 import export_eagle3
+        from drafter.loading import save_hf_dir
+
+        self._shutdown()
+        self._num_launches += 1
+        run = self._dir / f"run{self._num_launches}"
+        model_dir = self._model_dir
+        if model_dir is None:
+            model_dir = run / "policy"
+            save_hf_dir(self.policy, self.tokenizer, model_dir)
+        draft_dir = export_eagle3(self._head, self.policy, run / "draft") if self.k else None
+        kwargs = server_kwargs(model_dir, draft_dir, self.k, self.spec, has_tokenizer=self.tokenizer is not None,
+                               dtype=_DTYPES[str(self.policy.dtype)], context_length=self.policy.cfg.max_position)
+        engine = self.sgl.Engine(**{**kwargs, **self.engine_options})
+        self._vocab = self._head.vocab_ids.clone() if self.k else None  # target id of each draft id
+        self._loop = engine.loop  # SGLang's own loop, run by one thread; every call is submitted to it
+        threading.Thread(target=self._loop.run_forever, daemon=True, name="sglang-loop").start()
+        self.engine = engine  # last: a running engine has its vocabulary and its loop
+
+    def _shutdown(self) -> None:
+        engine, loop, self.engine, self._loop = self.engine, self._loop, None, None
+        if loop is not None:
+            loop.call_soon_threadsafe(loop.stop)
+        if engine is not None:
+            engine.shutdown()
+
+    def close(self) -> None:
+        """Stop SGLang's processes and remove the private directory."""
+        with self._engine_lock:
+            self._shutdown()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _run(self, coro) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _update(self, selector: str, named: list[tuple[str, Any]], *, flush_cache: bool) -> None:
+        """One weight-update session on `selector`'s runner of the running engine; RuntimeError if SGLang
+        reports a failure (the session is closed either way)."""
+        from sglang.srt.managers import io_struct
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        named = [(n, t.to(self.device)) for n, t in named]  # kept alive (referenced) until the calls return
+        begin, update, end = weight_update_requests(io_struct, selector, [MultiprocessingSerializer.serialize(named)],
+                                                    flush_cache=flush_cache)
+        tm = self.engine.tokenizer_manager
+        self._check(self._run(tm.begin_weight_update(begin, None)), "begin_weight_update", selector)
+        try:
+            self._check(self._run(tm.update_weights_from_tensor(update, None)), "update_weights_from_tensor", selector)
+        finally:
+            self._check(self._run(tm.end_weight_update(end, None)), "end_weight_update", selector)
+
+    @staticmethod
+    def _check(result: Any, call: str, selector: str) -> None:
+        success, message = result if isinstance(result, tuple) else (getattr(result, "success", False), result)
+        if not success:
+            raise RuntimeError(f"SGLang {call}(selector={selector!r}) failed: {message}")
+
+    # ----- weights ---------------------------------------------------------------------------------------
+    def load_policy(self, state: dict[str, Any], policy_version: int) -> None:
+        from drafter.loading import hf_tensors
+
+        state = as_tensors(state)
+        self.policy.load_state_dict(state)
+        self.policy.requires_grad_(False)
+        self.policy_version, self._model_dir = policy_version, None  # a restart writes the current weights
+        with self._engine_lock:
+            if self.engine is not None:
+                self._update("target", list(hf_tensors(state, self.policy.cfg).items()), flush_cache=True)
+
+    def install_draft(self, version: int, state: dict[str, Any], head_config: dict) -> None:
+        start = time.perf_counter()
+        if self.k:
+            import torch
+
+            from drafter.eagle3 import eagle3_tensors
+            from drafter.head import head_from_state
+
+            head = head_from_state(head_config, as_tensors(state)).to(self.policy.dtype)
+            tensors = eagle3_tensors(head)
+            if self.engine is not None and self._vocab is not None and torch.equal(head.vocab_ids, self._vocab):
+                live = [(n, t) for n, t in tensors.items() if n not in ("d2t", "t2d")]  # the vocabulary: unchanged
+                self._update(DRAFT_SELECTOR, live, flush_cache=False)  # between two steps, a batch under way or not
+                self._head = head
+            else:  # SGLang keeps the vocabulary it started with: start it again, after a batch under way
+                with self._engine_lock:
+                    self._head = head
+                    if self.engine is not None:
+                        log.info("SGLang: draft v%d has another draft vocabulary; restarting the engine", version)
+                        self._launch()
+        with self._lock:
+            self._version = version
+            self._counts["num_swaps"] += 1
+            self._seconds["swap"] += time.perf_counter() - start
+
+    @property
+    def draft_version(self) -> int:
+        return self._version
+
+    # ----- generation ------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: list[dict], *, speculation: Speculation = "off",
+                 harvest_into: RolloutBuffer | None = None,
+                 on_progress: ProgressCallback | None = None) -> list[Completion]:
+        if len(params) != len(prompts):
+            raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts")
+        if speculation not in SPECULATION_MODES:
+            raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
+        if (speculation == "off") != (self.k == 0):
+            raise ValueError(f"this SGLang engine was started {'without' if not self.k else 'with'} speculation "
+                             f"and cannot serve speculation={speculation!r}: SGLang fixes it at start")
+        eos, has_tok = tuple(self.policy.cfg.eos_token_ids), self.tokenizer is not None
+        sps = [sampling_params(p, eos, has_tok, self._rng) for p in params]
+        hidden = harvest_into is not None and self.spec.trains_drafter  # what the engine was started to allow
+        with self._engine_lock:
+            if self.engine is None:
+                self._launch()
+            before, start = self.meter.bucket_totals(), time.perf_counter()
+            futures = [asyncio.run_coroutine_threadsafe(self.engine.async_generate(
+                input_ids=list(p), sampling_params=sp, return_hidden_states=hidden), self._loop)
+                for p, sp in zip(prompts, sps)]
+            outs: list[dict | None] = [None] * len(prompts)
+            index = {f: i for i, f in enumerate(futures)}
+            num_generated = 0
+            try:
+                for f in concurrent.futures.as_completed(futures):  # progress as each response finishes
+                    outs[index[f]] = f.result()
+                    num_generated += len(outs[index[f]]["output_ids"])
+                    if on_progress is not None:
+                        on_progress(sum(o is not None for o in outs), num_generated)
+            except BaseException:
+                for f in futures:
+                    f.cancel()  # SGLang aborts a request whose task is cancelled
+                raise
+            finally:
+                seconds = time.perf_counter() - start
+                with self._lock:
+                    self._seconds["generate"] += seconds
+        self.meter.record(len(prompts), self.k, num_generated, seconds)
+        completions = self._completions(prompts, outs, before)
+        if hidden:
+            self._harvest(prompts, completions, outs, harvest_into)
+        return completions
+
+    def _completions(self, prompts, outs, before) -> list[Completion]:
+        chosen = self.meter.summary()
+        buckets = {name: [t - before.get(name, (0.0, 0.0))[0], s - before.get(name, (0.0, 0.0))[1]]
+                   for name, (t, s) in self.meter.bucket_totals().items()}
+        buckets = {name: ts for name, ts in buckets.items() if ts[1] > 0}
+        completions = []
+        for prompt, out in zip(prompts, outs):
+            meta, ids = out["meta_info"], list(out["output_ids"])
+            finish = meta.get("finish_reason")
+            reason = finish.get("type") if isinstance(finish, dict) else finish
+            if reason not in ("stop", "length"):
+                raise RuntimeError(f"SGLang ended a request with finish_reason {finish!r}")
+            num_steps, num_accepted, num_drafted, num_verify = spec_counts(meta, len(ids), self.k)
+            with self._lock:
+                for key, n in (("num_generated", len(ids)), ("num_seq_steps", num_steps),
+                               ("num_accepted", num_accepted), ("num_draft_tokens", num_drafted),
+                               ("num_verify_steps", num_verify)):
+                    self._counts[key] += n
+            completions.append(Completion(list(prompt), ids, out.get("text") if self.tokenizer is not None else None,
+                                          reason, num_steps, num_accepted, self._version, dict(chosen), buckets))
+        return completions
+
+    def _harvest(self, prompts, completions, outs, buffer: RolloutBuffer) -> None:
+        """Add the batch's (token, feature) pairs from SGLang's hidden states: rows for the prompt's positions,
+        then one per generated token. Only rows of the drafter's feature width are usable."""
+        import torch
+
+        width = (NUM_AUX_LAYERS + 1) * self.policy.cfg.hidden_size
+        made = []
+        for prompt, c, out in zip(prompts, completions, outs):
+            chunks = out["meta_info"].get("hidden_states") or []
+            rows = [r for chunk in chunks for r in (chunk if chunk and isinstance(chunk[0], list) else [chunk])]
+            need = len(prompt) - 1 + len(c.token_ids)
+            if len(rows) < need or not rows or len(rows[0]) != width:
+                if not self._warned_width:
+                    self._warned_width = True
+                    log.warning("SGLang returned %d hidden-state rows of width %s for %d positions; the drafter "
+                                "trains on width %d: these rollouts' pairs come from the learner's forward",
+                                len(rows), len(rows[0]) if rows else None, need, width)
+                return
+            h = torch.tensor(rows[:need], dtype=self.policy.dtype)  # (P-1+N, F)
+            made.append(SimpleNamespace(prompt_ids=list(prompt), token_ids=c.token_ids,
+                                        prompt_hidden_states=h[: len(prompt) - 1], hidden_states=h[len(prompt) - 1:]))
+        buffer.add_outputs(made, self.policy_version)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            c, s = dict(self._counts), dict(self._seconds)
+        return EngineStats(num_generated=c["num_generated"], num_seq_steps=c["num_seq_steps"],
+                           num_draft_tokens=c["num_draft_tokens"], num_accepted=c["num_accepted"],
+                           num_verify_steps=c["num_verify_steps"], generate_seconds=s["generate"],
+                           num_swaps=c["num_swaps"], swap_seconds=s["swap"])
