@@ -51,16 +51,13 @@ def load_spec(path: str) -> dict:
     file = Path(path)
     if not file.is_file():
         raise ClientError(f"no such job file: {path}")
-    text = file.read_text()
     kind = "YAML" if file.suffix in (".yaml", ".yml") else "JSON"
-    try:
-        if kind == "YAML":
-            import yaml
+    import yaml
 
-            spec = yaml.safe_load(text)
-        else:
-            spec = json.loads(text)
-    except Exception as exc:
+    try:
+        text = file.read_text()
+        spec = yaml.safe_load(text) if kind == "YAML" else json.loads(text)
+    except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ClientError(f"{path} is not valid {kind}: {exc}") from None
     if not isinstance(spec, dict):
         raise ClientError(f"{path} must hold a mapping of JobSpec fields")

@@ -261,3 +261,16 @@ def test_errors_are_told_in_one_line_naming_the_field():
     assert line.startswith("ValidationError: ") and "num_steps" in line and "\n" not in line
     assert one_line(ValueError("a\n\n  b ")) == "ValueError: a; b" and one_line(KeyError()) == "KeyError"
     assert len(one_line(ValueError("x" * 10_000))) == MAX_ERROR_CHARS
+
+
+def test_errors_tell_no_host_details():
+    from workers.errors import one_line
+
+    text = ("The actor died unexpectedly before finishing this task. (pid=4242, ip=10.1.2.3) class_name: "
+            "RolloutWorker actor_id=5f1c2b3a4d5e6f708192a3b4 Actor ID: 5f1c2b3a4d5e6f708192a3b4c5d6e7f8 "
+            "node 10.1.2.3:6379 \x1b[31mlost\x1b[0m")
+    line = one_line(RuntimeError(text))
+    assert line.startswith("RuntimeError: The actor died unexpectedly before finishing this task.")
+    for leak in ("4242", "10.1.2.3", "5f1c2b3a", "\x1b"):
+        assert leak not in line, (leak, line)
+    assert "RolloutWorker" in line and "lost" in line
