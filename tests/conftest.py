@@ -71,20 +71,26 @@ def pattern_corpus(num_seqs: int, vocab_size: int = 48, seed: int = 0, length: i
 _STRUCTURED: dict = {}
 
 
+def fit_patterns(model: CausalLM, steps: int, batch_size: int) -> CausalLM:
+    """Train `model` (in place) `steps` AdamW steps on pattern_corpus over its vocabulary; returns it frozen
+    for inference."""
+    model.requires_grad_(True).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(steps):
+        ids = pattern_corpus(batch_size, model.cfg.vocab_size, seed=step)  # (B, L)
+        B, L = ids.shape
+        logits, _ = model(ids, torch.arange(L).expand(B, L), None)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval().requires_grad_(False)
+
+
 def structured_model(vocab_size: int = 48, steps: int = 300) -> CausalLM:
     """A tiny policy trained a few hundred steps on pattern_corpus (cached per process)."""
     key = (vocab_size, steps)
     if key not in _STRUCTURED:
         torch.manual_seed(0)
-        model = tiny_model(vocab_size=vocab_size, seed=0, std=0.02).requires_grad_(True).train()
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        for step in range(steps):
-            ids = pattern_corpus(32, vocab_size, seed=step)
-            B, L = ids.shape
-            logits, _ = model(ids, torch.arange(L).expand(B, L), None)
-            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        _STRUCTURED[key] = model.eval().requires_grad_(False)
+        _STRUCTURED[key] = fit_patterns(tiny_model(vocab_size=vocab_size, seed=0, std=0.02), steps, batch_size=32)
     return _STRUCTURED[key]

@@ -22,7 +22,14 @@ from drafter.engine import Engine, Request
 from drafter.head import head_from_state, new_head
 from drafter.model import CausalLM
 from drafter.sampling import SamplingParams
-from workers.engine import SPECULATION_MODES, Completion, EngineStats, ProgressCallback, RolloutEngine, Speculation
+from workers.engine import (
+    Completion,
+    EngineStats,
+    ProgressCallback,
+    RolloutEngine,
+    Speculation,
+    check_batch,
+)
 from workers.spec import JobSpec
 
 
@@ -61,10 +68,7 @@ class BuiltinEngine(RolloutEngine):
     def generate(self, prompts: list[list[int]], params: list[dict], *, speculation: Speculation = "off",
                  harvest_into: RolloutBuffer | None = None,
                  on_progress: ProgressCallback | None = None) -> list[Completion]:
-        if len(params) != len(prompts):
-            raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts")
-        if speculation not in SPECULATION_MODES:
-            raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
+        check_batch(prompts, params, speculation)
         reqs = [Request(list(p), SamplingParams(**kw)) for p, kw in zip(prompts, params)]
         chooser = self.choosers[speculation]
         k = 0 if speculation == "off" else self.draft_k

@@ -76,6 +76,22 @@ class EngineStats:
         return self.num_generated / self.generate_seconds if self.generate_seconds > 0 else 0.0
 
 
+def check_batch(prompts: list, params: list, speculation: str) -> None:
+    """What every engine's generate checks first: one settings dict per prompt, a known speculation mode."""
+    if len(params) != len(prompts):
+        raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts")
+    if speculation not in SPECULATION_MODES:
+        raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
+
+
+def check_fixed_speculation(engine: str, draft_k: int, speculation: str) -> None:
+    """For an engine that fixes speculation at start (vLLM, SGLang): ValueError unless `speculation` is what
+    it was started with (off without a draft, drafting with one)."""
+    if (speculation == "off") != (draft_k == 0):
+        raise ValueError(f"this {engine} engine was started {'without' if not draft_k else 'with'} speculation "
+                         f"and cannot serve speculation={speculation!r}: {engine} fixes it at start")
+
+
 class RolloutEngine(ABC):
     """An inference engine with speculative decoding and a hot-swappable draft."""
 

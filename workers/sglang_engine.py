@@ -52,7 +52,15 @@ from drafter.config import NUM_AUX_LAYERS
 from drafter.model import CausalLM
 from drafter.sampling import SamplingParams
 from workers.builtin_engine import as_tensors
-from workers.engine import SPECULATION_MODES, Completion, EngineStats, ProgressCallback, RolloutEngine, Speculation
+from workers.engine import (
+    Completion,
+    EngineStats,
+    ProgressCallback,
+    RolloutEngine,
+    Speculation,
+    check_batch,
+    check_fixed_speculation,
+)
 from workers.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -278,13 +286,8 @@ class SglangEngine(RolloutEngine):
     def generate(self, prompts: list[list[int]], params: list[dict], *, speculation: Speculation = "off",
                  harvest_into: RolloutBuffer | None = None,
                  on_progress: ProgressCallback | None = None) -> list[Completion]:
-        if len(params) != len(prompts):
-            raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts")
-        if speculation not in SPECULATION_MODES:
-            raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
-        if (speculation == "off") != (self.k == 0):
-            raise ValueError(f"this SGLang engine was started {'without' if not self.k else 'with'} speculation "
-                             f"and cannot serve speculation={speculation!r}: SGLang fixes it at start")
+        check_batch(prompts, params, speculation)
+        check_fixed_speculation("SGLang", self.k, speculation)
         eos, has_tok = tuple(self.policy.cfg.eos_token_ids), self.tokenizer is not None
         sps = [sampling_params(p, eos, has_tok, self._rng) for p in params]
         hidden = harvest_into is not None and self.spec.trains_drafter  # what the engine was started to allow

