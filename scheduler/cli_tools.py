@@ -17,17 +17,33 @@ _RECIPE = WarmRecipe()  # `tlt drafter train --task`'s defaults
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
-    from bench.engine import bench_engine
+    import importlib.util
+    import os
+    from pathlib import Path
 
-    ks = tuple(int(k) for k in args.k.split(",") if k.strip())
-    result = bench_engine(model_spec=args.model, num_prompts=args.prompts, new_tokens=args.new_tokens, ks=ks,
-                          threads=args.threads, dtype=args.dtype, with_hf=not args.no_hf)
+    if importlib.util.find_spec("vllm") is None:  # vLLM lives in the engines venv: run there if it is built
+        from bench.record import ROOT
+
+        engines_venv = ROOT / ".venv-engines"
+        engines_python = engines_venv / "bin" / "python"
+        if engines_python.is_file() and Path(sys.prefix).resolve() != engines_venv.resolve():
+            print(f"[bench engine] vllm is not installed here; running in {engines_venv}",
+                  file=sys.stderr, flush=True)
+            os.execv(str(engines_python), [str(engines_python), "-m", "scheduler.cli", *sys.argv[1:]])
+    from bench.engine import bench_engine
+    from bench.record import write_result
+
+    threads = tuple(int(n) for n in args.threads.split(",") if n.strip())
+    result = bench_engine(model_spec=args.model, draft=args.draft, num_prompts=args.prompts,
+                          new_tokens=args.new_tokens, draft_k=args.k, threads=threads, num_swaps=args.swaps)
+    result["path"] = str(write_result("engine", result, Path(args.out_dir) if args.out_dir else None))
     if not args.json:
-        for batch, configs in result["configs"].items():
-            print(f"{batch}:")
-            for name, rep in configs.items():
-                print(f"  {name:18s} {rep['tokens_per_s']:8.2f} tok/s  "
-                      f"accepted length {rep['mean_accepted_length']:.2f}  x{rep['vs_ours_plain']:.2f} vs ours plain")
+        for n, phase in result["phases"].items():
+            for batch, configs in phase.items():
+                print(f"{n} thread(s), {batch}:")
+                for name, rep in configs.items():
+                    print(f"  {name:12s} {rep['tokens_per_s']:8.2f} tok/s  accepted length "
+                          f"{rep['mean_accepted_length']:.2f}")
     print(json.dumps(result))
     return 0
 
@@ -85,6 +101,15 @@ def _bench_rl(args: argparse.Namespace) -> int:
                               group_size=args.group_size, max_new_tokens=args.new_tokens, num_workers=args.workers,
                               draft_k=args.k, task=args.task, model=args.model, warm_draft=args.warm_draft,
                               seed=args.seed, arms=args.arms, out_dir=Path(args.out_dir) if args.out_dir else None)))
+    return 0
+
+
+def _bench_faults(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from bench.faults import bench_faults
+
+    print(json.dumps(bench_faults(num_requests=args.requests, out_dir=Path(args.out_dir) if args.out_dir else None)))
     return 0
 
 
@@ -175,14 +200,17 @@ def add_tool_commands(sub) -> None:
     """Add `bench`, `drafter` and `generate` to the `tlt` subcommands."""
     bench = sub.add_parser("bench", help="benchmarks; each prints a JSON object last")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    eng = bench_sub.add_parser("engine", help="our engine vs transformers, plain and speculative")
-    eng.add_argument("--model", default=SMOLLM2_SPEC, help="preset, smollm2-135m, .gguf file or HF directory")
-    eng.add_argument("--prompts", type=int, default=16, help="number of the 16 fixed prompts to use")
-    eng.add_argument("--new-tokens", type=int, default=128)
-    eng.add_argument("--k", default="2,4", help="draft lengths for the n-gram and prompt-lookup runs, e.g. 2,4")
-    eng.add_argument("--threads", type=int, default=2)
-    eng.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    eng.add_argument("--no-hf", action="store_true", help="skip the transformers reference runs")
+    eng = bench_sub.add_parser("engine", help="our engine vs vLLM, plain and with the same trained EAGLE-3 draft")
+    eng.add_argument("--model", default=SMOLLM2_SPEC, help="smollm2-135m, a .gguf file or an HF directory")
+    eng.add_argument("--draft", default=None, help="a draft checkpoint (default: the longtail warm draft that "
+                     "`make warm-draft` caches)")
+    eng.add_argument("--prompts", type=int, default=8, help="held-out longtail prompts")
+    eng.add_argument("--new-tokens", type=int, default=96)
+    eng.add_argument("--k", type=int, default=3, help="draft length, the same in both engines")
+    eng.add_argument("--threads", default="1,2", help="thread settings, one phase each; the first is the equal-"
+                     "threads comparison")
+    eng.add_argument("--swaps", type=int, default=20, help="draft swaps timed in the live vLLM engine")
+    eng.add_argument("--out-dir", default=None, help="where engine.json goes (default docs/bench)")
     eng.add_argument("--json", action="store_true", help="print only the JSON object on stdout")
     eng.set_defaults(func=_bench_engine)
 
@@ -254,6 +282,11 @@ def add_tool_commands(sub) -> None:
     rl.add_argument("--out-dir", default=None, help="where rl.json goes (default docs/bench)")
     rl.add_argument("--json", action="store_true", help="accepted for symmetry; the JSON object is always last")
     rl.set_defaults(func=_bench_rl)
+    flt = bench_sub.add_parser("faults", help="fuzz, hostile input, Redis outage, driver kill, idempotency: counts")
+    flt.add_argument("--requests", type=int, default=1200, help="schemathesis requests on the scheduler without Ray")
+    flt.add_argument("--out-dir", default=None, help="where faults.json goes (default docs/bench)")
+    flt.add_argument("--json", action="store_true", help="accepted for symmetry; the JSON object is always last")
+    flt.set_defaults(func=_bench_faults)
 
     dr = sub.add_parser("drafter", help="drafter tools")
     dr_sub = dr.add_subparsers(dest="drafter", required=True)

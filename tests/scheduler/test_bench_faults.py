@@ -1,0 +1,52 @@
+"""The counting of `tlt bench faults` (bench/faults.py), on plain values: no server, no Redis, no Ray."""
+
+from __future__ import annotations
+
+from bench.faults import (
+    duplicates,
+    goals_met,
+    is_accepted,
+    is_server_error,
+    leak_markers,
+    resumed_after_step,
+    steps_lost,
+)
+
+TRACEBACK = """Traceback (most recent call last):
+  File "/work/main/.venv/lib/python3.11/site-packages/ray/_private/worker.py", line 2961, in get
+    raise value
+  File "/work/main/workers/driver.py", line 88, in __init__
+ValueError: dataset_path: bad.jsonl is not UTF-8 text"""
+
+
+def test_a_traceback_is_flagged_and_a_clean_one_line_error_passes():
+    assert leak_markers(TRACEBACK) == ["Traceback", 'File "', '.py"', "site-packages", "/work/"]
+    assert leak_markers("ValueError: dataset_path: /tmp/x/bad.jsonl is not UTF-8 text (invalid start byte)") == []
+    assert leak_markers('{"detail":"missing or wrong bearer token"}') == []
+    assert leak_markers("ray actor died: /srv/app/x", ("/srv/app",)) == ["/srv/app"]  # this server's own paths
+
+
+def test_what_counts_as_accepted_and_as_a_server_error():
+    assert is_accepted(201, 1) and is_accepted(200, 0) and is_accepted(422, 1)  # a job created is accepted
+    assert not is_accepted(422, 0) and not is_accepted(413, 0) and not is_accepted(None, 0)  # None: connection cut
+    assert is_server_error("get", "/v1/jobs", 500) and is_server_error("POST", "/v1/jobs", 503)
+    assert not is_server_error("GET", "/readyz", 503)  # not ready without Ray: a documented answer
+    assert not is_server_error("GET", "/v1/jobs", 404) and not is_server_error("GET", "/v1/jobs", None)
+
+
+def test_steps_lost_after_a_driver_kill():
+    warning = "driver lost, resumed from its policy checkpoint after step 1 (steps 2..2 redone)"
+    assert resumed_after_step(warning) == 1 and resumed_after_step(None) is None
+    assert resumed_after_step("rollout workers lost: w1 at step 0; each was started again") is None
+    assert steps_lost(3, 1, is_mid_step=True) == 2  # step 2 redone, step 3 was under way
+    assert steps_lost(2, 1, is_mid_step=False) == 0  # killed right after a checkpointed step
+
+
+def test_duplicates_and_goals():
+    assert duplicates(["a"] * 20) == 0 and duplicates(["a", "b", "a", "c"]) == 2 and duplicates([]) == 0
+    figures = {"fuzz_requests": 1350, "fuzz_server_errors": 0, "schema_violations": 0, "hostile_inputs_accepted": 0,
+               "tracebacks_exposed": 0, "redis_outage_jobs_lost": 0, "redis_recovery_s": 0.4,
+               "driver_kill_steps_lost": 2, "idempotent_duplicates": 0}
+    assert all(goals_met(figures, checkpoint_every=2).values())
+    met = goals_met(figures | {"driver_kill_steps_lost": 3, "redis_recovery_s": None, "fuzz_requests": 999}, 2)
+    assert [k for k, ok in met.items() if not ok] == ["fuzz_requests", "redis_recovery_s", "driver_kill_steps_lost"]
