@@ -153,6 +153,11 @@ class RolloutWorker:
     async def generate(self, prompts: list[list[int]], params: list[dict], rl_step: int) -> list[dict]:
         return await asyncio.to_thread(self.runner.generate, prompts, params, rl_step)
 
+    async def add_learner_pairs(self, message: dict) -> int:
+        """The training pairs the learner recorded for this worker's rollouts (numpy arrays, mapped from Ray's
+        object store; workers.learner_pairs), for an engine that does not harvest them."""
+        return await asyncio.to_thread(self.runner.add_learner_pairs, message)
+
     # ----- the scheduler's commands -------------------------------------------------------------
     async def start_lease(self, offer: dict) -> None:
         """Accept a LeaseOffer and train in the background. ValueError naming the field if it is
@@ -187,12 +192,13 @@ class RolloutWorker:
         self.runner.status.is_reporting = is_reporting
 
 
-def start_worker(job_id: str, worker_id: str, spec: JobSpec, redis_url: str, store_dir: str, index: int = 0):
+def start_worker(job_id: str, worker_id: str, spec: JobSpec, redis_url: str, store_dir: str, index: int = 0,
+                 **runtime):
     """A job's rollout worker as a named actor (owned by the caller, the driver: it dies with it). `index`
-    (0..num_workers-1) picks its cores on CPU (workers.pinning)."""
+    (0..num_workers-1) picks its cores on CPU (workers.pinning); `runtime`: RolloutRunner's keyword settings."""
     return RolloutWorker.options(name=worker_actor_name(job_id, worker_id), namespace=RAY_NAMESPACE,
                                  num_gpus=1, num_cpus=0).remote(job_id, worker_id, spec.model_dump(), redis_url,
-                                                                store_dir, index)
+                                                                store_dir, index, **runtime)
 
 
 def get_worker(job_id: str, worker_id: str):

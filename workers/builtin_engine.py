@@ -41,6 +41,8 @@ def as_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 class BuiltinEngine(RolloutEngine):
+    harvests_pairs = True  # record_hidden: the features of the forwards it runs anyway, copied per step
+
     def __init__(self, policy: CausalLM, tokenizer, spec: JobSpec) -> None:
         self.policy, self.draft_k = policy, spec.draft_k
         self.engine = Engine(policy, tokenizer)

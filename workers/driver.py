@@ -2,7 +2,8 @@
 
 Per step: push the policy weights (once per version, through the Ray object store), split the
 prompt groups among the workers, gather responses (a failed worker's share is lost, the others'
-are kept), score them, recompute log-probabilities with the POLICY, update it, record timings.
+are kept), score them, recompute log-probabilities with the POLICY, update it, record timings. Workers
+whose engine harvests no drafter-training pairs get them from those forwards (workers.learner_pairs).
 The Ray actor around it is workers.actors.JobDriver, which also records how the run ended.
 """
 
@@ -21,11 +22,12 @@ import torch
 from drafter.loading import encode_prompt, load_model
 from workers.actors import start_worker
 from workers.errors import one_line
-from workers.grpo import group_advantages, grpo_update, response_mask, sequence_logprobs
+from workers.grpo import group_advantages, grpo_update, response_mask, sequence_logprobs, update_rows
+from workers.learner_pairs import LearnerPairs, PairShipments, wanted_owners
 from workers.pinning import usable_cores
 from workers.policy_checkpoint import load_policy, policy_checkpoint_path, save_policy
 from workers.protocol import Phase, PhaseRecord, StepRecord, job_phase_key, job_steps_key, job_totals_key
-from workers.rollout import engine_unavailable_reason
+from workers.rollout import BUFFER_BYTES, BUFFER_DTYPE, engine_unavailable_reason
 from workers.spec import JobSpec
 from workers.store import job_stores
 from workers.tasks import get_reward, load_jsonl_dataset, make_task
@@ -116,6 +118,7 @@ class Driver:
         self.redis_url, self.store_dir = redis_url, store_dir
         self.restarts: dict[str, int] = {}  # worker id -> times it was started again after it was lost
         self.lost: list[str] = []  # "w1 at step 3", each loss, for the run's warning
+        self.shipments = PairShipments(job_id)  # learner pairs on their way to workers (workers.learner_pairs)
         self.workers = {wid: start_worker(job_id, wid, spec, redis_url, store_dir, i)
                         for i, wid in enumerate(self.worker_ids)}
         # wait for them to start (load the model) so that step 0's weight sync times the sync alone; one that
@@ -169,6 +172,7 @@ class Driver:
         for rl_step in range(self.num_steps_done, self.spec.num_steps):
             self.step(rl_step)
             self.num_steps_done += 1
+        self.shipments.settle()
 
     def set_phase(self, phase: Phase, rl_step: int) -> None:
         self.redis.set(job_phase_key(self.job_id), PhaseRecord(phase, rl_step, time.time()).to_json())
@@ -219,6 +223,7 @@ class Driver:
         prompts = [encode_text(self.tokenizer, p.prompt, self.policy.cfg.vocab_size) for p in problems]
         self.set_phase(Phase.SYNC, rl_step)
         t0 = time.perf_counter()
+        self.shipments.settle()  # the last step's learner pairs: long added by now
         self._restart_lost(rl_step)
         self._sync(rl_step, failures)
         t["weight_sync"] = time.perf_counter() - t0
@@ -295,6 +300,8 @@ class Driver:
                 self._drop(wid, exc, rl_step, failures)
                 continue
             worker_s[wid] = time.perf_counter() - started
+            for o in outs:
+                o["worker"] = wid  # where its learner pairs go (workers.learner_pairs)
             draft_versions[wid] = max((o["draft_version"] for o in outs), default=0)
             if outs:  # the same on every completion of the batch
                 batches[wid] = {key: outs[0][key] for key in ("speculation", "bucket_throughput")}
@@ -303,24 +310,39 @@ class Driver:
         return results, worker_s, draft_versions, batches
 
     def _update(self, groups: list[int], results: dict, rewards: torch.Tensor, t: dict) -> dict:
-        """Advantages, the policy's own log-probs, and the GRPO update(s); returns the last update's stats."""
+        """Advantages, the policy's own log-probs, and the GRPO update(s); returns the last update's stats. For
+        workers whose engine does not harvest drafter-training pairs, the same forwards record them
+        (workers.learner_pairs), shipped to those workers after the update."""
         t0 = time.perf_counter()
-        adv = group_advantages(rewards, self.spec).flatten()
-        seqs = [o["prompt_ids"] + o["token_ids"] for g in groups for o in results[g]]
-        plens = [len(o["prompt_ids"]) for g in groups for o in results[g]]
-        if self.spec.num_updates_per_step == 1:  # on-policy: the update's own forward gives old_logp (ratio 1)
+        spec = self.spec
+        adv = group_advantages(rewards, spec).flatten()
+        outs = [o for g in groups for o in results[g]]
+        seqs, plens = [o["prompt_ids"] + o["token_ids"] for o in outs], [len(o["prompt_ids"]) for o in outs]
+        owners = wanted_owners(outs)
+        pairs = LearnerPairs(self.policy, seqs, plens, owners, BUFFER_DTYPE, BUFFER_BYTES) if any(owners) else None
+        if spec.num_updates_per_step == 1:  # on-policy: the update's own forward gives old_logp (ratio 1)
             old_logp, mask = None, response_mask(seqs, plens)
         else:
             with torch.no_grad():
-                old_logp, mask = sequence_logprobs(self.policy, seqs, plens)
+                old_logp, mask = sequence_logprobs(self.policy, seqs, plens, recorder=pairs)
         t["logprob"] = time.perf_counter() - t0
+        # the update's first forward records its rows; the rest now, before the update moves the policy
+        recorder = pairs if old_logp is None else None
+        if pairs is not None:
+            t0 = time.perf_counter()
+            pairs.fill(self.policy, update_rows(mask, adv, old_logp, spec) if recorder else (), spec.micro_batch_size)
+            t["learner_pairs"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         self.policy.train().requires_grad_(True)
         stats = {}
-        for _ in range(self.spec.num_updates_per_step):  # later passes are off-policy: the ratio clips them
-            stats = grpo_update(self.policy, self.optimizer, seqs, plens, adv, old_logp, mask, self.spec,
-                                self.ref_model)
+        for i in range(spec.num_updates_per_step):  # later passes are off-policy: the ratio clips them
+            stats = grpo_update(self.policy, self.optimizer, seqs, plens, adv, old_logp, mask, spec, self.ref_model,
+                                recorder=recorder if i == 0 else None)
         self.policy.eval().requires_grad_(False)
-        self.policy_version += 1
         t["update"] = time.perf_counter() - t0
+        if pairs is not None:  # tagged with the version that generated them
+            t0 = time.perf_counter()
+            self.shipments.send(self.workers, pairs.messages(self.policy_version))
+            t["learner_pairs"] += time.perf_counter() - t0
+        self.policy_version += 1
         return stats

@@ -2,9 +2,10 @@
 
 A worker (workers.rollout.RolloutRunner) loads policy weights into its engine, has it generate a
 batch with per-request sampling settings and seeds, collects the training pairs the engine harvested
-for the drafter, installs draft versions as they are published, and reports the engine's acceptance
-and throughput. Nothing here names a built-in class: the built-in engine (workers.builtin_engine) is
-the first implementation, vLLM and SGLang engines come next behind the same calls.
+for the drafter (an engine that cannot, `harvests_pairs` False, has them from the learner's forward),
+installs draft versions as they are published, and reports the engine's acceptance and throughput.
+Nothing here names a built-in class: the built-in engine (workers.builtin_engine) is the first
+implementation, vLLM and SGLang engines come next behind the same calls.
 
 Per-request sampling settings are plain dicts (they cross Ray from the driver):
     temperature (0: greedy), top_k (0: off), top_p (1.0: off), max_new_tokens, seed (None: drawn),
@@ -94,6 +95,12 @@ def check_fixed_speculation(engine: str, draft_k: int, speculation: str) -> None
 
 class RolloutEngine(ABC):
     """An inference engine with speculative decoding and a hot-swappable draft."""
+
+    # Whether generate(harvest_into=...) adds the batch's (token, policy hidden state) training pairs itself, as
+    # cheaply as it generates. An engine that cannot hand the policy's per-token aux-layer states back says False
+    # and is never given a buffer: its worker's pairs come from the learner's log-prob forward instead
+    # (workers.learner_pairs). Each engine states its own.
+    harvests_pairs: bool = False
 
     @abstractmethod
     def load_policy(self, state: dict[str, Any], policy_version: int) -> None:

@@ -14,10 +14,24 @@ job's own: the functions read them off its JobSpec (workers.spec), where each de
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 import torch
 
 from drafter.model import CausalLM
 from workers.spec import JobSpec
+
+
+class StateRecorder(Protocol):
+    """Takes the policy states a log-prob forward computes anyway (workers.learner_pairs.LearnerPairs: drafter
+    training pairs for engines that do not harvest them)."""
+
+    aux_layers: tuple[int, ...]  # the layers the forward is asked for (drafter.model.CausalLM.forward)
+
+    def record(self, rows: Sequence[int], hidden: torch.Tensor, aux: torch.Tensor) -> None:
+        """hidden (b, L, D), aux (b, L, 3D) of the forward's rows, right-padded; rows[i]: row i's index in the
+        caller's batch."""
 
 
 def group_advantages(rewards: torch.Tensor, spec: JobSpec, eps: float = 1e-6) -> torch.Tensor:
@@ -33,14 +47,17 @@ def group_advantages(rewards: torch.Tensor, spec: JobSpec, eps: float = 1e-6) ->
     return centered
 
 
-def sequence_logprobs(model: CausalLM, sequences: list[list[int]], prompt_lens: list[int],
-                      pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logprobs(model: CausalLM, sequences: list[list[int]], prompt_lens: list[int], pad_id: int = 0,
+                      recorder: StateRecorder | None = None,
+                      rows: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each generated token under `model` (always the POLICY, never a drafter).
 
     sequences[b] = prompt + response token ids; prompt_lens[b] = len(prompt) >= 1. One cache-free
     causal forward over the right-padded batch; differentiable when grad is enabled.
     Returns (logp, mask), both (B, T) with T the longest response: logp[b, j] = log p(response
     token j | everything before it); mask is False on padding, where logp is 0.
+    recorder: the same forward also returns the recorder's aux layers, handed to it with `rows` (the sequences'
+    indices in the recorder's batch; None: 0..B-1). With no response token at all there is no forward.
     """
     if len(sequences) != len(prompt_lens):
         raise ValueError(f"prompt_lens has {len(prompt_lens)} entries for {len(sequences)} sequences")
@@ -62,7 +79,12 @@ def sequence_logprobs(model: CausalLM, sequences: list[list[int]], prompt_lens: 
     mask = j.unsqueeze(0) < resp_lens.unsqueeze(1)  # (B, T)
     if T == 0:
         return torch.zeros(B, 0, device=device), mask
-    _, hidden = model(ids, torch.arange(L, device=device).expand(B, L), None, logits_for="none")  # (B, L, D)
+    positions = torch.arange(L, device=device).expand(B, L)  # (B, L)
+    if recorder is None:
+        _, hidden = model(ids, positions, None, logits_for="none")  # (B, L, D)
+    else:
+        _, hidden, aux = model(ids, positions, None, logits_for="none", aux_layers=recorder.aux_layers)
+        recorder.record(range(B) if rows is None else rows, hidden, aux)  # (B, L, D), (B, L, 3D)
     # response token j of row b sits at position plens[b] + j and is scored by the logits one before it: the LM
     # head runs on those positions only (not on the prompt's), the costliest layer at SmolLM2's 49k vocabulary
     target_pos = (plens.unsqueeze(1) + j).clamp(max=L - 1)  # (B, T); padding rows clamp to a valid index
@@ -125,10 +147,19 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     return loss, stats
 
 
+def update_rows(mask: torch.Tensor, advantages: torch.Tensor, old_logp: torch.Tensor | None,
+                spec: JobSpec) -> list[int]:
+    """The rows grpo_update runs forward: every row with a generated token, but with old_logp None and kl_coef 0
+    none whose advantage is 0 (see grpo_update)."""
+    row_tokens = mask.sum(dim=1).tolist()
+    can_skip = old_logp is None and spec.kl_coef == 0
+    return [b for b in range(mask.shape[0]) if row_tokens[b] and not (can_skip and float(advantages[b]) == 0.0)]
+
+
 def grpo_update(model: CausalLM, optimizer: torch.optim.Optimizer, sequences: list[list[int]],
                 prompt_lens: list[int], advantages: torch.Tensor, old_logp: torch.Tensor | None,
                 mask: torch.Tensor, spec: JobSpec, ref_model: CausalLM | None = None,
-                pad_id: int = 0) -> dict[str, float]:
+                pad_id: int = 0, recorder: StateRecorder | None = None) -> dict[str, float]:
     """One optimizer step over all sequences.
 
     Gradients are accumulated over micro-batches of `spec.micro_batch_size` sequences, each loss
@@ -144,6 +175,7 @@ def grpo_update(model: CausalLM, optimizer: torch.optim.Optimizer, sequences: li
     gradient (its ratio is 1, never clipped), so it is not run forward at all; its tokens still count in the
     token mean's divisor and in the stats. The rows that run are taken longest first, so a micro-batch pads
     its rows to lengths alike.
+    recorder: the rows' forwards hand it their states too (sequence_logprobs), before the step moves the policy.
     Returns JSON-ready stats: loss, grad_norm, clip_fraction, mean_ratio, kl, num_tokens, num_skipped (rows).
     """
     B = len(sequences)
@@ -160,8 +192,7 @@ def grpo_update(model: CausalLM, optimizer: torch.optim.Optimizer, sequences: li
     if num_tokens == 0:  # nothing was generated: no gradient, no step
         return {**sums, "grad_norm": 0.0, "num_tokens": 0, "num_skipped": 0}
     row_tokens = mask.sum(dim=1).tolist()
-    can_skip = old_logp is None and spec.kl_coef == 0
-    rows = [b for b in range(B) if row_tokens[b] and not (can_skip and float(advantages[b]) == 0.0)]
+    rows = update_rows(mask, advantages, old_logp, spec)
     skipped_tokens = num_tokens - sum(row_tokens[b] for b in rows)
     sums["mean_ratio"] = skipped_tokens / num_tokens  # a skipped row's ratio is exactly 1 (old_logp is its own)
     rows.sort(key=lambda b: -len(sequences[b]))
@@ -170,7 +201,7 @@ def grpo_update(model: CausalLM, optimizer: torch.optim.Optimizer, sequences: li
         mb_mask = mask[idx]
         mb_tokens = int(mb_mask.sum())
         mb_seqs, mb_plens = [sequences[b] for b in idx], [prompt_lens[b] for b in idx]
-        logp, _ = sequence_logprobs(model, mb_seqs, mb_plens, pad_id)  # (b, t), t <= T
+        logp, _ = sequence_logprobs(model, mb_seqs, mb_plens, pad_id, recorder, idx)  # (b, t), t <= T
         t = logp.shape[1]
         ref = None
         if ref_model is not None and spec.kl_coef > 0:

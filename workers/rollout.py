@@ -5,7 +5,8 @@ is the Ray actor around it.
 Its parts, by concern:
     engine    the RolloutEngine it drives (workers.engine; JobSpec.engine picks it, the built-in one by default)
     policy    the learner-side policy module the drafter trains and is scored against
-    buffer    harvested (token, policy hidden state) pairs for drafter training
+    buffer    (token, policy hidden state) pairs for drafter training: harvested by the engine, or, where it
+              cannot (RolloutEngine.harvests_pairs), sent by the learner (workers.learner_pairs)
     stores    the job's served and copies draft stores
     status    its state and rollout counters, reported to Redis (workers.status)
     swapper   hot swap of published draft versions (workers.swap)
@@ -22,9 +23,11 @@ import redis as redis_lib
 import torch
 
 from drafter.buffer import RolloutBuffer
+from drafter.config import NUM_AUX_LAYERS
 from drafter.loading import LoadedModel, load_model
 from workers.builtin_engine import BuiltinEngine, as_tensors
 from workers.engine import RolloutEngine
+from workers.learner_pairs import add_pairs
 from workers.leases import LeaseRunner
 from workers.protocol import WorkerState
 from workers.scoring import Scorer
@@ -36,6 +39,7 @@ from workers.swap import Swapper
 log = logging.getLogger(__name__)
 NUM_THREADS = 1  # torch threads per worker: several workers share a CPU box, each pinned to its own cores
 BUFFER_BYTES = 256 << 20  # harvested pairs kept per worker: ~2 steps of SmolLM2 rollouts in bf16
+BUFFER_DTYPE = torch.bfloat16  # the features' dtype in the buffer: half float32's bytes, what the trainer reads
 
 
 def engine_unavailable_reason(engine: str) -> str | None:
@@ -72,13 +76,17 @@ class RolloutRunner:
     """One worker's state and work; every public method is safe to call from another thread."""
 
     def __init__(self, job_id: str, worker_id: str, spec: JobSpec, redis: redis_lib.Redis, store_dir: str,
-                 num_threads: int = NUM_THREADS, buffer_bytes: int = BUFFER_BYTES) -> None:
+                 num_threads: int = NUM_THREADS, buffer_bytes: int = BUFFER_BYTES,
+                 harvest_in_engine: bool = True) -> None:
+        """harvest_in_engine=False: take the training pairs from the learner even where the engine could harvest
+        them (tests and benchmarks of the learner's path on the built-in engine)."""
         self.job_id, self.worker_id, self.spec = job_id, worker_id, spec
         torch.set_num_threads(num_threads)
         loaded = load_model(spec.model)
         self.policy = loaded.model
         self.engine = build_engine(spec, loaded, num_threads)
-        self.buffer = RolloutBuffer(max_bytes=buffer_bytes)
+        self.harvests = harvest_in_engine and self.engine.harvests_pairs
+        self.buffer = RolloutBuffer(max_bytes=buffer_bytes, hidden_dtype=BUFFER_DTYPE)
         self.served, self.copies = job_stores(redis, store_dir, job_id)
         self.status = WorkerStatus(redis, job_id, worker_id, self._facts)
         self.swapper = Swapper(self.engine, self.served, self.status, spec)
@@ -107,9 +115,25 @@ class RolloutRunner:
         else plain. Adaptive by default: the engine measures what drafting gains per live-batch bucket."""
         return self.spec.speculation if self.spec.tlt else "off"
 
+    @property
+    def takes_learner_pairs(self) -> bool:
+        """Whether its drafter-training pairs come from the learner's forward: it trains the drafter, and its
+        engine does not harvest them."""
+        return self.spec.trains_drafter and not self.harvests
+
+    def add_learner_pairs(self, message: dict) -> int:
+        """Add the pairs the learner recorded for this worker's rollouts (workers.learner_pairs.LearnerPairs's
+        message); returns how many. ValueError if it takes its pairs from its engine (they would count twice)."""
+        if not self.takes_learner_pairs:
+            raise ValueError(f"worker {self.worker_id} takes no training pairs from the learner")
+        num_pairs = add_pairs(self.buffer, message, (NUM_AUX_LAYERS + 1) * self.policy.cfg.hidden_size)
+        self.status.report(force=True)  # buffer_tokens: what the scheduler grants leases on (a heartbeat keeps it)
+        return num_pairs
+
     def generate(self, prompts: list[list[int]], params: list[dict], rl_step: int) -> list[dict]:
         """One rollout per prompt; plain dicts (workers.engine.Completion; each one's "speculation" is the
-        draft length per live-batch bucket, the step record's for this worker). A failure of the engine
+        draft length per live-batch bucket, the step record's for this worker; "learner_pairs": whether the
+        driver is to send this batch's training pairs, takes_learner_pairs). A failure of the engine
         leaves the worker FAILED (reported), and is raised."""
         if self.status.state == WorkerState.FAILED:
             raise RuntimeError(f"worker {self.worker_id} has failed: it generates no more")
@@ -125,7 +149,8 @@ class RolloutRunner:
                                 self.engine.stats().mean_accepted_length)
 
         try:
-            harvest_into = self.buffer if self.spec.trains_drafter else None  # only leases train on it
+            # only leases train on the buffer; an engine that does not harvest is not asked to
+            harvest_into = self.buffer if self.spec.trains_drafter and self.harvests else None
             outs = self.engine.generate(prompts, params, speculation=self.speculation, harvest_into=harvest_into,
                                         on_progress=on_progress)
         except Exception:
@@ -136,7 +161,7 @@ class RolloutRunner:
             self.status.is_generating = False
         self.status.reporter.flush()
         self.status.set_state(WorkerState.IDLE)
-        return [o.to_dict() for o in outs]
+        return [{**o.to_dict(), "learner_pairs": self.takes_learner_pairs} for o in outs]
 
     # ----- for tests and benchmarks (the scheduler reads the progress record) ------------------
     def describe(self) -> dict:

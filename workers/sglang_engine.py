@@ -157,6 +157,10 @@ class SglangEngine(RolloutEngine):
     too); `model_dir` the HF directory it came from (None: written from `policy`). SGLang starts at the first
     batch, with the draft installed by then (a job's warm draft is installed before its first rollout)."""
 
+    # SGLang's return_hidden_states does not return the rows the drafter trains on (the three aux layers' states
+    # and the final one, 4D per position): the learner's forward records them, and requests do not pay for it
+    harvests_pairs = False
+
     def __init__(self, policy: CausalLM, tokenizer, spec: JobSpec, *, model_dir: str | Path | None = None,
                  engine_options: dict | None = None) -> None:
         self.sgl = _import_sglang()

@@ -15,8 +15,9 @@ and that file's path are all that cross to vLLM's processes (`collective_rpc` in
 - install_draft: an in-place reload of the draft model's weights, done by vLLM between two of its steps while
   a batch runs. vLLM's official draft-only update (start_draft_weight_update / update_weights /
   finish_weight_update) needs a CUDA IPC or NCCL weight-transfer backend and errors on CPU; not used here.
-- harvest_into is not filled: vLLM does not hand back the policy's per-token hidden states cheaply; drafter
-  training pairs come from the learner's forward instead.
+- training pairs: not harvested here (harvests_pairs False; the worker passes no buffer): vLLM does not hand back
+  the policy's per-token aux-layer states cheaply. The driver's log-prob / update forward over every prompt and
+  response records them and ships them to this worker's buffer (workers.learner_pairs).
 """
 
 from __future__ import annotations
@@ -139,6 +140,8 @@ class VllmEngine(RolloutEngine):
     too); `model_dir` the HF directory it came from (None: written from `policy`, e.g. a preset); `draft_dir`
     an EAGLE-3 directory to start from as version 0 (None: an untrained head); `num_threads` the cores vLLM's
     worker binds, from the first this process may use."""
+
+    harvests_pairs = False  # vLLM hands back no per-token aux-layer states: the learner's forward records them
 
     def __init__(self, policy: CausalLM, tokenizer, spec: JobSpec, *, model_dir: str | Path | None = None,
                  num_threads: int = 1, draft_dir: str | Path | None = None) -> None:

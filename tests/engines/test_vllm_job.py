@@ -1,6 +1,7 @@
 """A short GRPO job end to end with JobSpec.engine 'vllm': SmolLM2-135M served by vLLM in a rollout worker on
-a real local Ray cluster, with a real redis-server; the policy is reloaded into the live engine every step and
-EAGLE-3 speculation serves every rollout."""
+a real local Ray cluster, with a real redis-server; the policy is reloaded into the live engine every step,
+EAGLE-3 speculation serves every rollout, and the drafter's training pairs come from the learner's forward (vLLM
+harvests none)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def ray_cluster():
 
 def test_a_grpo_job_runs_on_vllm(ray_cluster, tmp_path):
     spec = JobSpec(model="smollm2-135m", engine="vllm", num_steps=2, num_prompts_per_step=2, group_size=2,
-                   max_new_tokens=16, num_workers=1, speculation="always", idle_training=False, draft_k=2)
+                   max_new_tokens=16, num_workers=1, speculation="always", idle_training=True, draft_k=2)
     with PrivateRedis() as server:
         client = server.client()
         driver = start_driver("v1", spec, server.url, str(tmp_path), is_detached=False)
@@ -43,4 +44,7 @@ def test_a_grpo_job_runs_on_vllm(ray_cluster, tmp_path):
         assert s.speculation == {"w0": {bucket: 2 for bucket in s.speculation["w0"]}}  # draft_k every step
         assert sum(tokens for tokens, _ in s.bucket_throughput.values()) == s.num_tokens
         assert s.mean_accepted_length >= 1.0 and s.grpo["num_tokens"] == s.num_tokens
+        assert "learner_pairs" in s.timings  # the learner recorded the pairs vLLM does not hand back
     assert described["num_draft_tokens"] > 0  # vLLM drafted (the untrained version 0: little is accepted)
+    # both steps' rollouts, every position but each one's last (prompts are SmolLM2's chat-encoded problems)
+    assert described["buffer_tokens"] > sum(s.num_tokens for s in steps)
