@@ -9,6 +9,7 @@ import sys
 
 from scheduler.cli_tools import add_tool_commands
 from scheduler.policy import PolicySettings
+from scheduler.simulate.command import add_simulate_command
 
 
 def api_token_from_env(environ) -> str | None:
@@ -135,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     add_tool_commands(sub)
+    add_simulate_command(sub)
 
     srv = sub.add_parser("serve", help="run the scheduler's REST API (REDIS_URL, TLT_API_TOKEN from the env)")
     srv.add_argument("--host", default="127.0.0.1")
