@@ -4,7 +4,9 @@ A driver is a detached, named Ray actor (workers.actors.JobDriver, torch-free at
 the scheduler process, and a restarted scheduler finds it again by name. How a job ended has ONE
 record: the JobResult the driver writes to job_result_key before its run returns or raises. The
 launcher reads it once the driver's `run` (or, after a restart, `wait`) call resolves or fails; a
-driver that is gone without one failed, and the job says so in one line.
+driver that is gone without one failed, and the job says so in one line. A job the cluster can no longer
+hold (fewer GPUs than its rollout workers need, e.g. a node lost) fails too, after a grace period: its driver
+would otherwise wait forever for workers Ray cannot place.
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ log = logging.getLogger(__name__)
 # that keeps dying, e.g. out of memory, would otherwise restart forever)
 MAX_DRIVER_RESTARTS = 2
 NAME_RELEASE_S = 30.0  # how long a new driver waits for a dead one's actor name to be released
-
+# a RUNNING job whose Ray cluster has had fewer GPUs than its num_workers for this long fails: a lost node's workers
+# (or a resumed driver's) cannot be placed and the driver would wait for them forever; a node back sooner costs nothing
+MAX_UNPLACEABLE_S = 60.0
+PLACEMENT_CHECK_S = 2.0  # how often a followed job's driver call is polled, and the cluster's GPUs counted
 
 
 class Launcher:
@@ -113,9 +118,20 @@ class Launcher:
     def _follow(self, job_id: str, driver, ref) -> None:
         """Wait for the driver's run (or wait) call, then record the job's end from its JobResult."""
         self.drivers[job_id] = driver
-        cause = None
+        cause, unplaceable = None, None
         try:
-            ray.get(ref)
+            while True:
+                try:
+                    unplaceable = self._wait(job_id, ref)
+                    if unplaceable is None:
+                        ray.get(ref)
+                    break
+                except ray.exceptions.ActorUnavailableError as exc:
+                    # unreachable, not known dead (its node may be dying, or a network blink): a new driver now
+                    # could land on that node and die with it. Ask again until Ray says alive or dead.
+                    log.info("job %s: its driver is unreachable (%s); asking again", job_id, one_line(exc))
+                    time.sleep(PLACEMENT_CHECK_S)
+                    ref = driver.wait.remote(None)
         except SystemExit:  # Ray is shutting down under this scheduler: leave the detached driver running
             self.drivers.pop(job_id, None)
             return
@@ -123,12 +139,52 @@ class Launcher:
             cause = exc
             log.info("job %s: its driver's call ended with %s", job_id, one_line(exc))
         self.drivers.pop(job_id, None)
-        self.settle(job_id, cause)
+        if unplaceable is not None:
+            self._fail(job_id, unplaceable)
+        else:
+            self.settle(job_id, cause)
         if ray.is_initialized():
             try:
-                ray.kill(driver)  # a finished or failed job's driver (and its workers) go away
+                ray.kill(driver)  # a finished or failed job's driver (and its workers, placed or waiting) go away
             except Exception as exc:
                 log.warning("job %s: could not kill its driver: %s", job_id, one_line(exc))
+
+    def _wait(self, job_id: str, ref) -> str | None:
+        """Wait until the driver's call resolves (None), or until the cluster has had fewer GPUs than the job's
+        rollout workers need for MAX_UNPLACEABLE_S without the job ending: then the one line it fails with."""
+        short_since = None
+        while not ray.wait([ref], timeout=PLACEMENT_CHECK_S)[0]:
+            try:
+                short_since, line = self.check_placeable(job_id, short_since, time.monotonic())
+            except Exception as exc:  # a GCS or Redis blink: count again at the next check, never fail the job
+                log.warning("job %s: could not count the cluster's GPUs: %s", job_id, one_line(exc))
+                continue
+            if line is not None:
+                return line
+        return None
+
+    def check_placeable(self, job_id: str, short_since: float | None,
+                         now: float) -> tuple[float | None, str | None]:
+        """(since when, on the clock of `now`, the cluster has had too few GPUs for the job, or None; the line the
+        job fails with once that is MAX_UNPLACEABLE_S ago and it has not ended, else None)."""
+        record, gpus = self.store.get(job_id), self.cluster_gpus()
+        if record is None or record["state"] != JobState.RUNNING or gpus is None:
+            return None, None  # cancelled (its driver is being killed), or no Ray to ask
+        num_workers = record["spec"]["num_workers"]
+        if gpus >= num_workers:
+            if short_since is not None:
+                log.info("job %s: the Ray cluster has %d GPUs again", job_id, gpus)
+            return None, None
+        if short_since is None:
+            log.warning("job %s: the Ray cluster has %d GPUs, fewer than its %d rollout workers need; it fails "
+                        "unless they are back within %.0f s", job_id, gpus, num_workers, MAX_UNPLACEABLE_S)
+            return now, None
+        if now - short_since < MAX_UNPLACEABLE_S or self.result(job_id) is not None:
+            return short_since, None
+        steps = self.store.num_steps([job_id])[0]
+        return short_since, (f"the Ray cluster has had {gpus} GPUs for {MAX_UNPLACEABLE_S:.0f} s, fewer than its "
+                             f"{num_workers} rollout workers need (a node lost?): stopped after {steps} "
+                             f"step{'' if steps == 1 else 's'}, kept")
 
     def result(self, job_id: str) -> JobResult | None:
         raw = self.store.redis.get(job_result_key(job_id))
