@@ -147,21 +147,25 @@ def target_ids(tensors: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
     return base + tensors["d2t"].long().cpu() if "d2t" in tensors else base
 
 
-def eagle3_tensors(head: EagleHead) -> dict[str, torch.Tensor]:
-    """The head's weights under the standard names, on the CPU (copies: the head may go on training): what
-    model.safetensors holds, and what an engine's in-place reload of the draft takes. No d2t/t2d when the
-    draft vocabulary is the whole target vocabulary (then always in order: set_vocab sorts the ids)."""
+def eagle3_tensors(head: EagleHead, copy: bool = True) -> dict[str, torch.Tensor]:
+    """The head's weights under the standard names, on the CPU: what model.safetensors holds, and what an
+    engine's in-place reload of the draft takes. Copies (the head may go on training), or with copy=False the
+    head's own CPU weights wherever no split is needed (a head built for the export alone: a live swap's 39 MB
+    SmolLM2 draft is then not copied twice). No d2t/t2d when the draft vocabulary is the whole target vocabulary
+    (then always in order: set_vocab sorts the ids)."""
     if any(isinstance(m, Int8Linear) for m in head.modules()):
         raise ValueError("an int8 head has no float weights to export: export the float head it was made from")
     c = head.policy_cfg
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     layer = head.midlayer
 
-    def w(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to("cpu").clone().contiguous()
+    def w(t: torch.Tensor, split: bool = False) -> torch.Tensor:
+        t = t.detach().to("cpu")
+        return t.clone().contiguous() if copy or split else t.contiguous()  # parts of one tensor: safetensors
+        # refuses tensors sharing memory
 
-    q_w, k_w, v_w = layer.self_attn.qkv_proj.weight.split((q, kv, kv), dim=0)
-    gate, up = layer.mlp.gate_up_proj.weight.chunk(2, dim=0)  # MLP.forward: gate first, then up
+    q_w, k_w, v_w = (w(t, split=True) for t in layer.self_attn.qkv_proj.weight.split((q, kv, kv), dim=0))
+    gate, up = (w(t, split=True) for t in layer.mlp.gate_up_proj.weight.chunk(2, dim=0))  # MLP.forward: gate, up
     ids = head.vocab_ids.detach().to("cpu").long()
     t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
     t2d[ids] = True
@@ -174,13 +178,13 @@ def eagle3_tensors(head: EagleHead) -> dict[str, torch.Tensor]:
         "fc.weight": w(head.fc.weight),
         "midlayer.input_layernorm.weight": w(layer.input_layernorm.weight),
         "midlayer.hidden_norm.weight": w(layer.hidden_norm.weight),
-        "midlayer.self_attn.q_proj.weight": w(q_w),
-        "midlayer.self_attn.k_proj.weight": w(k_w),
-        "midlayer.self_attn.v_proj.weight": w(v_w),
+        "midlayer.self_attn.q_proj.weight": q_w,
+        "midlayer.self_attn.k_proj.weight": k_w,
+        "midlayer.self_attn.v_proj.weight": v_w,
         "midlayer.self_attn.o_proj.weight": w(layer.self_attn.o_proj.weight),
         "midlayer.post_attention_layernorm.weight": w(layer.post_attention_layernorm.weight),
-        "midlayer.mlp.gate_proj.weight": w(gate),
-        "midlayer.mlp.up_proj.weight": w(up),
+        "midlayer.mlp.gate_proj.weight": gate,
+        "midlayer.mlp.up_proj.weight": up,
         "midlayer.mlp.down_proj.weight": w(layer.mlp.down_proj.weight),
         "norm.weight": w(head.norm.weight),
         "lm_head.weight": w(head.lm_head.weight),

@@ -21,6 +21,9 @@ import logging
 import threading
 import time
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from scheduler.commands import COMMAND_TIMEOUT_S, Commands, Reply
 from scheduler.jobs import JobStore
 from scheduler.metrics import Latencies
@@ -61,6 +64,7 @@ def trains_drafter(spec: dict) -> bool:
     """JobSpec.trains_drafter for a stored spec (a dict as the job store keeps it; a missing key: the default)."""
     return all(spec.get(name, JobSpec.model_fields[name].default) for name in ("tlt", "idle_training"))
 PREEMPT_WAIT_S = 5.0  # how long a preemption waits for the trainer to confirm it stopped
+MAX_OUTAGE_WAIT_S = 2.0  # longest pause between ticks while Redis is unreachable (the tick doubles up to it)
 
 
 class Watcher:
@@ -87,11 +91,21 @@ class Watcher:
             self._thread.join(join_s)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.tick_s):
+        wait_s, outage_since = self.tick_s, None
+        while not self._stop.wait(wait_s):
             try:
                 self.tick()
+            except (RedisConnectionError, RedisTimeoutError) as exc:  # Redis blinked: one line, then back off
+                if outage_since is None:
+                    outage_since = time.monotonic()
+                    log.warning("watcher: Redis unreachable (%s); retrying with back-off", type(exc).__name__)
+                wait_s = min(MAX_OUTAGE_WAIT_S, wait_s * 2)
+                continue
             except Exception:  # one bad tick must not stop watching
                 log.exception("watcher tick failed")
+            if outage_since is not None:
+                log.warning("watcher: Redis is back after %.1f s", time.monotonic() - outage_since)
+            wait_s, outage_since = self.tick_s, None
 
     def _state(self, job_id: str) -> JobTLT:
         if job_id not in self.jobs:  # first sight, or after a restart: pick up where Redis says
@@ -107,6 +121,8 @@ class Watcher:
             watched.add(job["job_id"])
             try:
                 self.watch_job(job["job_id"], job["spec"])
+            except (RedisConnectionError, RedisTimeoutError):
+                raise  # not this job's fault: the loop backs off
             except Exception:
                 log.exception("job %s: watcher step failed", job["job_id"])
         for job_id in set(self.jobs) - watched:  # ended: its workers are gone with its driver

@@ -159,7 +159,7 @@ class RolloutRunner:
             raise
         finally:
             self.status.is_generating = False
-        self.status.reporter.flush()
+        self.status.flush()
         self.status.set_state(WorkerState.IDLE)
         return [{**o.to_dict(), "learner_pairs": self.takes_learner_pairs} for o in outs]
 

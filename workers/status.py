@@ -51,6 +51,14 @@ class WorkerStatus:
         except Exception:  # progress is best effort; never fail a rollout because Redis blinked
             log.exception("worker %s: progress report failed", self.worker_id)
 
+    def flush(self) -> None:
+        """Write the newest record now if the rate limit held it back; best effort, as every report (a finished
+        batch is never lost because Redis blinked as it ended)."""
+        try:
+            self.reporter.flush()
+        except Exception:
+            log.exception("worker %s: progress flush failed", self.worker_id)
+
     def set_state(self, state: WorkerState, only_from: WorkerState | None = None) -> bool:
         """Move to `state` (and report it); with `only_from`, only if the worker is in that state now.
         Nothing leaves FAILED. Returns whether the state was set."""

@@ -61,6 +61,7 @@ INSTALL_HINT = ("install it in the workers' environment: `make venv-engines` (vl
                 "CPU, in .venv-engines), or `pip install vllm` on a GPU node")
 EXTENSION = "workers.vllm_extension.TltWorkerExtension"
 KV_CACHE_TOKENS = 16_384  # KV cache per engine: 16 rollouts of 1k tokens; vLLM preempts and recomputes past it
+SCRATCH_MIN_FREE = 4 << 30  # /dev/shm must have this free to hold the weight files (a policy reload writes one)
 _DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
 
@@ -126,6 +127,16 @@ def cpu_threads_env(num_threads: int) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def scratch_root(min_free_bytes: int = SCRATCH_MIN_FREE) -> str | None:
+    """Where the weight files handed to vLLM go: /dev/shm (memory, so a swap's write and vLLM's read cost no
+    disk) when it has room for a few policy copies, else the system's temp directory (None)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return "/dev/shm" if st.f_bavail * st.f_frsize >= min_free_bytes and os.access("/dev/shm", os.W_OK) else None
+
+
 def _import_vllm():
     reason = vllm_missing_reason()
     if reason is not None:
@@ -149,7 +160,7 @@ class VllmEngine(RolloutEngine):
         self.policy, self.tokenizer, self.spec = policy, tokenizer, spec
         self.k = spec.draft_k if spec.tlt and spec.speculation != "off" else 0
         self.meter = FixedDraftLength(self.k)
-        self._dir = Path(tempfile.mkdtemp(prefix="tlt-vllm-"))  # private: weights handed to vLLM's processes
+        self._dir = Path(tempfile.mkdtemp(prefix="tlt-vllm-", dir=scratch_root()))  # private: weights handed to vLLM
         self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, True)  # at close, collection or exit
         self._lock = threading.Lock()  # one caller of vLLM's client at a time (its sockets are not thread-safe)
         self._counts = {"num_generated": 0, "num_seq_steps": 0, "num_draft_tokens": 0, "num_accepted": 0,
@@ -232,7 +243,8 @@ class VllmEngine(RolloutEngine):
                 changed = sorted(k for k in fixed if fixed[k] != self._draft_config[k])
                 raise ValueError(f"draft v{version} changes {changed}, which the live vLLM engine cannot reload")
             path = self._dir / f"draft-v{version}.safetensors"
-            save_file(vllm_draft_tensors(eagle3_tensors(head), config), str(path), metadata={"format": "pt"})
+            tensors = vllm_draft_tensors(eagle3_tensors(head, copy=False), config)  # head: built for this alone
+            save_file(tensors, str(path), metadata={"format": "pt"})
             try:
                 with self._lock:  # vLLM runs it between two of its steps, a batch under way or not
                     self.llm.collective_rpc("tlt_reload_draft", args=(str(path),))

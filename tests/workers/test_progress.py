@@ -138,3 +138,26 @@ def test_a_record_for_another_worker_is_refused(redis_client):
         rep.report(record("w1"))
     with pytest.raises(ValueError, match="job_id"):
         rep.report(record(job_id="j2"))
+
+
+def test_a_worker_status_survives_redis_being_unreachable(redis_client):
+    """A rollout that ends while Redis is down loses nothing: the worker's reports and its end-of-batch flush
+    of the record the rate limit held back are best effort (the flush used to raise, failing a finished
+    batch), and the held record lands once Redis answers again."""
+    from workers.redis_server import free_port
+    from workers.status import WorkerStatus
+
+    status = WorkerStatus(redis_client, "j1", "w0", lambda: {"draft_version": 0, "buffer_tokens": 0, "num_swaps": 0})
+    status.begin_rollout(0, 4)
+    status.on_step(1, 16, 0.5, 1.0)
+    status.on_step(4, 64, 1.0, 1.0)  # within the rate limit: held back for the flush
+    assert status.reporter.held is not None
+    status.reporter.redis = redis_lib.Redis(port=free_port(), socket_connect_timeout=0.2)  # Redis goes away
+    with pytest.raises(redis_lib.ConnectionError):
+        status.reporter.flush()  # what the worker called before
+    status.flush()  # must not raise
+    assert status.state == WorkerState.ROLLING_OUT  # a failed write is not a failed worker
+    status.reporter.redis = redis_client  # Redis is back
+    status.set_state(WorkerState.IDLE)
+    [got] = read_progress(redis_client, "j1")
+    assert (got.state, got.num_finished, got.num_tokens) == (WorkerState.IDLE, 4, 64)
