@@ -127,6 +127,25 @@ def cpu_threads_env(num_threads: int) -> Iterator[None]:
                 os.environ[k] = v
 
 
+class FairLock:
+    """A lock handed out in the order it was asked for (a ticket lock), usable as a context manager."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._next_ticket = self._serving = 0
+
+    def __enter__(self) -> FairLock:
+        with self._cond:
+            ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
+            self._cond.wait_for(lambda: self._serving == ticket)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
+
+
 def scratch_root(min_free_bytes: int = SCRATCH_MIN_FREE) -> str | None:
     """Where the weight files handed to vLLM go: /dev/shm (memory, so a swap's write and vLLM's read cost no
     disk) when it has room for a few policy copies, else the system's temp directory (None)."""
@@ -162,7 +181,10 @@ class VllmEngine(RolloutEngine):
         self.meter = FixedDraftLength(self.k)
         self._dir = Path(tempfile.mkdtemp(prefix="tlt-vllm-", dir=scratch_root()))  # private: weights handed to vLLM
         self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, True)  # at close, collection or exit
-        self._lock = threading.Lock()  # one caller of vLLM's client at a time (its sockets are not thread-safe)
+        # one caller of vLLM's client at a time (its sockets are not thread-safe), served in arrival order: a plain
+        # Lock let the decode loop take it back step after step while a draft swap waited (measured: 1.0 s p50 for a
+        # 0.06 s reload); with tickets a swap runs right after the step under way
+        self._lock = FairLock()
         self._counts = {"num_generated": 0, "num_seq_steps": 0, "num_draft_tokens": 0, "num_accepted": 0,
                         "num_verify_steps": 0, "num_swaps": 0}
         self._seconds = {"generate": 0.0, "swap": 0.0, "policy_load": 0.0}
