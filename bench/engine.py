@@ -136,7 +136,7 @@ def time_swaps(engine, state: dict, head_config: dict, prompts: list[list[int]],
         raise errors[0]
     return {"num_swaps": len(seconds), "p50_s": round(statistics.median(seconds), 4),
             "p99_s": round(percentile(seconds, 0.99), 4), "max_s": round(max(seconds), 4),
-            "while_generating": True}
+            "while_generating": True, "seconds": [round(x, 4) for x in seconds]}
 
 
 def bench_engine(model_spec: str = "smollm2-135m", draft: str | None = None, num_prompts: int = 8,

@@ -61,6 +61,10 @@ INSTALL_HINT = ("install it in the workers' environment: `make venv-engines` (vl
                 "CPU, in .venv-engines), or `pip install vllm` on a GPU node")
 EXTENSION = "workers.vllm_extension.TltWorkerExtension"
 KV_CACHE_TOKENS = 16_384  # KV cache per engine: 16 rollouts of 1k tokens; vLLM preempts and recomputes past it
+# tokens one vLLM step may carry (prompts are prefilled in chunks of it): a step is never interrupted, so a draft
+# swap or a policy reload waits for the one under way; measured on a 2-core AVX2 box at 1 thread, SmolLM2-135M
+# prefills ~330 tokens/s, so a 4-prompt batch's unchunked prefill (360 tokens) held a swap 1.1 s
+STEP_TOKENS = 128
 SCRATCH_MIN_FREE = 4 << 30  # /dev/shm must have this free to hold the weight files (a policy reload writes one)
 _DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
@@ -146,6 +150,12 @@ class FairLock:
             self._cond.notify_all()
 
 
+def step_budget(device: torch.device) -> dict[str, int]:
+    """vLLM's per-step budget: on CPU, STEP_TOKENS (prompts prefilled in chunks; up to 32 rows drafting k=3 per
+    step); on a GPU, vLLM's defaults (there a step over thousands of tokens takes milliseconds)."""
+    return {"max_num_batched_tokens": STEP_TOKENS, "max_num_seqs": STEP_TOKENS // 2} if device.type == "cpu" else {}
+
+
 def scratch_root(min_free_bytes: int = SCRATCH_MIN_FREE) -> str | None:
     """Where the weight files handed to vLLM go: /dev/shm (memory, so a swap's write and vLLM's read cost no
     disk) when it has room for a few policy copies, else the system's temp directory (None)."""
@@ -184,7 +194,8 @@ class VllmEngine(RolloutEngine):
         # one caller of vLLM's client at a time (its sockets are not thread-safe), served in arrival order: a plain
         # Lock let the decode loop take it back step after step while a draft swap waited (measured: 1.0 s p50 for a
         # 0.06 s reload); with tickets a swap runs right after the step under way
-        self._lock = FairLock()
+        self._client = FairLock()
+        self._lock = threading.Lock()  # the counters below (never held while vLLM works)
         self._counts = {"num_generated": 0, "num_seq_steps": 0, "num_draft_tokens": 0, "num_accepted": 0,
                         "num_verify_steps": 0, "num_swaps": 0}
         self._seconds = {"generate": 0.0, "swap": 0.0, "policy_load": 0.0}
@@ -208,9 +219,12 @@ class VllmEngine(RolloutEngine):
                     kv_cache_memory_bytes=kv_bytes_per_token * max(KV_CACHE_TOKENS, cfg.max_position),
                     enforce_eager=True, compilation_config={"mode": 0},  # compiling costs minutes at start on CPU
                     distributed_executor_backend="mp", disable_log_stats=False, worker_extension_cls=EXTENSION,
+                    **step_budget(policy.device),
                     **kwargs)
+            if self.k:  # the first in-place reload pays one-off set-up in vLLM's worker: at start, not in a swap
+                self.llm.collective_rpc("tlt_reload_draft", args=(str(self._dir / "draft" / "model.safetensors"),))
         except BaseException:
-            self._cleanup()
+            self.close()
             raise
         for name in ("policy", "draft"):  # read at start only; a killed worker then leaves (nearly) nothing behind
             shutil.rmtree(self._dir / name, ignore_errors=True)
@@ -247,7 +261,7 @@ class VllmEngine(RolloutEngine):
         path = self._dir / f"policy-v{policy_version}.safetensors"
         save_file(hf_tensors(state, self.policy.cfg), str(path), metadata={"format": "pt"})
         try:
-            with self._lock:
+            with self._client:
                 self.llm.collective_rpc("tlt_reload_policy", args=(str(path),))
                 self.llm.reset_prefix_cache()  # cached blocks hold the old policy's keys and values
         finally:
@@ -268,7 +282,7 @@ class VllmEngine(RolloutEngine):
             tensors = vllm_draft_tensors(eagle3_tensors(head, copy=False), config)  # head: built for this alone
             save_file(tensors, str(path), metadata={"format": "pt"})
             try:
-                with self._lock:  # vLLM runs it between two of its steps, a batch under way or not
+                with self._client:  # vLLM runs it between two of its steps, a batch under way or not
                     self.llm.collective_rpc("tlt_reload_draft", args=(str(path),))
             finally:
                 path.unlink(missing_ok=True)
@@ -302,14 +316,14 @@ class VllmEngine(RolloutEngine):
         before = self.meter.bucket_totals()
         start = time.perf_counter()
         try:
-            with self._lock:
+            with self._client:
                 for rid, prompt, sp in zip(ids, prompts, sps):
                     self.llm.llm_engine.add_request(rid, {"prompt_token_ids": list(prompt)}, sp)
             num_generated = 0
             while len(finished) < len(ids):
                 live = len(ids) - len(finished)
                 t0 = time.perf_counter()
-                with self._lock:
+                with self._client:
                     outs = self.llm.llm_engine.step()
                 num_new = 0
                 for out in outs:
@@ -325,7 +339,7 @@ class VllmEngine(RolloutEngine):
                     if on_progress is not None:
                         on_progress(len(finished), num_generated)
         except BaseException:
-            with self._lock:
+            with self._client:
                 self.llm.llm_engine.abort_request([i for i in ids if i not in finished])
             raise
         finally:
