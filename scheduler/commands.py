@@ -6,6 +6,10 @@ answer is taken when it arrives (a future's callback), and `poll`, called by the
 hands each answer to its callback in the tick's thread. A command unanswered after its timeout is
 logged with the worker's name and answered with an error: one slow worker never holds up a tick,
 another job's decisions, or the other commands of its own job.
+
+An answer that says the worker's actor is dead for good (Ray has no actor by its name, or says it died:
+`is_gone`) is also kept per job until the watcher takes it (`take_gone`), which then leaves the worker
+out of its decisions at once instead of asking it again every tick until its progress record expires.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.exceptions import ActorDiedError, RayError
 
 from workers.actors import get_worker
 from workers.errors import one_line
@@ -26,6 +31,13 @@ from workers.protocol import worker_actor_name
 log = logging.getLogger(__name__)
 COMMAND_TIMEOUT_S = 10.0  # the commands return at once (the work runs in the worker's background)
 
+
+def is_gone(exc: BaseException) -> bool:
+    """Whether a command's exception means the worker's actor is dead for good: killed, its process or its node
+    lost, or its __init__ failed (ActorDiedError; a worker's actors are never restarted by Ray). Not a worker that
+    is unreachable for now (ActorUnavailableError), slow (a timeout), or that refused (its own error, a
+    RayTaskError)."""
+    return isinstance(exc, ActorDiedError)
 
 
 @dataclass
@@ -36,6 +48,7 @@ class Reply:
     value: Any = None
     error: str | None = None  # one line: what went wrong, or that no answer came in time
     seconds: float = 0.0  # from sending to the answer
+    is_gone: bool = False  # the error says the worker's actor is dead or does not exist: asking again is pointless
 
 
 @dataclass
@@ -55,6 +68,7 @@ class Commands:
         self.timeout_s = timeout_s
         self.handles: dict[tuple[str, str], Any] = {}
         self.pending: list[_Pending] = []
+        self.gone: dict[str, dict[str, str]] = {}  # job id -> worker id -> the error that said it is gone
 
     def handle(self, job_id: str, worker_id: str):
         """The worker's actor handle (cached), or None if there is no such actor now."""
@@ -64,7 +78,7 @@ class Commands:
                 return None
             try:
                 self.handles[key] = get_worker(job_id, worker_id)
-            except ValueError:
+            except ValueError:  # Ray's "Failed to look up actor": none by that name (dead, or never started)
                 return None
         return self.handles[key]
 
@@ -76,16 +90,17 @@ class Commands:
         """Call `method(*args)` on the worker; `on_reply` gets its Reply from a later `poll` (at once,
         with an error, if the worker has no actor)."""
         handle = self.handle(job_id, worker_id)
-        if handle is None:
-            on_reply(Reply(job_id, worker_id, method, error=f"worker {worker_id} has no actor "
-                                                            f"{worker_actor_name(job_id, worker_id)!r}"))
+        if handle is None:  # Ray has no such actor; without a Ray there was nobody to ask, and nothing is known
+            on_reply(self._noted(Reply(job_id, worker_id, method, is_gone=ray.is_initialized(),
+                                       error=f"worker {worker_id} has no actor "
+                                             f"{worker_actor_name(job_id, worker_id)!r}")))
             return
         sent_at = time.perf_counter()
         try:
             future = getattr(handle, method).remote(*args).future()
-        except Exception as exc:  # the handle is dead or stale: look it up again next time
+        except RayError as exc:  # the handle is dead or stale: look it up again next time
             self.handles.pop((job_id, worker_id), None)
-            on_reply(Reply(job_id, worker_id, method, error=one_line(exc)))
+            on_reply(self._noted(Reply(job_id, worker_id, method, error=one_line(exc), is_gone=is_gone(exc))))
             return
         pending = _Pending(job_id, worker_id, method, future, on_reply, sent_at,
                            self.timeout_s if timeout_s is None else timeout_s)
@@ -102,7 +117,8 @@ class Commands:
                 exc = p.future.exception()
                 if exc is not None:
                     self.handles.pop((p.job_id, p.worker_id), None)  # it may have restarted: look it up again
-                    reply = Reply(p.job_id, p.worker_id, p.method, error=one_line(exc), seconds=seconds)
+                    reply = self._noted(Reply(p.job_id, p.worker_id, p.method, error=one_line(exc), seconds=seconds,
+                                              is_gone=is_gone(exc)))
                 else:
                     reply = Reply(p.job_id, p.worker_id, p.method, value=p.future.result(), seconds=seconds)
             elif now - p.sent_at > p.timeout_s:
@@ -116,11 +132,22 @@ class Commands:
                 continue
             try:
                 p.on_reply(reply)
-            except Exception:
+            except Exception:  # one job's handler (a boundary, logged with its id) never loses the other answers
                 log.exception("job %s: handling %s's answer to %s failed", p.job_id, p.worker_id, p.method)
         self.pending = waiting + self.pending
 
+    def _noted(self, reply: Reply) -> Reply:
+        """Keep a gone worker's reply for take_gone."""
+        if reply.is_gone:
+            self.gone.setdefault(reply.job_id, {})[reply.worker_id] = reply.error or "gone"
+        return reply
+
+    def take_gone(self, job_id: str) -> dict[str, str]:
+        """The job's workers found gone since the last call: worker id -> the error that said so."""
+        return self.gone.pop(job_id, {})
+
     def forget(self, job_id: str) -> None:
-        """Drop a finished job's handles and unanswered commands."""
+        """Drop a finished job's handles, unanswered commands and gone workers."""
         self.pending = [p for p in self.pending if p.job_id != job_id]
         self.handles = {k: h for k, h in self.handles.items() if k[0] != job_id}
+        self.gone.pop(job_id, None)

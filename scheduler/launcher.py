@@ -4,9 +4,10 @@ A driver is a detached, named Ray actor (workers.actors.JobDriver, torch-free at
 the scheduler process, and a restarted scheduler finds it again by name. How a job ended has ONE
 record: the JobResult the driver writes to job_result_key before its run returns or raises. The
 launcher reads it once the driver's `run` (or, after a restart, `wait`) call resolves or fails; a
-driver that is gone without one failed, and the job says so in one line. A job the cluster can no longer
-hold (fewer GPUs than its rollout workers need, e.g. a node lost) fails too, after a grace period: its driver
-would otherwise wait forever for workers Ray cannot place.
+driver that is gone without one failed, and the job says so in one line, with the step and phase it was in.
+A job the cluster can no longer hold (fewer GPUs than its rollout workers need, e.g. a node lost) and that
+finishes no step for a grace period fails too; one that keeps finishing steps on the workers it has left runs
+on degraded (its driver drops the workers Ray cannot place, and its warning names them).
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from workers.protocol import (
     RAY_NAMESPACE,
     JobResult,
     JobState,
+    PhaseRecord,
     ProtocolError,
     driver_actor_name,
+    job_phase_key,
     job_result_key,
 )
 from workers.spec import JobSpec
@@ -37,8 +40,8 @@ log = logging.getLogger(__name__)
 # that keeps dying, e.g. out of memory, would otherwise restart forever)
 MAX_DRIVER_RESTARTS = 2
 NAME_RELEASE_S = 30.0  # how long a new driver waits for a dead one's actor name to be released
-# a RUNNING job whose Ray cluster has had fewer GPUs than its num_workers for this long fails: a lost node's workers
-# (or a resumed driver's) cannot be placed and the driver would wait for them forever; a node back sooner costs nothing
+# a RUNNING job whose Ray cluster has had fewer GPUs than its num_workers for this long, without finishing a step
+# meanwhile, fails: stuck, not running degraded on the workers it has left; a node back sooner costs nothing
 MAX_UNPLACEABLE_S = 60.0
 PLACEMENT_CHECK_S = 2.0  # how often a followed job's driver call is polled, and the cluster's GPUs counted
 
@@ -151,11 +154,12 @@ class Launcher:
 
     def _wait(self, job_id: str, ref) -> str | None:
         """Wait until the driver's call resolves (None), or until the cluster has had fewer GPUs than the job's
-        rollout workers need for MAX_UNPLACEABLE_S without the job ending: then the one line it fails with."""
-        short_since = None
+        rollout workers need for MAX_UNPLACEABLE_S with no step finished nor the job ended: then the one line
+        it fails with."""
+        short = None
         while not ray.wait([ref], timeout=PLACEMENT_CHECK_S)[0]:
             try:
-                short_since, line = self.check_placeable(job_id, short_since, time.monotonic())
+                short, line = self.check_placeable(job_id, short, time.monotonic())
             except Exception as exc:  # a GCS or Redis blink: count again at the next check, never fail the job
                 log.warning("job %s: could not count the cluster's GPUs: %s", job_id, one_line(exc))
                 continue
@@ -163,28 +167,45 @@ class Launcher:
                 return line
         return None
 
-    def check_placeable(self, job_id: str, short_since: float | None,
-                         now: float) -> tuple[float | None, str | None]:
-        """(since when, on the clock of `now`, the cluster has had too few GPUs for the job, or None; the line the
-        job fails with once that is MAX_UNPLACEABLE_S ago and it has not ended, else None)."""
+    def check_placeable(self, job_id: str, short: tuple[float, int] | None,
+                         now: float) -> tuple[tuple[float, int] | None, str | None]:
+        """(since when, on the clock of `now`, the cluster has had too few GPUs for the job without the job
+        finishing a step, and its step count then; or None), and the line the job fails with once that is
+        MAX_UNPLACEABLE_S ago and it has not ended, else None. A step finished restarts the clock: the job runs
+        degraded on the workers it has left (its driver dropped those Ray cannot place)."""
         record, gpus = self.store.get(job_id), self.cluster_gpus()
         if record is None or record["state"] != JobState.RUNNING or gpus is None:
-            return None, None  # cancelled (its driver is being killed), or no Ray to ask
+            return None, None  # cancelled (its driver is being killed), gone from an emptied Redis, or no Ray to ask
         num_workers = record["spec"]["num_workers"]
         if gpus >= num_workers:
-            if short_since is not None:
+            if short is not None:
                 log.info("job %s: the Ray cluster has %d GPUs again", job_id, gpus)
             return None, None
-        if short_since is None:
-            log.warning("job %s: the Ray cluster has %d GPUs, fewer than its %d rollout workers need; it fails "
-                        "unless they are back within %.0f s", job_id, gpus, num_workers, MAX_UNPLACEABLE_S)
-            return now, None
-        if now - short_since < MAX_UNPLACEABLE_S or self.result(job_id) is not None:
-            return short_since, None
         steps = self.store.num_steps([job_id])[0]
-        return short_since, (f"the Ray cluster has had {gpus} GPUs for {MAX_UNPLACEABLE_S:.0f} s, fewer than its "
-                             f"{num_workers} rollout workers need (a node lost?): stopped after {steps} "
-                             f"step{'' if steps == 1 else 's'}, kept")
+        if short is None:
+            log.warning("job %s: the Ray cluster has %d GPUs, fewer than its %d rollout workers need; it fails "
+                        "unless they are back, or it finishes a step, within %.0f s", job_id, gpus, num_workers,
+                        MAX_UNPLACEABLE_S)
+            return (now, steps), None
+        if steps > short[1]:  # it finishes steps on the workers it has: degraded, not stuck
+            return (now, steps), None
+        if now - short[0] < MAX_UNPLACEABLE_S or self.result(job_id) is not None:
+            return short, None
+        return short, (f"the Ray cluster has had {gpus} GPUs for {MAX_UNPLACEABLE_S:.0f} s, fewer than its "
+                       f"{num_workers} rollout workers need (a node lost?), and no step finished: stopped after "
+                       f"{steps} step{'' if steps == 1 else 's'}, kept")
+
+    def where(self, job_id: str) -> str:
+        """Where a job's driver last was, from its phase record: " (at step 3, rollout)", " (at start)" if it
+        began no step, "" if the record is unreadable."""
+        raw = self.store.redis.get(job_phase_key(job_id))
+        if raw is None:
+            return " (at start)"
+        try:
+            phase = PhaseRecord.from_json(raw)
+        except ProtocolError:
+            return ""
+        return f" (at step {phase.rl_step}, {phase.phase.lower()})"
 
     def result(self, job_id: str) -> JobResult | None:
         raw = self.store.redis.get(job_result_key(job_id))
@@ -203,7 +224,7 @@ class Launcher:
             return
         if result is None:
             why = f": {one_line(cause)}" if cause is not None else " (did the Ray cluster restart?)"
-            self._fail(job_id, f"its driver is gone and recorded no result{why}")
+            self._fail(job_id, f"its driver is gone and recorded no result{self.where(job_id)}{why}")
         elif result.ok:
             fields = {"warning": result.warning} if result.warning else {}
             self.store.transition(job_id, JobState.SUCCEEDED, {JobState.RUNNING}, **fields)

@@ -9,6 +9,11 @@ once a round's leases have all come back hands the round to scheduler/rounds.py 
 publish: done by workers, never by this process). The tick reads Redis only; Ray carries commands,
 sent without waiting (scheduler/commands.py).
 
+A worker whose actor Ray says is dead (scheduler.commands.is_gone: killed, its node lost) is dropped at
+the next tick, in one log line: its lease is closed (collected if it finished, else lost), and its last
+progress record, which lives on in Redis until its TTL, is left out of every decision (`without_gone`)
+until a new worker reports in its slot. Without this it would be asked again every tick until then.
+
 Everything a restarted scheduler needs lives in Redis (job_tlt_key: open leases, unmerged copies,
 the round under scoring, counters; job_leases_key: the workers' lease outcomes), so a restart loses
 no lease and no draft version.
@@ -58,13 +63,25 @@ from workers.protocol import (
 from workers.spec import JobSpec
 
 log = logging.getLogger(__name__)
+PREEMPT_WAIT_S = 5.0  # how long a preemption waits for the trainer to confirm it stopped
+MAX_OUTAGE_WAIT_S = 2.0  # longest pause between ticks while Redis is unreachable (the tick doubles up to it)
 
 
 def trains_drafter(spec: dict) -> bool:
     """JobSpec.trains_drafter for a stored spec (a dict as the job store keeps it; a missing key: the default)."""
     return all(spec.get(name, JobSpec.model_fields[name].default) for name in ("tlt", "idle_training"))
-PREEMPT_WAIT_S = 5.0  # how long a preemption waits for the trainer to confirm it stopped
-MAX_OUTAGE_WAIT_S = 2.0  # longest pause between ticks while Redis is unreachable (the tick doubles up to it)
+
+
+def without_gone(records: list[ProgressRecord], gone: dict[str, float]) -> tuple[list[ProgressRecord], list[str]]:
+    """(kept, settled): the progress records of workers not found gone, and the gone workers there is nothing
+    left to hide of. `gone`: worker id -> wall-clock time it was found gone. A dead worker's last record stays in
+    Redis until its TTL, so every record written no later than that time is the dead worker's and is left out;
+    a newer one comes from a new worker in the slot (the driver starts lost workers again), which is watched
+    again, as a slot is once the dead worker's record expired."""
+    latest = {r.worker_id: r.timestamp for r in records}
+    settled = [w for w, at in gone.items() if w not in latest or latest[w] > at]
+    kept = [r for r in records if r.worker_id not in gone or r.timestamp > gone[r.worker_id]]
+    return kept, settled
 
 
 class Watcher:
@@ -74,6 +91,7 @@ class Watcher:
         self.settings = settings or PolicySettings()
         self.metrics = metrics or Latencies()
         self.jobs: dict[str, JobTLT] = {}
+        self.gone: dict[str, dict[str, float]] = {}  # job id -> worker id -> when its actor was found dead
         self.commands = Commands()
         self.rounds = Rounds(store.redis, store_dir, self.commands, self.settings, self.jobs)
         self._stop = threading.Event()
@@ -123,7 +141,7 @@ class Watcher:
                 self.watch_job(job["job_id"], job["spec"])
             except (RedisConnectionError, RedisTimeoutError):
                 raise  # not this job's fault: the loop backs off
-            except Exception:
+            except Exception:  # the job's boundary in a tick: logged with its id, the other jobs still watched
                 log.exception("job %s: watcher step failed", job["job_id"])
         for job_id in set(self.jobs) - watched:  # ended: its workers are gone with its driver
             self._end(job_id)
@@ -131,6 +149,7 @@ class Watcher:
     def _end(self, job_id: str) -> None:
         st = self.jobs.pop(job_id)
         self.commands.forget(job_id)
+        self.gone.pop(job_id, None)
         if st.leases or st.copies or st.scoring:
             log.info("job %s ended with %d open leases, %d unmerged copies and %s (kept in the copies store)",
                      job_id, len(st.leases), len(st.copies),
@@ -150,10 +169,16 @@ class Watcher:
             return
         st = self._state(job_id)
         st.set_windows(track_rollouts(st.windows(), phase.phase, phase.rl_step, phase.since))
-        records = read_progress(redis, job_id)
+        why = self._found_gone(job_id)
+        gone = self.gone.get(job_id, {})
+        records, settled = without_gone(read_progress(redis, job_id), gone)
+        for worker_id in settled:
+            del gone[worker_id]
         live = {r.worker_id: r for r in records}
         self._observe_swaps(job_id, st, records)
-        self._collect(job_id, st, live)
+        self._collect(job_id, st, live, why)
+        for worker_id, error in why.items():  # those whose lease's line did not say it
+            log.warning("job %s: worker %s is gone (%s)", job_id, worker_id, error)
         views = [WorkerView(r.worker_id, r.state, r.num_finished, r.num_total, r.timestamp, r.buffer_tokens)
                  for r in records]
         serving = DraftIndex(redis, draft_namespaces(job_id)[0]).latest_version() or 0
@@ -178,6 +203,16 @@ class Watcher:
         st.save(redis, job_id)
 
     # ----- the steps of a tick ------------------------------------------------------------------
+    def _found_gone(self, job_id: str) -> dict[str, str]:
+        """The workers whose actor Ray said is dead since the last tick, not known gone before: worker id ->
+        Ray's error. From now on they are left out of every decision (without_gone), and their leases are
+        closed by this tick's _collect (a finished one is still collected)."""
+        gone, found = self.gone.setdefault(job_id, {}), {}
+        for worker_id, error in self.commands.take_gone(job_id).items():
+            if worker_id not in gone:  # the first time: a new worker's records are newer than it
+                gone[worker_id], found[worker_id] = time.time(), error
+        return found
+
     def _observe_swaps(self, job_id: str, st: JobTLT, records: list[ProgressRecord]) -> None:
         """Swap latency: a served version's publish (its index entry's created_at) to a worker beginning
         to install it (the worker's record keeps its newest swap)."""
@@ -197,6 +232,8 @@ class Watcher:
             return  # asked already: its answer comes in a later tick
 
         def stopped(reply: Reply) -> None:
+            if reply.is_gone:
+                return  # the next tick leaves the worker out and closes its lease, in one line (_found_gone)
             if reply.error is not None:
                 log.warning("job %s: preempting %s failed: %s", job_id, worker_id, reply.error)
             elif reply.value:
@@ -216,6 +253,8 @@ class Watcher:
             entry = held.leases.get(lease.worker_id) if held else None
             if entry is None or entry["lease_id"] != offer.lease_id:
                 return  # collected already, or the job ended
+            if reply.is_gone:
+                return  # the next tick leaves the worker out and drops this lease, in one line (_found_gone)
             if reply.error is not None:
                 log.warning("job %s: %s refused lease %s: %s", job_id, lease.worker_id, offer.lease_id, reply.error)
                 del held.leases[lease.worker_id]
@@ -226,8 +265,9 @@ class Watcher:
 
         self.commands.send(job_id, lease.worker_id, "start_lease", offer.to_dict(), on_reply=answered)
 
-    def _collect(self, job_id: str, st: JobTLT, live: dict[str, ProgressRecord]) -> None:
-        """Close the leases whose outcome the worker wrote DONE or FAILED, and the lost ones."""
+    def _collect(self, job_id: str, st: JobTLT, live: dict[str, ProgressRecord], why: dict[str, str]) -> None:
+        """Close the leases whose outcome the worker wrote DONE or FAILED, and the lost ones. `why`: the workers
+        just found gone (_found_gone), each with Ray's error; a lost lease's line says it, and takes it out."""
         outcomes = self.store.redis.hgetall(job_leases_key(job_id)) if st.leases else {}
         for worker_id, lease in list(st.leases.items()):
             lease_id = lease["lease_id"]
@@ -242,13 +282,17 @@ class Watcher:
                 if self.commands.is_pending(job_id, worker_id, "start_lease"):
                     continue  # the offer is on its way
                 if is_gone or time.time() - lease["offered_at"] > COMMAND_TIMEOUT_S:
-                    log.warning("job %s: lease %s on %s has no outcome (never accepted, or the worker is gone); "
-                                "dropped", job_id, lease_id, worker_id)
+                    reason = f"the worker is gone: {why.pop(worker_id)}" if worker_id in why else \
+                        "never accepted, or the worker is gone"
+                    log.warning("job %s: lease %s on %s has no outcome (%s); dropped", job_id, lease_id, worker_id,
+                                reason)
                     del st.leases[worker_id]
                 continue
             if outcome.state == LeaseState.RUNNING:
                 if is_gone:
-                    log.warning("job %s: worker %s is gone; its lease %s is lost", job_id, worker_id, lease_id)
+                    reason = f" ({why.pop(worker_id)})" if worker_id in why else ""
+                    log.warning("job %s: worker %s is gone%s; its lease %s is lost", job_id, worker_id, reason,
+                                lease_id)
                     del st.leases[worker_id]
                 continue
             del st.leases[worker_id]

@@ -20,7 +20,7 @@ import time
 
 import ray
 
-from workers.errors import one_line
+from workers.errors import job_error, where_in_job
 from workers.protocol import (
     RAY_NAMESPACE,
     JobResult,
@@ -44,6 +44,15 @@ def write_end(redis, job_id: str, result: JobResult) -> None:
         pipe.set(job_phase_key(job_id), PhaseRecord(Phase.DONE, result.steps, result.finished_at).to_json())
         pipe.set(job_result_key(job_id), result.to_json())
         pipe.execute()
+
+
+def ensure_record(driver) -> None:
+    """The job's record written back if Redis lost it (workers.job_records), before its end is written; a failure
+    here is logged, and the end is written all the same."""
+    try:
+        driver.records.ensure(driver.rl_step or 0)
+    except Exception:  # the job boundary: whatever it is, the JobResult still goes out
+        log.exception("job %s: could not write its record back", driver.job_id)
 
 
 @ray.remote(num_cpus=0)
@@ -75,16 +84,21 @@ class JobDriver:
             spec = JobSpec.model_validate(self.spec)
             driver = self._driver = Driver(self.job_id, spec, redis, self.redis_url, self.store_dir)
             driver.run()
+            ensure_record(driver)  # so that its warning says so if Redis came back empty since the last phase
             result = JobResult(ok=True, steps=driver.num_steps_done, finished_at=time.time(),
                                warning=driver.degraded_summary())
             return result.to_dict()
         except BaseException as exc:
-            log.exception("job %s failed", self.job_id)
+            where = "start" if driver is None or driver.rl_step is None else where_in_job(
+                driver.rl_step, driver.phase, getattr(exc, "workers", ()))
+            log.exception("job %s failed at %s", self.job_id, where)
             result = JobResult(ok=False, steps=driver.num_steps_done if driver else 0, finished_at=time.time(),
-                               error=one_line(exc))
+                               error=job_error(exc, where))
             raise
         finally:
             try:
+                if driver is not None:  # a Redis emptied since its last phase: the launcher settles from the record
+                    ensure_record(driver)
                 write_end(redis, self.job_id, result)
             finally:
                 self._result = result.to_dict()

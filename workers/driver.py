@@ -11,90 +11,36 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
-import statistics
 import time
 
 import ray
 import redis as redis_lib
 import torch
 
-from drafter.loading import encode_prompt, load_model
+from drafter.loading import load_model
 from workers.actors import start_worker
-from workers.errors import one_line
+from workers.errors import WorkerError, one_line
 from workers.grpo import group_advantages, grpo_update, response_mask, sequence_logprobs, update_rows
+from workers.job_records import JobRecords
 from workers.learner_pairs import LearnerPairs, PairShipments, wanted_owners
 from workers.pinning import usable_cores
-from workers.policy_checkpoint import load_policy, policy_checkpoint_path, save_policy
-from workers.protocol import Phase, PhaseRecord, StepRecord, job_phase_key, job_steps_key, job_totals_key
+from workers.policy_checkpoint import commit_policy, load_policy, policy_checkpoint_path, stage_policy
+from workers.protocol import Phase, PhaseRecord, StepRecord, job_steps_key
 from workers.rollout import BUFFER_BYTES, BUFFER_DTYPE, engine_unavailable_reason
 from workers.spec import JobSpec
+from workers.step_data import assign, encode_text, length_percentiles, rollout_seed, shareable_state, sum_buckets
 from workers.store import job_stores
 from workers.tasks import get_reward, load_jsonl_dataset, make_task
 from workers.warm import publish_warm_draft
+from workers.worker_start import await_started, cluster_gpus
 
 log = logging.getLogger(__name__)
 # a rollout worker lost mid-job is started again at the next step, at most this many times per slot (one that
 # keeps dying, e.g. out of memory, would otherwise be restarted every step); beyond it the job runs degraded
 MAX_WORKER_RESTARTS = 2
-MAX_PROMPT_BYTES = 48  # a tokenizer-less preset reads this many bytes of a prompt (tests only)
-
-
-def encode_text(tokenizer, text: str, vocab_size: int) -> list[int]:
-    """Chat-encode with the model's tokenizer; a tokenizer-less preset gets bytes folded into its
-    vocabulary (tests only: such a model cannot read the task anyway)."""
-    if tokenizer is not None:
-        return encode_prompt(tokenizer, text)
-    return [b % vocab_size for b in text.encode()[:MAX_PROMPT_BYTES]]
-
-
-def shareable_state(state: dict[str, torch.Tensor]) -> dict:
-    """Weights as numpy arrays where the dtype allows: Ray stores them once in the object store and
-    every worker on a node maps them without a copy or unpickling (torch tensors would be pickled,
-    copied per worker). Exact: the values are the policy's own, no cast. Tied weights (SmolLM2's LM head is
-    its embedding) become ONE array under both names, which pickle stores once: 538 MB put per sync instead
-    of 651 MB (measured, SmolLM2-135M)."""
-    out, seen = {}, {}
-    for k, v in state.items():
-        v = v.detach().cpu()
-        key = (v.data_ptr(), tuple(v.shape), tuple(v.stride()), v.dtype)
-        if key not in seen:
-            seen[key] = v.numpy() if v.dtype in (torch.float32, torch.float64, torch.float16) else v.clone()
-        out[k] = seen[key]
-    return out
-
-
-def assign(num_groups: int, num_workers: int) -> list[list[int]]:
-    """Round-robin prompt groups over workers: group g goes to worker g % num_workers."""
-    return [list(range(w, num_groups, num_workers)) for w in range(num_workers)]
-
-
-def length_percentiles(lengths: list[int]) -> dict[str, float]:
-    """Response lengths in tokens: median, p90, p99 (nearest rank) and max; zeros when there are none."""
-    if not lengths:
-        return {"median": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0}
-    ordered = sorted(lengths)
-
-    def rank(q: float) -> float:
-        return float(ordered[max(0, math.ceil(q * len(ordered)) - 1)])
-
-    return {"median": float(statistics.median(ordered)), "p90": rank(0.9), "p99": rank(0.99),
-            "max": float(ordered[-1])}
-
-
-def sum_buckets(per_worker) -> dict[str, list[float]]:
-    """{bucket: [tokens, seconds]} summed over the workers' batches."""
-    out: dict[str, list[float]] = {}
-    for buckets in per_worker:
-        for name, (tokens, seconds) in buckets.items():
-            acc = out.setdefault(name, [0.0, 0.0])
-            acc[0], acc[1] = acc[0] + tokens, acc[1] + seconds
-    return out
-
-
-def rollout_seed(spec: JobSpec, rl_step: int, index: int) -> int:
-    """Each rollout's own seed: a job reruns the same, and no two rollouts of a job share one."""
-    return spec.seed * 1_000_003 + rl_step * 10_007 + index
+# a worker loads its model in seconds (a vLLM engine on CPU in about a minute), and Ray may take minutes to free a
+# GPU (another job ending); one not started after this was not placed (a lost node's GPUs) or hangs: it is dropped
+MAX_WORKER_START_S = 300.0
 
 
 class Driver:
@@ -108,6 +54,8 @@ class Driver:
         self.policy, self.tokenizer = loaded.model, loaded.tokenizer
         self.policy_version = 0
         self.num_steps_done = 0
+        self.rl_step: int | None = None  # the step under way (None: still starting), and its phase: where it failed
+        self.phase: Phase | None = None
         self.reward_fn = get_reward(spec.reward)
         if spec.task == "dataset":
             self.problems = load_jsonl_dataset(spec.dataset_path)
@@ -122,9 +70,13 @@ class Driver:
         self.workers = {wid: start_worker(job_id, wid, spec, redis_url, store_dir, i)
                         for i, wid in enumerate(self.worker_ids)}
         # wait for them to start (load the model) so that step 0's weight sync times the sync alone; one that
-        # failed to start is dropped at that sync, with its error, as a worker lost mid-job would be
-        ready = [w.__ray_ready__.remote() for w in self.workers.values()]
-        ray.wait(ready, num_returns=len(ready))
+        # failed to start is dropped at that sync, with its error, as a worker lost mid-job would be; one not
+        # placed in MAX_WORKER_START_S is killed and the job runs without it (degraded, its warning says)
+        failed = self._await_workers(list(self.workers), "start")
+        if len(failed) == len(self.workers):  # none is up (the others were not placed): nothing to run on
+            why = [f"{wid}: {error}" for wid, error in failed.items()] + self.lost
+            raise RuntimeError(f"no rollout worker started: {'; '.join(why)}; the Ray cluster has {cluster_gpus()} "
+                               f"GPUs")
         # the learner phases (log-probs, update) run here once the rollout has ended: on every core this
         # process may use (Ray starts actors with one thread; the workers pin themselves to their own cores)
         torch.set_num_threads(len(usable_cores()))
@@ -135,6 +87,7 @@ class Driver:
         self.resumed: list[str] = []  # "after step 3 (steps 4..5 redone)", each resume, for the run's warning
         if self.checkpoint_path.is_file():
             self._resume()
+        self.records = JobRecords(redis, job_id, store_dir)  # what it writes back if Redis comes back empty
 
     def _resume(self) -> None:
         """Continue from the policy checkpoint a driver of this job wrote before it died: the policy and its
@@ -147,14 +100,17 @@ class Driver:
         self.resumed.append(f"after step {step}{redone}")
         log.warning("job %s: resumed from its policy checkpoint after step %d%s", self.job_id, step, redone)
 
-    def _checkpoint(self, rl_step: int, t: dict) -> None:
-        """Every spec.checkpoint_every steps (not after the last: nothing would resume from it)."""
+    def _stage_checkpoint(self, rl_step: int, t: dict) -> bool:
+        """Every spec.checkpoint_every steps (not after the last: nothing would resume from it), written beside
+        the resume point; the step's record lands before commit_policy makes it the resume point, so a driver
+        dying between the two redoes the step instead of skipping its record. Returns whether it wrote one."""
         every = self.spec.checkpoint_every
         if not every or (rl_step + 1) % every or rl_step + 1 >= self.spec.num_steps:
-            return
+            return False
         t0 = time.perf_counter()
-        save_policy(self.checkpoint_path, self.policy, self.optimizer, rl_step, self.policy_version)
+        stage_policy(self.checkpoint_path, self.policy, self.optimizer, rl_step, self.policy_version)
         t["checkpoint"] = time.perf_counter() - t0
+        return True
 
     def _publish_warm_draft(self, redis: redis_lib.Redis, store_dir: str) -> int | None:
         """spec.warm_draft as the served store's first version (None without one, or if the store has
@@ -175,7 +131,8 @@ class Driver:
         self.shipments.settle()
 
     def set_phase(self, phase: Phase, rl_step: int) -> None:
-        self.redis.set(job_phase_key(self.job_id), PhaseRecord(phase, rl_step, time.time()).to_json())
+        self.rl_step, self.phase = rl_step, phase
+        self.records.set_phase(PhaseRecord(phase, rl_step, time.time()))  # writes the job back if Redis lost it
 
     def _drop(self, wid: str, exc: Exception, rl_step: int, failures: list) -> None:
         """A failed worker leaves the job; its GPU share goes to the others until it is restarted
@@ -185,10 +142,27 @@ class Driver:
         self.workers.pop(wid, None)
         self.lost.append(f"{wid} at step {rl_step}")
 
+    def _await_workers(self, wids: list[str], where: str) -> dict[str, str]:
+        """Wait for the workers just started in slots `wids` (at `where`: "start" or "step N"), at most
+        MAX_WORKER_START_S and less once they fill the cluster's GPUs (workers.worker_start); those not started
+        then (not placed: no GPU for them) are killed and leave the job, which runs without them (a slot lost
+        at start counts as lost; one started again after a loss was counted then). Returns those whose start
+        failed -> why (left in the job: the sync drops them with their error)."""
+        started = {wid: self.workers[wid] for wid in wids if wid in self.workers}
+        unplaced, failed = await_started(started, len(self.workers) - len(started), MAX_WORKER_START_S)
+        for wid in unplaced:
+            log.error("job %s at %s: worker %s was not placed (no GPU for it): running without it", self.job_id,
+                      where, wid)
+            ray.kill(self.workers.pop(wid))
+            if where == "start":
+                self.lost.append(f"{wid} at start (not placed)")
+        return failed
+
     def _restart_lost(self, rl_step: int) -> None:
         """Start a worker again in each slot whose worker was lost, up to MAX_WORKER_RESTARTS times per slot.
         It loads the model and installs the served draft as any worker does; the step's sync gives it the
-        policy. One that fails to start is dropped at that sync, with its error."""
+        policy. One that fails to start is dropped at that sync, with its error; one Ray cannot place is killed
+        (_await_workers) and its slot tried again at the next step, while its restarts last."""
         missing = [wid for wid in self.worker_ids if wid not in self.workers
                    and self.restarts.get(wid, 0) < MAX_WORKER_RESTARTS]
         for wid in missing:
@@ -200,13 +174,13 @@ class Driver:
                                                  self.worker_ids.index(wid))
             except ValueError as exc:  # e.g. its name is still held by the dying actor: try again next step
                 log.error("job %s step %d: worker %s could not start again: %s", self.job_id, rl_step, wid, exc)
-        ready = [self.workers[wid].__ray_ready__.remote() for wid in missing if wid in self.workers]
-        ray.wait(ready, num_returns=len(ready))
+        self._await_workers(missing, f"step {rl_step}")
 
     def degraded_summary(self) -> str | None:
         """One line for a run that lost its driver (resumed from a checkpoint) or rollout workers, None for a
         clean one: which, when, and whether every slot had its worker back by the end."""
-        parts = []
+        parts = [f"Redis came back empty {', '.join(self.records.restored)}: the driver wrote the job back (its "
+                 f"events and drafter-training state before then are lost)"] if self.records.restored else []
         if self.resumed:
             parts.append(f"driver lost, resumed from its policy checkpoint {'; '.join(self.resumed)}")
         if self.lost:
@@ -243,7 +217,7 @@ class Driver:
                                 for g in groups]) if groups else torch.zeros(0, spec.group_size)
         t["reward"] = time.perf_counter() - t0
         stats = self._update(groups, results, rewards, t) if groups else {}
-        self._checkpoint(rl_step, t)
+        is_staged = self._stage_checkpoint(rl_step, t)
         outs = [o for v in results.values() for o in v]
         num_tokens = sum(len(o["token_ids"]) for o in outs)
         record = StepRecord(rl_step=rl_step, policy_version=self.policy_version, timings=t, worker_rollout_s=worker_s,
@@ -256,10 +230,9 @@ class Driver:
                             speculation={wid: b["speculation"] for wid, b in batches.items()},
                             bucket_throughput=sum_buckets(b["bucket_throughput"] for b in batches.values()),
                             reward_std=float(rewards.std(unbiased=False)) if rewards.numel() else 0.0)
-        with self.redis.pipeline(transaction=True) as pipe:  # the record and the running totals together
-            pipe.rpush(job_steps_key(self.job_id), record.to_json())
-            pipe.hincrbyfloat(job_totals_key(self.job_id), "idle_worker_s", idle)
-            pipe.execute()
+        self.records.append_step(record)  # the record and the running totals together
+        if is_staged:  # only now the resume point: its step's record is in
+            commit_policy(self.checkpoint_path)
         return record
 
     def _sync(self, rl_step: int, failures: list) -> None:
@@ -272,7 +245,10 @@ class Driver:
             except Exception as exc:
                 self._drop(wid, exc, rl_step, failures)
         if not self.workers:
-            raise RuntimeError(f"job {self.job_id}: every rollout worker failed")
+            why = "; ".join(f"{f['worker']}: {f['error']}" for f in failures)
+            raise WorkerError(f"every rollout worker failed: {why}" if failures else
+                              "no rollout worker left: each was lost and none could start again",
+                              [f["worker"] for f in failures])
 
     def _rollout(self, prompts: list[list[int]], rl_step: int, failures: list,
                  stops: list[tuple[str, ...]]) -> tuple[dict, dict, dict, dict]:

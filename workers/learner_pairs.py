@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import ray
 import torch
+from ray.exceptions import RayError
 
 from drafter.buffer import TOKEN_DTYPE, RolloutBuffer
 from drafter.config import default_aux_layer_ids
@@ -193,7 +194,7 @@ class PairShipments:
         for ref, wid in self.calls.items():
             try:
                 num_pairs += ray.get(ref)
-            except Exception as exc:
+            except RayError as exc:  # the worker raised (RayTaskError) or died (RayActorError)
                 log.warning("job %s: worker %s did not take the learner's pairs: %s", self.job_id, wid, one_line(exc))
         self.calls.clear()
         return num_pairs

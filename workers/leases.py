@@ -80,8 +80,9 @@ class LeaseRunner:
         """Train an accepted lease to its end; its outcome (DONE or FAILED) is written and returned."""
         try:
             outcome = self._train(lease)
-        except Exception as exc:
-            log.exception("worker %s: lease %s failed", self.status.worker_id, lease.lease_id)
+        except Exception as exc:  # the lease's boundary: whatever failed, its outcome is written (FAILED, one line)
+            log.exception("job %s: worker %s: lease %s failed", self.status.job_id, self.status.worker_id,
+                          lease.lease_id)
             outcome = LeaseOutcome(lease.lease_id, self.status.worker_id, LeaseState.FAILED, error=one_line(exc),
                                    started_at=self.started_at, ended_at=time.time())
         with self._lock:

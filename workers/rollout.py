@@ -103,7 +103,8 @@ class RolloutRunner:
         """Serve `state` (torch tensors, or read-only numpy arrays mapped from Ray's object store)."""
         try:
             self.engine.load_policy(as_tensors(state), policy_version)
-        except Exception:
+        except Exception:  # re-raised: the driver records it on the step, and the worker takes no more work
+            log.exception("job %s: worker %s: loading policy v%d failed", self.job_id, self.worker_id, policy_version)
             self.status.fail()
             raise
         self.status.policy_version = policy_version
@@ -153,8 +154,8 @@ class RolloutRunner:
             harvest_into = self.buffer if self.spec.trains_drafter and self.harvests else None
             outs = self.engine.generate(prompts, params, speculation=self.speculation, harvest_into=harvest_into,
                                         on_progress=on_progress)
-        except Exception:
-            log.exception("worker %s: generation failed", self.worker_id)
+        except Exception:  # re-raised: the driver records it on the step, and the worker takes no more work
+            log.exception("job %s: worker %s: generation failed", self.job_id, self.worker_id)
             self.status.fail()
             raise
         finally:

@@ -80,8 +80,9 @@ class Scorer:
                 serving, _ = self.served.load_head(req.serving_version, self.policy.dtype)
                 result.serving_accepted_length = expected_accepted_length(serving, self.policy, recent, req.draft_k,
                                                                           greedy=False)
-        except Exception as exc:
-            log.exception("worker %s: scoring round %s failed", self.status.worker_id, req.round_id)
+        except Exception as exc:  # the round's boundary: whatever failed, its ScoringResult is written (with the error)
+            log.exception("job %s: worker %s: scoring round %s failed", self.status.job_id, self.status.worker_id,
+                          req.round_id)
             result.error = one_line(exc)
         finally:
             with self._lock:

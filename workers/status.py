@@ -48,16 +48,16 @@ class WorkerStatus:
     def report(self, force: bool = False) -> None:
         try:
             self.reporter.report(self.record(), force=force)
-        except Exception:  # progress is best effort; never fail a rollout because Redis blinked
-            log.exception("worker %s: progress report failed", self.worker_id)
+        except Exception:  # a best-effort report: never fail a rollout because Redis blinked
+            log.exception("job %s: worker %s: progress report failed", self.job_id, self.worker_id)
 
     def flush(self) -> None:
         """Write the newest record now if the rate limit held it back; best effort, as every report (a finished
         batch is never lost because Redis blinked as it ended)."""
         try:
             self.reporter.flush()
-        except Exception:
-            log.exception("worker %s: progress flush failed", self.worker_id)
+        except Exception:  # a best-effort report, as above
+            log.exception("job %s: worker %s: progress flush failed", self.job_id, self.worker_id)
 
     def set_state(self, state: WorkerState, only_from: WorkerState | None = None) -> bool:
         """Move to `state` (and report it); with `only_from`, only if the worker is in that state now.
@@ -92,5 +92,5 @@ class WorkerStatus:
         """A quiet second: keep the record alive (workers waiting at the barrier outlive the TTL)."""
         try:
             self.reporter.heartbeat()
-        except Exception:
-            log.exception("worker %s: heartbeat failed", self.worker_id)
+        except Exception:  # a best-effort heartbeat: the next quiet second tries again
+            log.exception("job %s: worker %s: heartbeat failed", self.job_id, self.worker_id)

@@ -21,6 +21,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import redis as redis_lib
+
 from workers.engine import EngineStats, RolloutEngine
 from workers.errors import one_line
 from workers.guard import Acceptance, Judgement, Verdict, judge
@@ -39,6 +41,12 @@ from workers.store import DraftStore
 log = logging.getLogger(__name__)
 MAX_SWAP_LOG = 64  # swaps remembered with their times: one per published version; readers want the recent
 LISTEN_TIMEOUT_S = 1.0  # a quiet second: heartbeat the progress record (its TTL is 15 s)
+RESUBSCRIBE_S = 1.0  # after the listener lost Redis: how long it waits before it subscribes again
+# what a version that cannot be served raises as it is loaded and installed: a missing, corrupt or mismatched file
+# (CheckpointError is a ValueError; so is a version not in the index, and a head the engine refuses), the disk, the
+# engine's runtime (torch, vLLM's or SGLang's calls)
+BAD_VERSION_ERRORS = (ValueError, OSError, RuntimeError)
+SWAP_ERRORS = (*BAD_VERSION_ERRORS, redis_lib.RedisError)  # and Redis, which the index and the file's entry are in
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,7 @@ class Swapper:
         self.num_collapses = 0
         self._lock = threading.Lock()  # one swap at a time (the listener; tests and benchmarks call directly)
         self._stop = threading.Event()
+        self._outage_since: float | None = None  # monotonic time the listener lost Redis (None: it has it)
 
     def record_fields(self) -> dict:
         """The swap fields of the worker's progress record."""
@@ -141,8 +150,9 @@ class Swapper:
                 self.last_version, self.last_at = watch.previous, time.time()
                 self.num_swaps += 1
                 rolled_back_to = watch.previous
-            except Exception as exc:  # the engine keeps the collapsed draft: still lossless, only slower
-                log.exception("worker %s: rolling back to v%d failed", self.status.worker_id, watch.previous)
+            except SWAP_ERRORS as exc:  # the engine keeps the collapsed draft: still lossless, only slower
+                log.exception("job %s: worker %s: rolling back to v%d failed", self.status.job_id,
+                              self.status.worker_id, watch.previous)
                 error = one_line(exc)
         acc = judgement.acceptance
         log.warning("worker %s: draft v%d collapsed: accepted length %.3f over %d verify steps, %.3f expected from "
@@ -162,37 +172,67 @@ class Swapper:
                 pipe.ltrim(job_collapses_key(job_id), -MAX_COLLAPSE_EVENTS, -1)
                 pipe.hincrby(job_totals_key(job_id), TOTALS_DRAFT_COLLAPSES, 1)
                 pipe.execute()
-        except Exception:  # the rollback stands; only its record is lost
-            log.exception("worker %s: recording the collapse of v%d failed", self.status.worker_id, watch.version)
+        except redis_lib.RedisError:  # the rollback stands; only its record is lost
+            log.exception("job %s: worker %s: recording the collapse of v%d failed", job_id, self.status.worker_id,
+                          watch.version)
 
     def catch_up(self) -> None:
         """Install the served store's latest version if it is newer than the one serving: a version
-        published before this worker subscribed (a job's warm draft, published as the workers start)."""
-        latest = self.served.latest_version()
-        if latest is not None and latest > self.last_version and latest not in self.rejected:
-            try:
+        published before this worker subscribed (a job's warm draft, published as the workers start; or one
+        announced while the listener had lost Redis). A version that fails to load or install is logged and
+        skipped: the engine keeps the draft it has."""
+        latest = None
+        try:
+            latest = self.served.latest_version()
+            if latest is not None and latest > self.last_version and latest not in self.rejected:
                 self.swap(latest)
-            except Exception:  # as in listen: the engine keeps the draft it has
-                log.exception("worker %s: catching up to v%d failed", self.status.worker_id, latest)
+        except SWAP_ERRORS:
+            log.exception("job %s: worker %s: catching up to %s failed", self.status.job_id, self.status.worker_id,
+                          f"v{latest}" if latest is not None else "the served store's latest version")
 
     def listen(self) -> None:
-        """Swap in every announced version until `stop`; heartbeat the progress record when quiet."""
+        """Swap in every announced version until `stop`; heartbeat the progress record when quiet. The listener
+        thread's top-level loop: it must not die (the worker would swap and heartbeat no more), so a Redis outage
+        is logged once and the listener subscribes again (and catches up) when Redis is back."""
+        while not self._stop.is_set():
+            try:
+                self._follow()
+            except redis_lib.RedisError as exc:
+                if self._outage_since is None:
+                    self._outage_since = time.monotonic()
+                    log.warning("job %s: worker %s: the swap listener lost Redis (%s); subscribing again every "
+                                "%.0f s", self.status.job_id, self.status.worker_id, one_line(exc), RESUBSCRIBE_S)
+                self._stop.wait(RESUBSCRIBE_S)
+            except Exception:  # the thread's top-level loop: logged, and the listener starts again
+                log.exception("job %s: worker %s: the swap listener failed; starting it again", self.status.job_id,
+                              self.status.worker_id)
+                self._stop.wait(RESUBSCRIBE_S)
+
+    def _follow(self) -> None:
+        """Subscribe, catch up, then swap each announced version and judge the guard's, until `stop`. A Redis
+        error ends it: `listen` subscribes again and catches up to the latest version, so none is missed."""
         sub = self.served.subscribe()
+        if self._outage_since is not None:
+            log.warning("job %s: worker %s: the swap listener is back after %.1f s", self.status.job_id,
+                        self.status.worker_id, time.monotonic() - self._outage_since)
+            self._outage_since = None
         try:
             self.catch_up()
             while not self._stop.is_set():
                 try:
                     self.check()
-                except Exception:  # the guard never stops the listener
-                    log.exception("worker %s: the swap guard failed", self.status.worker_id)
+                except BAD_VERSION_ERRORS:  # the guard never stops the listener (Redis: listen's outage)
+                    log.exception("job %s: worker %s: the swap guard failed", self.status.job_id,
+                                  self.status.worker_id)
                 msg = sub.get(timeout=LISTEN_TIMEOUT_S)
                 if msg is None:
                     self.status.heartbeat()
                     continue
                 try:
                     self.swap(msg.version, msg.published_at)
-                except Exception:  # a bad version is skipped: the engine keeps serving the draft it has
-                    log.exception("worker %s: swap to v%d failed", self.status.worker_id, msg.version)
+                except BAD_VERSION_ERRORS:  # skipped: the engine keeps serving the draft it has
+                    log.exception("job %s: worker %s: swap to v%d failed", self.status.job_id,
+                                  self.status.worker_id, msg.version)
         finally:
             sub.close()
 
