@@ -24,8 +24,10 @@ package); it needs a CUDA GPU (SGLang's kernels have no CPU build that is publis
   given a drawn seed, since SGLang would give every unseeded request the same one). Acceptance comes from
   each response's meta_info (spec_verify_ct, spec_num_correct_drafts, spec_num_proposed_drafts; else
   spec_accept_length and spec_accept_rate).
-- harvest_into: the responses' hidden states (enable_return_hidden_states) are harvested when their width
-  is the drafter's feature width; otherwise the pairs come from the learner's forward (logged once).
+- training pairs: SGLang's return_hidden_states hands back the final hidden state, not the three aux layers'
+  states the draft fuses, so `harvests_pairs` is False: a rollout worker passes no buffer and its pairs come from
+  the learner's forward (workers.learner_pairs). A caller that does pass harvest_into gets the rows harvested
+  only when their width is the drafter's feature width (logged once otherwise).
 - Speculation is fixed when the engine starts: tlt on and speculation other than "off" drafts draft_k tokens
   every step ("adaptive" included); otherwise plain.
 """

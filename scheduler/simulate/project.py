@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from dataclasses import replace
 
 from scheduler.policy import WorkerView, choose_scorer, decide, group_copies, scoring_fits
 from scheduler.simulate.gpu import gpu_8b_profile, gpu_235b_profile
@@ -96,7 +95,7 @@ def tiled(snapshot: dict, num_workers: int) -> dict:
     """A snapshot grown (or cut) to num_workers views: the worker views repeated under new ids."""
     views = snapshot["views"]
     copies = -(-num_workers // len(views))
-    out = [v if i == 0 else replace(v, worker_id=f"{v.worker_id}.{i}") for i in range(copies) for v in views]
+    out = [v if i == 0 else v._replace(worker_id=f"{v.worker_id}.{i}") for i in range(copies) for v in views]
     leased = {f"{w}.{i}" if i else w for i in range(copies) for w in snapshot["leased"]}
     return {**snapshot, "views": out[:num_workers], "leased": frozenset(leased)}
 
