@@ -153,7 +153,7 @@ def test_a_failing_job_records_one_result_with_a_one_line_error(ray_cluster, pri
     assert writes == ["set"]
     result = JobResult.from_json(redis_client.get(job_result_key("j2")))
     assert result.to_dict() == waited and not result.ok and result.steps == 0
-    assert result.error == f"ValueError: dataset_path: no such file {missing}"  # one line, no traceback
+    assert result.error == f"at start: ValueError: dataset_path: no such file {missing}"  # where, what; one line
     assert PhaseRecord.from_json(redis_client.get(job_phase_key("j2"))).phase == Phase.DONE
 
 

@@ -143,6 +143,6 @@ def test_a_warm_draft_for_another_policy_fails_the_job_with_a_clear_error(ray_cl
         run_job("jw2", private_redis.url, tmp_path, warm_draft=path)
     result = JobResult.from_json(redis_client.get(job_result_key("jw2")))
     assert not result.ok and result.steps == 0
-    assert result.error == (f"ValueError: warm_draft {path} does not fit the policy: the head was trained for "
-                            f"hidden size 32 and vocabulary 64, the policy has 64 and 64")
+    assert result.error == (f"at start: ValueError: warm_draft {path} does not fit the policy: the head was trained "
+                            f"for hidden size 32 and vocabulary 64, the policy has 64 and 64")
     assert job_stores(redis_client, tmp_path, "jw2")[0].latest_version() is None  # nothing was published
