@@ -149,7 +149,7 @@ class Launcher:
         if ray.is_initialized():
             try:
                 ray.kill(driver)  # a finished or failed job's driver (and its workers, placed or waiting) go away
-            except Exception as exc:
+            except (ValueError, ray.exceptions.RayError) as exc:
                 log.warning("job %s: could not kill its driver: %s", job_id, one_line(exc))
 
     def _wait(self, job_id: str, ref) -> str | None:

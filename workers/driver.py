@@ -16,6 +16,7 @@ import time
 import ray
 import redis as redis_lib
 import torch
+from ray.exceptions import RayError
 
 from drafter.loading import load_model
 from workers.actors import start_worker
@@ -242,7 +243,7 @@ class Driver:
         for wid, ref in refs.items():
             try:
                 ray.get(ref)
-            except Exception as exc:
+            except RayError as exc:  # the worker raised (RayTaskError) or is gone
                 self._drop(wid, exc, rl_step, failures)
         if not self.workers:
             why = "; ".join(f"{f['worker']}: {f['error']}" for f in failures)
@@ -272,7 +273,7 @@ class Driver:
             wid, groups, started = futures[done[0]]
             try:
                 outs = ray.get(done[0])
-            except Exception as exc:  # a dead worker loses its share; the others' responses are kept
+            except RayError as exc:  # a dead or failed worker loses its share; the others' responses are kept
                 self._drop(wid, exc, rl_step, failures)
                 continue
             worker_s[wid] = time.perf_counter() - started
