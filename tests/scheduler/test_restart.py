@@ -91,7 +91,7 @@ def serve(redis_url: str, ray_address: str, port: int, store_dir: str, log: Path
         try:
             if get(f"http://127.0.0.1:{port}/readyz")["status"] == "ready":
                 return proc
-        except OSError:
+        except (OSError, ValueError):  # not listening yet, or (once in CI) an empty answer while starting
             time.sleep(0.3)
     proc.kill()
     raise AssertionError(f"scheduler did not become ready:\n{log.read_text()[-3000:]}")
