@@ -36,10 +36,6 @@ class WorkerView(NamedTuple):
     timestamp: float
     buffer_tokens: int = 0  # harvested training pairs: a lease needs data
 
-    @property
-    def progress(self) -> float:
-        return self.num_finished / self.num_total if self.num_total else 1.0
-
 
 @dataclass(frozen=True)
 class CopyView:
@@ -143,11 +139,15 @@ def reclaimed_by_step(started_at: float, ended_at: float, windows: list[RolloutW
 
 
 def classify(views: list[WorkerView], now: float, s: PolicySettings) -> dict[str, WorkerState]:
-    # one pass, no property calls and no Enum hashing per worker: it runs every tick over every worker (16,384 in
-    # `tlt simulate`'s tick timing)
+    return _classify(views, now, s)[0]
+
+
+def _classify(views: list[WorkerView], now: float, s: PolicySettings) -> tuple[dict[str, WorkerState], float]:
+    """(classes, the slowest generating worker's progress: 1.0 when none generates). One pass, no property calls
+    and no Enum hashing per worker: it runs every tick over every worker (16,384 in `tlt simulate`'s tick timing)."""
     failed, stale, training = WorkerState.FAILED, WorkerState.STALE, WorkerState.TRAINING
     idle, straggler, rolling = WorkerState.IDLE, WorkerState.STRAGGLER, WorkerState.ROLLING_OUT
-    generating_states = tuple(GENERATING_STATES)
+    generating_states = tuple(GENERATING_STATES)  # `in` a tuple compares, where a set would hash each Enum
     oldest = now - s.stale_after_s
     classes: dict[str, WorkerState] = {}
     fresh: list[tuple[WorkerView, float | None]] = []  # (view, progress if generating)
@@ -158,8 +158,8 @@ def classify(views: list[WorkerView], now: float, s: PolicySettings) -> dict[str
             classes[v.worker_id] = failed
         elif v.timestamp < oldest:
             classes[v.worker_id] = stale
-        elif state == generating_states[0] or state == generating_states[1] or state == generating_states[2]:
-            progress = v.num_finished / v.num_total if v.num_total else 1.0  # WorkerView.progress
+        elif state in generating_states:
+            progress = v.num_finished / v.num_total if v.num_total else 1.0  # its finished fraction
             progresses.append(progress)
             fresh.append((v, progress))
         else:
@@ -174,17 +174,12 @@ def classify(views: list[WorkerView], now: float, s: PolicySettings) -> dict[str
             classes[v.worker_id] = straggler
         else:
             classes[v.worker_id] = rolling
-    return classes
-
-
-def estimate_remaining_s(views: list[WorkerView], classes: dict[str, WorkerState], rollout_elapsed_s: float) -> float:
-    """Time until the slowest generating worker finishes, extrapolating its progress so far."""
-    slowest = min((v.progress for v in views if classes[v.worker_id] in _GENERATING_CLASSES), default=1.0)
-    return remaining_from(slowest, rollout_elapsed_s)
+    return classes, min(progresses, default=1.0)
 
 
 def remaining_from(slowest_progress: float, rollout_elapsed_s: float) -> float:
-    """estimate_remaining_s from the slowest generating worker's progress (1.0: none generating)."""
+    """Time until the slowest generating worker finishes, extrapolating its progress so far (`slowest_progress`:
+    its finished fraction; 1.0: none generating)."""
     if slowest_progress <= 0:
         return rollout_elapsed_s  # nothing finished yet: assume at least as long again
     return rollout_elapsed_s * (1 - slowest_progress) / slowest_progress
@@ -195,9 +190,9 @@ def decide(views: list[WorkerView], now: float, phase: Phase, rollout_elapsed_s:
     """`leased`: workers holding a lease the scheduler has not collected yet. Their progress record
     may lag or say ROLLING_OUT (a new rollout began), so leases, not records, decide preemption.
     `busy`: workers doing other work for the scheduler (the scorer): they get no lease."""
-    classes = classify(views, now, s)
+    classes, slowest = _classify(views, now, s)
     idle_state, training_state = WorkerState.IDLE, WorkerState.TRAINING
-    num_counted, idle, training, slowest = 0, [], [], 1.0
+    num_counted, idle, training = 0, [], []
     for v in views:  # one pass over every worker (it runs every tick)
         c = classes[v.worker_id]
         if c in _UNCOUNTED:
@@ -208,8 +203,6 @@ def decide(views: list[WorkerView], now: float, phase: Phase, rollout_elapsed_s:
                 idle.append(v)
         elif c == training_state:
             training.append(v.worker_id)
-        elif v.num_total:  # generating (_GENERATING_CLASSES): its progress
-            slowest = min(slowest, v.num_finished / v.num_total)
     is_rollout = rollout_under_way(phase)
     long_tail = is_rollout and num_counted > 0 and len(idle) / num_counted >= s.long_tail_idle_fraction
     decision = Decision(classes, long_tail)
