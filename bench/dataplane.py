@@ -18,6 +18,7 @@ import time
 import ray
 
 from bench.prompts import PROMPTS
+from bench.record import pct
 from drafter.checkpoint import DraftMeta
 from drafter.config import SMOLLM2_SPEC
 from drafter.head import head_config, new_head
@@ -33,11 +34,6 @@ from workers.store import job_stores
 
 def log(msg: str) -> None:
     print(f"[bench dataplane] {msg}", file=sys.stderr, flush=True)
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 def bench_dataplane(model: str = SMOLLM2_SPEC, num_workers: int = 4, num_steps: int = 1,

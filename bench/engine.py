@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from bench.record import pct
 from drafter.checkpoint import load_draft
 from drafter.eagle3 import export_eagle3
 from drafter.head import head_from_state
@@ -101,11 +102,6 @@ def ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b > 0 else None
 
 
-def percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
-
-
 def time_swaps(engine, state: dict, head_config: dict, prompts: list[list[int]], num_swaps: int,
                new_tokens: int) -> dict:
     """`num_swaps` draft installs into the live vLLM engine while a batch generates in another thread (the swap
@@ -135,7 +131,7 @@ def time_swaps(engine, state: dict, head_config: dict, prompts: list[list[int]],
     if errors:
         raise errors[0]
     return {"num_swaps": len(seconds), "p50_s": round(statistics.median(seconds), 4),
-            "p99_s": round(percentile(seconds, 0.99), 4), "max_s": round(max(seconds), 4),
+            "p99_s": round(pct(seconds, 0.99), 4), "max_s": round(max(seconds), 4),
             "while_generating": True, "seconds": [round(x, 4) for x in seconds]}
 
 

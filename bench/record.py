@@ -56,6 +56,14 @@ def provenance() -> dict:
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
 
 
+def pct(values: list[float], q: float) -> float | None:
+    """The `q` quantile of `values` (nearest rank, from below: p99 of 20 values is the largest); None if empty."""
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
 def finite(value):
     """`value` with every NaN or infinity replaced by None (JSON has neither), recursively."""
     if isinstance(value, float) and not math.isfinite(value):

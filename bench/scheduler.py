@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.record import pct
 from scheduler.jobs import JobStore
 from scheduler.policy import PolicySettings
 from scheduler.watcher import Watcher
@@ -60,13 +61,6 @@ LEASE_POLICY = PolicySettings(min_lease_s=0.01, min_buffer_tokens=16, lease_marg
 
 def log(msg: str) -> None:
     print(f"[bench scheduler] {msg}", file=sys.stderr, flush=True)
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 def summary(name: str, values: list[float]) -> dict:

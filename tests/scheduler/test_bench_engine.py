@@ -3,7 +3,8 @@ the bench itself needs vLLM, in .venv-engines)."""
 
 from __future__ import annotations
 
-from bench.engine import Tally, identical, percentile, summarize
+from bench.engine import Tally, identical, summarize
+from bench.record import pct
 
 
 def rep(tps: float, acc: float = 1.0) -> dict:
@@ -30,7 +31,7 @@ def test_headline_ratios_come_from_the_equal_threads_phase_and_best_from_all():
 
 def test_percentile_and_identity():
     values = [0.1] * 19 + [1.2]
-    assert percentile(values, 0.99) == 1.2 and percentile(values, 0.5) == 0.1
+    assert pct(values, 0.99) == 1.2 and pct(values, 0.5) == 0.1 and pct([], 0.5) is None
     a, b = Tally(outputs=[[1, 2], [3]]), Tally(outputs=[[1, 2], [4]])
     assert identical(a, b) == 0.5
     assert Tally(seconds=2.0, tokens=10, seq_steps=5).report()["mean_accepted_length"] == 2.0
