@@ -17,12 +17,19 @@ def write_plots(result: dict, directory: Path) -> dict[str, str]:
             from None
     directory.mkdir(parents=True, exist_ok=True)
     rows = result["projections"]
-    profiles = sorted({r["profile"] for r in rows})
+    # each profile's projections by GPU count
+    series = {name: sorted((r for r in rows if r["profile"] == name), key=lambda r: r["num_gpus"])
+              for name in sorted({r["profile"] for r in rows})}
     paths = {}
 
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        paths[name] = str(directory / f"{name}.png")
+        fig.savefig(paths[name], dpi=120)
+        plt.close(fig)
+
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    for name in profiles:
-        mine = sorted((r for r in rows if r["profile"] == name), key=lambda r: r["num_gpus"])
+    for name, mine in series.items():
         gpus = [r["num_gpus"] for r in mine]
         ax.plot(gpus, [r["step_speedup"] for r in mine], "o-", label=f"{name}: step, TLT")
         ax.plot(gpus, [r["frozen_step_speedup"] for r in mine], "s--", label=f"{name}: step, frozen draft")
@@ -33,23 +40,16 @@ def write_plots(result: dict, directory: Path) -> dict[str, str]:
     ax.set(xscale="log", xlabel="GPUs", ylabel="speed-up over plain decoding",
            title="Projected speed-up (tlt simulate)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    paths["speedup"] = str(directory / "speedup.png")
-    fig.savefig(paths["speedup"], dpi=120)
-    plt.close(fig)
+    save(fig, "speedup")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in profiles:
-        mine = sorted((r for r in rows if r["profile"] == name), key=lambda r: r["num_gpus"])
+    for name, mine in series.items():
         gpus = [r["num_gpus"] for r in mine]
         ax.plot(gpus, [r["idle_fraction_plain"] for r in mine], "o-", label=f"{name}: idle at the barrier, plain")
         ax.plot(gpus, [r["reclaimed_ratio"] for r in mine], "s--", label=f"{name}: reclaimed / idle, TLT")
     ax.set(xscale="log", ylim=(0, 1), xlabel="GPUs", ylabel="fraction", title="Idle time and what TLT reclaims")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths["idle"] = str(directory / "idle.png")
-    fig.savefig(paths["idle"], dpi=120)
-    plt.close(fig)
+    save(fig, "idle")
 
     ticks = result["policy_tick"]["pure_policy"]
     if ticks:
@@ -60,8 +60,5 @@ def write_plots(result: dict, directory: Path) -> dict[str, str]:
         ax.axhline(100, color="grey", lw=0.8)
         ax.set(xscale="log", xlabel="simulated workers", ylabel="ms per tick", title="Policy cost per tick")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        paths["tick"] = str(directory / "tick.png")
-        fig.savefig(paths["tick"], dpi=120)
-        plt.close(fig)
+        save(fig, "tick")
     return paths
