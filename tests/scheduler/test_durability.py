@@ -26,6 +26,7 @@ import workers.driver as driver_module
 from drafter.config import PRESETS
 from drafter.loading import random_model, save_hf_dir
 from scheduler.app import Settings, create_app
+from tests.workers.test_job import until
 from workers.actors import get_worker
 from workers.driver import Driver
 from workers.errors import job_error
@@ -73,14 +74,6 @@ def threads():
     num = torch.get_num_threads()
     yield
     torch.set_num_threads(num)
-
-
-def until(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
 
 
 def is_gone(name: str) -> bool:
