@@ -26,6 +26,7 @@ import redis as redis_lib
 from workers.engine import EngineStats, RolloutEngine
 from workers.errors import one_line
 from workers.guard import Acceptance, Judgement, Verdict, judge
+from workers.progress import read_json_list
 from workers.protocol import (
     MAX_COLLAPSE_EVENTS,
     TOTALS_DRAFT_COLLAPSES,
@@ -177,14 +178,17 @@ class Swapper:
                           watch.version)
 
     def catch_up(self) -> None:
-        """Install the served store's latest version if it is newer than the one serving: a version
-        published before this worker subscribed (a job's warm draft, published as the workers start; or one
-        announced while the listener had lost Redis). A version that fails to load or install is logged and
-        skipped: the engine keeps the draft it has."""
+        """Install the served store's latest version (the newest that did not collapse here) if it is newer than
+        the one serving: a version published before this worker subscribed (a job's warm draft, published as the
+        workers start; a restarted worker's; or one announced while the listener had lost Redis). A
+        version that fails to load or install is logged and skipped: the engine keeps the draft it has."""
         latest = None
         try:
             latest = self.served.latest_version()
-            if latest is not None and latest > self.last_version and latest not in self.rejected:
+            if latest in self.rejected:  # the newest that did not collapse here (a restarted worker's case)
+                latest = max((e["version"] for e in self.served.versions() if e["version"] not in self.rejected),
+                             default=None)
+            if latest is not None and latest > self.last_version:
                 self.swap(latest)
         except SWAP_ERRORS:
             log.exception("job %s: worker %s: catching up to %s failed", self.status.job_id, self.status.worker_id,
@@ -236,9 +240,24 @@ class Swapper:
         finally:
             sub.close()
 
+    def recall_rejected(self) -> None:
+        """Take back the versions that collapsed on this worker before it was restarted (the job's collapse
+        events name them), so a restart does not install them again. Redis unreachable: logged, none recalled."""
+        try:
+            events = read_json_list(self.served.redis, job_collapses_key(self.status.job_id))
+        except redis_lib.RedisError as exc:
+            log.warning("job %s: worker %s: could not read earlier collapses (%s); none recalled",
+                        self.status.job_id, self.status.worker_id, one_line(exc))
+            return
+        with self._lock:
+            self.rejected.update(int(e["version"]) for e in events
+                                 if isinstance(e, dict) and e.get("worker_id") == self.status.worker_id
+                                 and isinstance(e.get("version"), int))
+
     def start(self) -> threading.Thread:
         """Install the latest served version now (a job's warm draft: before the worker's first rollout),
         then follow the announcements in a thread."""
+        self.recall_rejected()
         self.catch_up()
         thread = threading.Thread(target=self.listen, daemon=True, name=f"swap-{self.status.worker_id}")
         thread.start()

@@ -122,6 +122,16 @@ def test_a_zeroed_draft_is_rolled_back_and_a_trained_one_kept(redis_client, tmp_
     assert next(p for p in read_progress(redis_client, job_id) if p.worker_id == "w0").draft_version == good
     r.swapper.catch_up()
     assert r.engine.draft_version == good
+    # nor does the same worker started again (the driver restarts a lost worker under its id): it recalls the
+    # collapse from the job's events; another worker never judged `bad` and installs it
+    again = RolloutRunner(job_id, "w0", spec, redis_client, str(tmp_path / "drafts"))
+    again.swapper.recall_rejected()
+    again.swapper.catch_up()
+    assert again.swapper.rejected == {bad} and again.engine.draft_version == good
+    other = RolloutRunner(job_id, "w1", spec, redis_client, str(tmp_path / "drafts"))
+    other.swapper.recall_rejected()
+    other.swapper.catch_up()
+    assert other.swapper.rejected == set() and other.engine.draft_version == bad
     # the metric the alert reads, and the REST route
     registry, collector = CollectorRegistry(), RedisCollector(JobStore(redis_client))
     registry.register(collector)
