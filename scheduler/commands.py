@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, RayError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError
 
 from workers.actors import get_worker
 from workers.errors import one_line
@@ -49,6 +49,9 @@ class Reply:
     error: str | None = None  # one line: what went wrong, or that no answer came in time
     seconds: float = 0.0  # from sending to the answer
     is_gone: bool = False  # the error says the worker's actor is dead or does not exist: asking again is pointless
+    # no answer (unreachable, or timed out), as at its previous command: logged once when it began, so a caller
+    # asking every tick need not warn again
+    quiet: bool = False
 
 
 @dataclass
@@ -69,6 +72,9 @@ class Commands:
         self.handles: dict[tuple[str, str], Any] = {}
         self.pending: list[_Pending] = []
         self.gone: dict[str, dict[str, str]] = {}  # job id -> worker id -> the error that said it is gone
+        # (job id, worker id) -> [monotonic time, count] of its unanswered commands in a row (unreachable or timed
+        # out, not gone): a dying node's worker is warned of once, not every tick until Ray says it is dead
+        self.unanswered: dict[tuple[str, str], list] = {}
 
     def handle(self, job_id: str, worker_id: str):
         """The worker's actor handle (cached), or None if there is no such actor now."""
@@ -100,7 +106,8 @@ class Commands:
             future = getattr(handle, method).remote(*args).future()
         except RayError as exc:  # the handle is dead or stale: look it up again next time
             self.handles.pop((job_id, worker_id), None)
-            on_reply(self._noted(Reply(job_id, worker_id, method, error=one_line(exc), is_gone=is_gone(exc))))
+            on_reply(self._noted(Reply(job_id, worker_id, method, error=one_line(exc), is_gone=is_gone(exc)),
+                                 unanswered=isinstance(exc, ActorUnavailableError)))
             return
         pending = _Pending(job_id, worker_id, method, future, on_reply, sent_at,
                            self.timeout_s if timeout_s is None else timeout_s)
@@ -118,15 +125,16 @@ class Commands:
                 if exc is not None:
                     self.handles.pop((p.job_id, p.worker_id), None)  # it may have restarted: look it up again
                     reply = self._noted(Reply(p.job_id, p.worker_id, p.method, error=one_line(exc), seconds=seconds,
-                                              is_gone=is_gone(exc)))
+                                              is_gone=is_gone(exc)), unanswered=isinstance(exc, ActorUnavailableError))
                 else:
-                    reply = Reply(p.job_id, p.worker_id, p.method, value=p.future.result(), seconds=seconds)
+                    reply = self._noted(Reply(p.job_id, p.worker_id, p.method, value=p.future.result(),
+                                              seconds=seconds))
             elif now - p.sent_at > p.timeout_s:
-                log.warning("job %s: worker %s did not answer %s within %.1f s", p.job_id, p.worker_id, p.method,
-                            p.timeout_s)
                 self.handles.pop((p.job_id, p.worker_id), None)
-                reply = Reply(p.job_id, p.worker_id, p.method, error=f"no answer within {p.timeout_s:g} s",
-                              seconds=now - p.sent_at)
+                reply = self._noted(Reply(p.job_id, p.worker_id, p.method, error=f"no answer within {p.timeout_s:g} s",
+                                          seconds=now - p.sent_at), unanswered=True)
+                (log.debug if reply.quiet else log.warning)(
+                    "job %s: worker %s did not answer %s within %.1f s", p.job_id, p.worker_id, p.method, p.timeout_s)
             else:
                 waiting.append(p)
                 continue
@@ -136,10 +144,21 @@ class Commands:
                 log.exception("job %s: handling %s's answer to %s failed", p.job_id, p.worker_id, p.method)
         self.pending = waiting + self.pending
 
-    def _noted(self, reply: Reply) -> Reply:
-        """Keep a gone worker's reply for take_gone."""
+    def _noted(self, reply: Reply, unanswered: bool = False) -> Reply:
+        """Keep a gone worker's reply for take_gone; count a worker's unanswered commands in a row (`unanswered`:
+        this one got no answer), marking the second and later quiet."""
+        key = (reply.job_id, reply.worker_id)
         if reply.is_gone:
             self.gone.setdefault(reply.job_id, {})[reply.worker_id] = reply.error or "gone"
+            self.unanswered.pop(key, None)
+        elif unanswered:
+            streak = self.unanswered.setdefault(key, [time.monotonic(), 0])
+            reply.quiet = streak[1] > 0
+            streak[1] += 1
+        elif key in self.unanswered:  # it answered (a refusal is an answer too)
+            since, count = self.unanswered.pop(key)
+            log.info("job %s: worker %s answers again after %.1f s (%d commands unanswered)", reply.job_id,
+                     reply.worker_id, time.monotonic() - since, count)
         return reply
 
     def take_gone(self, job_id: str) -> dict[str, str]:
@@ -151,3 +170,4 @@ class Commands:
         self.pending = [p for p in self.pending if p.job_id != job_id]
         self.handles = {k: h for k, h in self.handles.items() if k[0] != job_id}
         self.gone.pop(job_id, None)
+        self.unanswered = {k: v for k, v in self.unanswered.items() if k[0] != job_id}

@@ -235,7 +235,8 @@ class Watcher:
             if reply.is_gone:
                 return  # the next tick leaves the worker out and closes its lease, in one line (_found_gone)
             if reply.error is not None:
-                log.warning("job %s: preempting %s failed: %s", job_id, worker_id, reply.error)
+                (log.debug if reply.quiet else log.warning)("job %s: preempting %s failed: %s", job_id, worker_id,
+                                                            reply.error)
             elif reply.value:
                 self.metrics.preempt.labels(job_id).observe(reply.seconds)
                 log.info("job %s: preempted the trainer on %s", job_id, worker_id)
@@ -256,7 +257,8 @@ class Watcher:
             if reply.is_gone:
                 return  # the next tick leaves the worker out and drops this lease, in one line (_found_gone)
             if reply.error is not None:
-                log.warning("job %s: %s refused lease %s: %s", job_id, lease.worker_id, offer.lease_id, reply.error)
+                (log.debug if reply.quiet else log.warning)("job %s: %s refused lease %s: %s", job_id,
+                                                            lease.worker_id, offer.lease_id, reply.error)
                 del held.leases[lease.worker_id]
                 return
             self.metrics.dispatch.labels(job_id).observe(reply.seconds)

@@ -74,6 +74,13 @@ def test_a_slow_worker_is_timed_out_and_logged_while_the_others_answer(workers, 
     assert slow.seconds >= 1.5
     assert "worker w1 did not answer stop_training within 1.5 s" in caplog.text
     assert commands.pending == []
+    # asked again (as a watcher does every tick) and again no answer: quiet, not a second warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="scheduler.commands"):
+        commands.send(JOB, "w1", "stop_training", 5.0, on_reply=replies.append, timeout_s=0.5)
+        poll_until(commands, replies, 3)
+    assert replies[2].error == "no answer within 0.5 s" and replies[2].quiet and not slow.quiet
+    assert "did not answer" not in caplog.text
 
 
 def test_refusals_and_missing_workers_come_back_as_errors(workers):

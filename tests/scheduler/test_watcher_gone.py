@@ -57,6 +57,23 @@ def test_commands_keep_gone_answers_for_the_watcher_to_take():
     assert commands.take_gone("k") == {}
 
 
+def test_an_unreachable_worker_is_warned_of_once_until_it_answers(caplog):
+    """A dying node's worker: ActorUnavailableError (or no answer) at every tick until Ray says alive or dead."""
+    commands = Commands()
+    unreachable = [commands._noted(Reply("j", "w0", "stop_training", error="ActorUnavailableError: lost"),
+                                   unanswered=True) for _ in range(3)]
+    assert [r.quiet for r in unreachable] == [False, True, True]  # callers warn of the first only
+    assert not commands._noted(Reply("j", "w1", "stop_training", error="no answer"), unanswered=True).quiet
+    with caplog.at_level(logging.INFO, logger="scheduler.commands"):
+        commands._noted(Reply("j", "w0", "start_lease", error="ValueError: busy"))  # a refusal is an answer
+    assert "worker w0 answers again after" in caplog.text and "(3 commands unanswered)" in caplog.text
+    assert not commands._noted(Reply("j", "w0", "stop_training", error="lost"), unanswered=True).quiet
+    commands._noted(Reply("j", "w0", "stop_training", error="ActorDiedError: ...", is_gone=True))
+    assert ("j", "w0") not in commands.unanswered  # gone: the watcher drops it in one line (take_gone)
+    commands.forget("j")
+    assert commands.unanswered == {}
+
+
 @ray.remote(num_cpus=0)
 class Trainer:
     """Stands in for a rollout worker holding a lease: it answers stop_training, and is then killed."""
