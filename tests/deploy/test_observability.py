@@ -27,6 +27,7 @@ from scheduler.client import call
 from scheduler.demo import start_server
 from scheduler.policy import PolicySettings
 from tests.deploy.promql import ROOT, RULES, dashboard, panel_exprs, rules, substitute
+from tests.waiting import until
 from workers.redis_server import PrivateRedis, free_port
 
 SPEC = {"num_steps": 10, "num_prompts_per_step": 3, "group_size": 4, "max_new_tokens": 300, "num_workers": 2,
@@ -36,16 +37,6 @@ ARTIFACTS = ROOT / "artifacts"
 
 def http_json(url: str, body: dict | None = None) -> object:
     return call("GET" if body is None else "POST", url, "", body)
-
-
-def wait_for(what: str, check, timeout_s: float, interval_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +64,7 @@ def stack(tmp_path_factory):
                                 stdout=subprocess.DEVNULL, stderr=(tmp / "prometheus.log").open("wb"))
         try:
             prom_url = f"http://127.0.0.1:{prom_port}"
-            wait_for("prometheus", lambda: _ready(prom_url), 60)
+            until(lambda: _ready(prom_url), 60, "prometheus", 0.2)
             start = time.time()
             job = http_json(f"{base}/v1/jobs", SPEC | {"model": str(tmp / "tiny-eos")})
             yield {"base": base, "prom": prom_url, "job_id": job["job_id"], "start": start, "tmp": tmp}
@@ -104,7 +95,7 @@ def test_status_page_shows_the_running_job_in_chromium(stack):
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
 
-    wait_for("the job's first step", lambda: job_state(stack)["steps"] >= 1, 120)
+    until(lambda: job_state(stack)["steps"] >= 1, 120, "the job's first step", 0.2)
     options = webdriver.ChromeOptions()
     options.binary_location = shutil.which("chromium")
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,900"):
@@ -113,7 +104,7 @@ def test_status_page_shows_the_running_job_in_chromium(stack):
     driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver")))
     try:
         driver.get(f"{stack['base']}/ui/?job={stack['job_id']}")
-        rows = wait_for("timeline rows", lambda: driver.find_elements(By.CSS_SELECTOR, "#timeline .row"), 30)
+        rows = until(lambda: driver.find_elements(By.CSS_SELECTOR, "#timeline .row"), 30, "timeline rows", 0.2)
         assert job_state(stack)["state"] == "RUNNING"  # it showed a live job
         assert sorted(r.get_attribute("data-worker") for r in rows) == ["w0", "w1"]  # one row per worker
         assert driver.find_elements(By.CSS_SELECTOR, "#timeline .span.ROLLING_OUT")
@@ -141,7 +132,7 @@ def query_range(stack, expr: str) -> list:
 
 
 def test_prometheus_gets_data_for_every_dashboard_query_and_recording_rule(stack):
-    wait_for("the job to end", lambda: job_state(stack)["state"] in ("SUCCEEDED", "FAILED"), 240, 1.0)
+    until(lambda: job_state(stack)["state"] in ("SUCCEEDED", "FAILED"), 240, "the job to end", 1.0)
     assert job_state(stack)["state"] == "SUCCEEDED"
     time.sleep(3)  # a last scrape and rule evaluation
     drafts = http_json(f"{stack['base']}/v1/jobs/{stack['job_id']}/drafts")

@@ -26,7 +26,7 @@ import workers.driver as driver_module
 from drafter.config import PRESETS
 from drafter.loading import random_model, save_hf_dir
 from scheduler.app import Settings, create_app
-from tests.workers.test_job import until
+from tests.waiting import until
 from workers.actors import get_worker
 from workers.driver import Driver
 from workers.errors import job_error

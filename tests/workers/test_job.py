@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 import ray
 
+from tests.waiting import until
 from workers.actors import get_worker, start_driver
 from workers.progress import read_events, read_json_list, read_progress
 from workers.protocol import (
@@ -71,16 +72,6 @@ def writes_to(redis_client, key: str) -> Iterator[list[str]]:
                 seen.append(msg["data"])
     finally:
         sub.close()
-
-
-def until(condition: Callable[[], object], timeout_s: float = 120.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_a_two_step_job_records_its_steps_and_one_result(ray_cluster, private_redis, redis_client, tmp_path):

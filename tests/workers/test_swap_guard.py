@@ -6,8 +6,6 @@ one is kept."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -18,6 +16,7 @@ from drafter.loading import save_hf_dir
 from scheduler.app import Settings, create_app
 from scheduler.jobs import JobStore
 from scheduler.metrics import RedisCollector, exposition
+from tests.waiting import until
 from workers.guard import Verdict
 from workers.progress import read_json_list, read_progress
 from workers.protocol import TOTALS_DRAFT_COLLAPSES, CollapseEvent, JobState, job_collapses_key, job_totals_key
@@ -53,16 +52,6 @@ def zeroed(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: torch.zeros_like(v) if v.is_floating_point() else v for k, v in state.items()}
 
 
-def wait_for(what: str, check, timeout_s: float = 30.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
 def trained_version(r: RolloutRunner) -> tuple[int, float]:
     """Harvest, train a copy in a real lease, merge and score it, publish it: (served version, its score)."""
     r.generate(prompts(24, seed=10_000), sampled(24, seed=0), rl_step=0)
@@ -89,18 +78,18 @@ def test_a_zeroed_draft_is_rolled_back_and_a_trained_one_kept(redis_client, tmp_
         # the trained draft serves: after enough verify steps the guard keeps it
         r.generate(prompts(8, seed=20_000), sampled(8, seed=100), rl_step=1)
         assert r.engine.stats().num_verify_steps >= spec.swap_guard.num_verify_steps
-        wait_for("the guard to judge the trained draft", lambda: r.swapper.watch is None, 5 * LISTEN_TIMEOUT_S)
+        until(lambda: r.swapper.watch is None, 5 * LISTEN_TIMEOUT_S, "the guard to judge the trained draft")
         assert r.engine.draft_version == good and r.swapper.num_collapses == 0
 
         # the same draft with every weight zero, published with the trained one's score
         state, meta = r.served.load(good)
         meta.parent_version = good
         bad = r.served.publish(zeroed(state), meta)
-        wait_for("the listener to install the zeroed draft", lambda: r.engine.draft_version == bad)
+        until(lambda: r.engine.draft_version == bad, 30.0, "the listener to install the zeroed draft")
         buffer_tokens = r.buffer.num_tokens
         outs = r.generate(prompts(8, seed=30_000), sampled(8, seed=200), rl_step=2)
-        wait_for("the guard to roll the zeroed draft back", lambda: r.engine.draft_version == good,
-                 5 * LISTEN_TIMEOUT_S)
+        until(lambda: r.engine.draft_version == good, 5 * LISTEN_TIMEOUT_S,
+              "the guard to roll the zeroed draft back")
     finally:
         r.swapper.stop()
         listener.join(timeout=5)

@@ -27,7 +27,8 @@ import redis as redis_lib
 from drafter.checkpoint import DraftMeta, draft_path, save_draft
 from drafter.head import head_config, new_head
 from drafter.loading import load_model
-from tests.workers.test_job import job, until
+from tests.waiting import until
+from tests.workers.test_job import job
 from workers.actors import get_worker
 from workers.progress import read_events, read_json_list, read_progress
 from workers.protocol import (
