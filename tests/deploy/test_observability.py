@@ -8,6 +8,7 @@ packages where apt is available; without them these tests skip, saying which bin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 import subprocess
@@ -23,7 +24,7 @@ import yaml
 from drafter.config import PRESETS
 from drafter.loading import random_model, save_hf_dir
 from scheduler.app import Settings
-from scheduler.client import call
+from scheduler.client import ClientError, call
 from scheduler.demo import start_server
 from scheduler.policy import PolicySettings
 from tests.deploy.promql import ROOT, RULES, dashboard, panel_exprs, rules, substitute
@@ -68,6 +69,13 @@ def stack(tmp_path_factory):
             start = time.time()
             job = http_json(f"{base}/v1/jobs", SPEC | {"model": str(tmp / "tiny-eos")})
             yield {"base": base, "prom": prom_url, "job_id": job["job_id"], "start": start, "tmp": tmp}
+            # a job still running (a test failed before its end) is stopped first: shutting Ray down under its
+            # driver while the scheduler follows it can take this process down with Ray's workers
+            url = f"{base}/v1/jobs/{job['job_id']}"
+            if http_json(url)["state"] in ("PENDING", "RUNNING"):
+                with contextlib.suppress(ClientError):  # 409: it ended meanwhile
+                    http_json(f"{url}/cancel", {})
+                until(lambda: http_json(url)["state"] not in ("PENDING", "RUNNING"), 60, "the job to stop", 0.5)
         finally:
             prom.terminate()
             prom.wait(30)
@@ -132,7 +140,7 @@ def query_range(stack, expr: str) -> list:
 
 
 def test_prometheus_gets_data_for_every_dashboard_query_and_recording_rule(stack):
-    until(lambda: job_state(stack)["state"] in ("SUCCEEDED", "FAILED"), 240, "the job to end", 1.0)
+    until(lambda: job_state(stack)["state"] in ("SUCCEEDED", "FAILED"), 420, "the job to end", 1.0)
     assert job_state(stack)["state"] == "SUCCEEDED"
     time.sleep(3)  # a last scrape and rule evaluation
     drafts = http_json(f"{stack['base']}/v1/jobs/{stack['job_id']}/drafts")
