@@ -49,7 +49,10 @@ def _bench_engine(args: argparse.Namespace) -> int:
 
 
 def _bench_drafter(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from bench.drafter import bench_drafter
+    from bench.record import write_result
 
     ks = tuple(int(k) for k in args.k.split(",") if k.strip())
     result = bench_drafter(model_spec=args.model, threads=args.threads, num_eval_prompts=args.prompts,
@@ -59,6 +62,7 @@ def _bench_drafter(args: argparse.Namespace) -> int:
                            adapt_prompts=args.adapt_prompts, stop_trials=args.stop_trials, parts=args.parts,
                            draft_dtype=None if args.draft_dtype == "policy" else args.draft_dtype,
                            tree=args.tree, tree_side_depth=args.tree_side_depth)
+    result["path"] = str(write_result("drafter", result, Path(args.out_dir) if args.out_dir else None))
     print(json.dumps(result))
     return 0
 
@@ -234,6 +238,7 @@ def add_tool_commands(sub) -> None:
     drf.add_argument("--tree", default="",
                      help="draft tree served: candidates at the first depths, e.g. 3,2 ('': a chain)")
     drf.add_argument("--tree-side-depth", type=int, default=1, help="depth of the chain under each extra candidate")
+    drf.add_argument("--out-dir", default=None, help="where drafter.json goes (default docs/bench)")
     drf.add_argument("--json", action="store_true", help="accepted for symmetry; the JSON object is always last")
     drf.set_defaults(func=_bench_drafter)
 
