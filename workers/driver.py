@@ -200,7 +200,15 @@ class Driver:
         t0 = time.perf_counter()
         self.shipments.settle()  # the last step's learner pairs: long added by now
         self._restart_lost(rl_step)
-        self._sync(rl_step, failures)
+        if self._sync(rl_step, failures, list(self.workers)):  # one died since the last step (idle, or training):
+            started = set(self.workers)  # its slot starts again now, for this step's rollout, not a step later
+            self._restart_lost(rl_step)
+            self._sync(rl_step, failures, [wid for wid in self.workers if wid not in started])
+        if not self.workers:
+            why = "; ".join(f"{f['worker']}: {f['error']}" for f in failures)
+            raise WorkerError(f"every rollout worker failed: {why}" if failures else
+                              "no rollout worker left: each was lost and none could start again",
+                              [f["worker"] for f in failures])
         t["weight_sync"] = time.perf_counter() - t0
 
         self.set_phase(Phase.ROLLOUT, rl_step)
@@ -236,20 +244,21 @@ class Driver:
             commit_policy(self.checkpoint_path)
         return record
 
-    def _sync(self, rl_step: int, failures: list) -> None:
-        """Push the policy's weights to every worker (one object-store copy, mapped by each)."""
+    def _sync(self, rl_step: int, failures: list, wids: list[str]) -> list[str]:
+        """Push the policy's weights to workers `wids` (one object-store copy, mapped by each); returns those
+        that failed or were gone, dropped from the job."""
+        if not wids:
+            return []
         weights = ray.put(shareable_state(self.policy.state_dict()))
-        refs = {wid: w.load_policy.remote(weights, self.policy_version) for wid, w in self.workers.items()}
+        refs = {wid: self.workers[wid].load_policy.remote(weights, self.policy_version) for wid in wids}
+        dropped = []
         for wid, ref in refs.items():
             try:
                 ray.get(ref)
             except RayError as exc:  # the worker raised (RayTaskError) or is gone
                 self._drop(wid, exc, rl_step, failures)
-        if not self.workers:
-            why = "; ".join(f"{f['worker']}: {f['error']}" for f in failures)
-            raise WorkerError(f"every rollout worker failed: {why}" if failures else
-                              "no rollout worker left: each was lost and none could start again",
-                              [f["worker"] for f in failures])
+                dropped.append(wid)
+        return dropped
 
     def _rollout(self, prompts: list[list[int]], rl_step: int, failures: list,
                  stops: list[tuple[str, ...]]) -> tuple[dict, dict, dict, dict]:
