@@ -4,6 +4,8 @@ Ray, the launcher and the watcher start in the lifespan, never at import. Import
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -25,13 +27,39 @@ __all__ = ["Settings", "create_app"]
 log = logging.getLogger(__name__)
 
 
+AUTH_HINT = ("Ray token authentication: give the scheduler the cluster's token (RAY_AUTH_MODE=token and "
+             "RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH, as the Ray nodes have)")
+
+
+def join_hint(address: str, env: dict[str, str] | None = None, timeout_s: float = 2.0) -> str:
+    """What a failed join of `address` most likely means. Ray says "Failed to connect" both when nothing listens
+    there and when its GCS refuses this process's token; a plain TCP connect tells the two apart."""
+    env = os.environ if env is None else env
+    has_token = env.get("RAY_AUTH_MODE", "").lower() == "token"
+    host, sep, port = address.rpartition(":")
+    if address == "auto" or "://" in address or not sep or not port.isdigit():
+        return f"is the cluster up at that address? If it uses {AUTH_HINT}"
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        return f"nothing accepts connections at {host}:{port} ({exc.strerror or exc}): is this the head's GCS port?"
+    if has_token:
+        return ("a Ray GCS answers there but refused this process: is RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) the "
+                "cluster's token, and is Ray the cluster's version?")
+    return (f"a Ray GCS answers there but refused this process, which has no Ray token: the cluster likely uses "
+            f"{AUTH_HINT}")
+
+
 def _init_ray(settings: Settings) -> None:
     if ray.is_initialized():
         return
     if settings.ray_address:
         try:
             ray.init(address=settings.ray_address, namespace=RAY_NAMESPACE, log_to_driver=False)
-        except (ConnectionError, RuntimeError, ValueError) as exc:
+        except ConnectionError as exc:
+            raise RuntimeError(f"cannot join the Ray cluster at {settings.ray_address!r}: {exc}; "
+                               f"{join_hint(settings.ray_address)}") from None
+        except (RuntimeError, ValueError) as exc:
             raise RuntimeError(f"cannot join the Ray cluster at {settings.ray_address!r}: {exc}") from None
     elif settings.start_ray:
         ray.init(num_gpus=settings.ray_num_gpus, namespace=RAY_NAMESPACE, include_dashboard=False,

@@ -84,15 +84,15 @@ class Node:
         self.proc.wait(30)
 
 
-def start_node(name: str, args: list[str], temp_dir: str) -> Node:
-    """`ray start --block` with its own temp dir and ports; returns once the node is registered with the
-    GCS (`ray start` prints "Ray runtime started." only then)."""
+def start_node(name: str, args: list[str], temp_dir: str, env: dict[str, str] | None = None) -> Node:
+    """`ray start --block` with its own temp dir and ports (`env` over RAY_ENV); returns once the node is
+    registered with the GCS (`ray start` prints "Ray runtime started." only then)."""
     log = Path(temp_dir) / f"{name}.log"
     ports = [f"--dashboard-agent-listen-port={free_port()}", "--min-worker-port=0", "--max-worker-port=0"]
     proc = subprocess.Popen([RAY, "start", "--block", f"--num-gpus={NUM_GPUS_PER_NODE}", "--num-cpus=1",
                              "--disable-usage-stats", f"--temp-dir={temp_dir}/{name}", *ports, *args],
-                            env={**os.environ, **RAY_ENV}, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            env={**os.environ, **RAY_ENV, **(env or {})}, stdout=log.open("wb"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
     node = Node(name, proc, log)
     deadline = time.monotonic() + 120
     while "Ray runtime started." not in log.read_text(errors="replace"):
