@@ -172,6 +172,8 @@ class DraftTrainer:
         self.step += 1
         self.num_tokens += batch.num_tokens
         stats.update(loss=float(loss.detach()), grad_norm=float(grad_norm), lr=lr)
+        if budget_progress is not None:
+            stats["budget_progress"] = budget_progress
         return stats
 
     def train(self, buffer: RolloutBuffer, max_steps: int | None = None, max_seconds: float | None = None,
