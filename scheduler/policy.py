@@ -35,6 +35,7 @@ class WorkerView(NamedTuple):
     num_total: int
     timestamp: float
     buffer_tokens: int = 0  # harvested training pairs: a lease needs data
+    rl_step: int = -1  # the RL step its record is of (-1: not known, taken as current)
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,18 @@ class PolicySettings:
     # delete a round's copies and candidate file once it is decided (a published candidate lives on in the
     # served store): a long job makes a few copies per step, tens of MB each for an 8B policy's head
     prune_copies: bool = True
+    # a worker's first record of a rollout lags the rollout's start (its generate call in flight, more on a busy
+    # box): for this long, a worker whose record is of an earlier step counts as generating, not idle (no lease,
+    # no scoring on a worker about to generate); past it, it got no work this step and is idle
+    first_report_s: float = 5.0
 
     def __post_init__(self) -> None:
         for name in ("straggler_done_fraction", "straggler_progress_ratio", "long_tail_idle_fraction",
                      "lease_margin"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if self.first_report_s < 0:
+            raise ValueError(f"first_report_s must be >= 0, got {self.first_report_s}")
         if self.scoring_margin < 0:
             raise ValueError(f"scoring_margin must be >= 0, got {self.scoring_margin}")
         if self.min_lease_s <= 0 or self.max_lease_s < self.min_lease_s:
@@ -138,20 +145,27 @@ def reclaimed_by_step(started_at: float, ended_at: float, windows: list[RolloutW
     return out
 
 
-def classify(views: list[WorkerView], now: float, s: PolicySettings) -> dict[str, WorkerState]:
-    return _classify(views, now, s)[0]
+def classify(views: list[WorkerView], now: float, s: PolicySettings, rl_step: int | None = None,
+             rollout_elapsed_s: float = 0.0) -> dict[str, WorkerState]:
+    return _classify(views, now, s, rl_step, rollout_elapsed_s)[0]
 
 
-def _classify(views: list[WorkerView], now: float, s: PolicySettings) -> tuple[dict[str, WorkerState], float]:
-    """(classes, the slowest generating worker's progress: 1.0 when none generates). One pass, no property calls
-    and no Enum hashing per worker: it runs every tick over every worker (16,384 in `tlt simulate`'s tick timing)."""
+def _classify(views: list[WorkerView], now: float, s: PolicySettings, rl_step: int | None = None,
+              rollout_elapsed_s: float = 0.0) -> tuple[dict[str, WorkerState], float]:
+    """(classes, the slowest generating worker's progress: 1.0 when none generates). `rl_step`: the step whose
+    rollout is under way, `rollout_elapsed_s` into it (None: no rollout; records' steps are not compared). One
+    pass, no property calls and no Enum hashing per worker: it runs every tick over every worker (16,384 in `tlt
+    simulate`'s tick timing)."""
     failed, stale, training = WorkerState.FAILED, WorkerState.STALE, WorkerState.TRAINING
     idle, straggler, rolling = WorkerState.IDLE, WorkerState.STRAGGLER, WorkerState.ROLLING_OUT
     generating_states = tuple(GENERATING_STATES)  # `in` a tuple compares, where a set would hash each Enum
     oldest = now - s.stale_after_s
+    # records of steps before this are of workers whose first report of the rollout is on its way
+    before = rl_step if rl_step is not None and rollout_elapsed_s < s.first_report_s else -1
     classes: dict[str, WorkerState] = {}
     fresh: list[tuple[WorkerView, float | None]] = []  # (view, progress if generating)
     progresses: list[float] = []
+    num_starting = 0
     for v in views:
         state = v.state
         if state == failed:
@@ -162,9 +176,13 @@ def _classify(views: list[WorkerView], now: float, s: PolicySettings) -> tuple[d
             progress = v.num_finished / v.num_total if v.num_total else 1.0  # its finished fraction
             progresses.append(progress)
             fresh.append((v, progress))
+        elif 0 <= v.rl_step < before and state != training:  # about to generate: no progress to count yet
+            classes[v.worker_id] = rolling
+            num_starting += 1
         else:
             fresh.append((v, None))
-    done_fraction = (len(fresh) - len(progresses)) / len(fresh) if fresh else 0.0
+    num_done = len(fresh) - len(progresses)
+    done_fraction = num_done / (len(fresh) + num_starting) if fresh else 0.0
     cut = s.straggler_progress_ratio * statistics.median(progresses) if progresses else 0.0
     all_stragglers = done_fraction >= s.straggler_done_fraction
     for v, progress in fresh:
@@ -186,11 +204,15 @@ def remaining_from(slowest_progress: float, rollout_elapsed_s: float) -> float:
 
 
 def decide(views: list[WorkerView], now: float, phase: Phase, rollout_elapsed_s: float, serving_version: int,
-           s: PolicySettings, leased: frozenset[str] = frozenset(), busy: frozenset[str] = frozenset()) -> Decision:
+           s: PolicySettings, leased: frozenset[str] = frozenset(), busy: frozenset[str] = frozenset(),
+           rl_step: int | None = None) -> Decision:
     """`leased`: workers holding a lease the scheduler has not collected yet. Their progress record
     may lag or say ROLLING_OUT (a new rollout began), so leases, not records, decide preemption.
-    `busy`: workers doing other work for the scheduler (the scorer): they get no lease."""
-    classes, slowest = _classify(views, now, s)
+    `busy`: workers doing other work for the scheduler (the scorer): they get no lease. `rl_step`: the
+    step of the driver's phase record; a worker whose record is of an earlier step is about to generate
+    for s.first_report_s into a rollout (None: records' steps are not compared)."""
+    is_rollout = rollout_under_way(phase)
+    classes, slowest = _classify(views, now, s, rl_step if is_rollout else None, rollout_elapsed_s)
     idle_state, training_state = WorkerState.IDLE, WorkerState.TRAINING
     num_counted, idle, training = 0, [], []
     for v in views:  # one pass over every worker (it runs every tick)
@@ -203,7 +225,6 @@ def decide(views: list[WorkerView], now: float, phase: Phase, rollout_elapsed_s:
                 idle.append(v)
         elif c == training_state:
             training.append(v.worker_id)
-    is_rollout = rollout_under_way(phase)
     long_tail = is_rollout and num_counted > 0 and len(idle) / num_counted >= s.long_tail_idle_fraction
     decision = Decision(classes, long_tail)
     if not is_rollout:  # the weight sync and the policy update need the GPUs back

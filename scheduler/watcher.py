@@ -179,13 +179,13 @@ class Watcher:
         self._collect(job_id, st, live, why)
         for worker_id, error in why.items():  # those whose lease's line did not say it
             log.warning("job %s: worker %s is gone (%s)", job_id, worker_id, error)
-        views = [WorkerView(r.worker_id, r.state, r.num_finished, r.num_total, r.timestamp, r.buffer_tokens)
-                 for r in records]
+        views = [WorkerView(r.worker_id, r.state, r.num_finished, r.num_total, r.timestamp, r.buffer_tokens,
+                            r.rl_step) for r in records]
         serving = DraftIndex(redis, draft_namespaces(job_id)[0]).latest_version() or 0
         scorer = st.scoring["evaluated_by"] if st.scoring and st.scoring["stage"] == SCORING else None
         now = time.time()
         decision = decide(views, now, phase.phase, now - phase.since, serving, self.settings,
-                          leased=frozenset(st.leases), busy=frozenset({scorer} - {None}))
+                          leased=frozenset(st.leases), busy=frozenset({scorer} - {None}), rl_step=phase.rl_step)
         redis.hset(job_tlt_key(job_id), mapping={"classes": json.dumps(decision.classes),
                                                  "long_tail": int(decision.long_tail)})
         for worker_id in decision.preempt:

@@ -250,7 +250,7 @@ def test_anneal_to_budget_ends_each_call_at_the_floor_rate(structured):
         lrs.append(stats["lr"])
         progress.append(stats["budget_progress"])
 
-    trainer.train(buffer, max_seconds=1.0, on_step=on_step)
+    trainer.train(buffer, max_seconds=2.0, on_step=on_step)  # at least two steps, even on a busy box
     assert len(lrs) >= 2 and lrs[-1] < lrs[0]
     assert progress == sorted(progress) and progress[0] >= 0
     assert all(p <= ended for p, ended in zip(progress, ends, strict=True))

@@ -32,8 +32,8 @@ ROLLING_OUT, STRAGGLER, IDLE, TRAINING, FAILED, STALE = (
     WorkerState.STALE)
 
 
-def view(wid, state=ROLLING_OUT, done=2, total=8, age=0.5, buffer=4096):
-    return WorkerView(wid, WorkerState(state), done, total, NOW - age, buffer)
+def view(wid, state=ROLLING_OUT, done=2, total=8, age=0.5, buffer=4096, step=-1):
+    return WorkerView(wid, WorkerState(state), done, total, NOW - age, buffer, step)
 
 
 def test_early_rollout_everyone_rolls_out_and_nothing_is_granted():
@@ -52,6 +52,25 @@ def test_idle_workers_in_the_long_tail_get_leases_with_a_deadline_before_rollout
     assert [g.worker_id for g in d.grants] == ["w0", "w1"]
     # slowest is half done after 60 s: ~60 s left; leases stop at 80% of it, on the serving version
     assert all(g.deadline_s == pytest.approx(48.0) and g.parent_version == 3 for g in d.grants)
+
+
+def test_a_record_of_the_last_step_is_of_a_worker_about_to_generate_not_an_idle_one():
+    """At a rollout's start, w1 already reports step 5 and w0's record is still its step-4 IDLE (its generate call
+    in flight): w0 gets no lease and does not score. Past first_report_s it got no work this step: idle."""
+    views = [view("w0", IDLE, 8, step=4), view("w1", done=0, step=5), view("w2", IDLE, 8, step=5)]
+    s = dataclasses.replace(S, min_lease_s=0.01)  # any rollout time left is enough for a lease here
+    early = decide(views, NOW, Phase.ROLLOUT, 1.0, 2, s, rl_step=5)
+    assert early.classes == {"w0": ROLLING_OUT, "w1": ROLLING_OUT, "w2": IDLE}
+    assert [g.worker_id for g in early.grants] == ["w2"]
+    assert choose_scorer(early.classes, Phase.ROLLOUT, trained=()) == ("w2", True)
+    later = decide(views, NOW, Phase.ROLLOUT, s.first_report_s + 0.1, 2, s, rl_step=5)
+    assert later.classes["w0"] == IDLE and [g.worker_id for g in later.grants] == ["w0", "w2"]
+    # records of the current step, or of no known step, are taken as they are
+    assert decide(views, NOW, Phase.ROLLOUT, 1.0, 2, s).classes["w0"] == IDLE  # no step given
+    assert classify([view("w0", IDLE, 8)], NOW, S, rl_step=5, rollout_elapsed_s=1.0) == {"w0": IDLE}
+    assert classify([view("w0", TRAINING, 8, step=4)], NOW, S, rl_step=5, rollout_elapsed_s=1.0) == {"w0": TRAINING}
+    with pytest.raises(ValueError, match="first_report_s"):
+        PolicySettings(first_report_s=-1.0)
 
 
 def test_far_behind_the_median_is_a_straggler_even_early():
