@@ -254,7 +254,8 @@ def test_anneal_to_budget_ends_each_call_at_the_floor_rate(structured):
     assert len(lrs) >= 2 and lrs[-1] < lrs[0]
     assert progress == sorted(progress) and progress[0] >= 0
     assert all(p <= ended for p, ended in zip(progress, ends, strict=True))
-    assert lrs == pytest.approx([1e-3 * 0.5 * (1 + math.cos(math.pi * min(1.0, p))) for p in progress])
+    expected = [1e-3 * 0.5 * (1 + math.cos(math.pi * min(1.0, p))) for p in progress]
+    assert lrs == pytest.approx(expected, rel=1e-4, abs=1e-9)  # the trainer takes the cosine in float32
     flat = DraftTrainer(model, new_head(model, None, None), dataclasses.replace(cfg, anneal_to_budget=False))
     lrs.clear()
     flat.train(buffer, max_steps=12, on_step=lambda step, stats: lrs.append(stats["lr"]))
