@@ -1,6 +1,7 @@
 """Nothing lost, nothing leaked (issue 23), against real parts: a real local Ray (logical GPUs on CPU), real
 redis-servers, tiny preset models.
 - a driver that dies between a step's record and its checkpoint loses no step's record;
+- a worker lost between steps is started again for the next step's rollout;
 - workers Ray cannot place are waited for a bounded time, then dropped: the job runs degraded and says so, and
   a job none of whose workers starts fails at its start in one line;
 - Redis coming back EMPTY mid-job (FLUSHALL): the driver writes the job back and it finishes, visible;
@@ -126,6 +127,26 @@ def test_a_driver_dying_between_a_steps_record_and_its_checkpoint_loses_no_recor
     assert resumed.degraded_summary() == "driver lost, resumed from its policy checkpoint after step 0 (steps 1..1 " \
                                          "redone)"
     assert has_policy_checkpoint(tmp_path, job_id)
+
+
+def test_a_worker_lost_between_steps_is_started_again_for_the_next_rollout(ray_local, redis_server, threads,
+                                                                           tmp_path):
+    """A worker that dies while idle (after its rollout, e.g. training a lease) is found at the next step's
+    weight sync and started again at once: that step's rollout runs on every worker, not at half capacity."""
+    spec, job_id, r = JobSpec(**(TINY | {"num_workers": 2}), num_steps=2), "ls1", redis_server.client()
+    driver = Driver(job_id, spec, r, redis_server.url, str(tmp_path))
+    try:
+        first = driver.step(0)
+        ray.kill(driver.workers["w1"])
+        until(lambda: is_gone(worker_actor_name(job_id, "w1")), 30, "w1's name released")
+        second = driver.step(1)
+    finally:
+        kill_workers(job_id, driver)
+    assert not first.failures and first.num_rollouts == 4
+    assert [f["worker"] for f in second.failures] == ["w1"]  # found at the sync ...
+    assert sorted(second.worker_rollout_s) == ["w0", "w1"] and second.num_rollouts == 4  # ... and back for the rollout
+    assert driver.restarts == {"w1": 1}
+    assert driver.degraded_summary() == "rollout workers lost: w1 at step 1; each was started again"
 
 
 def test_a_worker_ray_cannot_place_is_given_up_after_a_bounded_wait(ray_local, redis_server, threads, tmp_path,

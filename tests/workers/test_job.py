@@ -209,36 +209,6 @@ def test_stop_training_stops_a_lease_fast_and_it_publishes_only_whole_copies(ray
         assert not ray.get(w0.stop_training.remote(0.0))
 
 
-def test_a_worker_lost_between_steps_is_started_again_for_the_next_rollout(ray_cluster, private_redis,
-                                                                           redis_client, tmp_path):
-    """A worker that dies while idle (after its rollout, e.g. training a lease) is found at the next step's
-    weight sync and started again at once: that step's rollout runs on every worker, not at half capacity."""
-    from workers.driver import Driver  # torch: here only (the module's jobs run it in their driver actors)
-
-    driver = Driver("j9", spec(), redis_client, private_redis.url, str(tmp_path))
-    try:
-        first = driver.step(0)
-        ray.kill(driver.workers["w1"])
-
-        def gone() -> bool:
-            try:
-                get_worker("j9", "w1")
-            except ValueError:
-                return True
-            return False
-
-        until(gone, timeout_s=60, what="w1's actor gone")
-        second = driver.step(1)
-    finally:
-        for worker in driver.workers.values():
-            ray.kill(worker)
-    assert not first.failures and first.num_rollouts == 8
-    assert [f["worker"] for f in second.failures] == ["w1"]  # found at the sync ...
-    assert sorted(second.worker_rollout_s) == ["w0", "w1"] and second.num_rollouts == 8  # ... and back for the rollout
-    assert driver.restarts == {"w1": 1}
-    assert driver.degraded_summary() == "rollout workers lost: w1 at step 1; each was started again"
-
-
 def test_a_worker_killed_mid_rollout_is_reported_and_the_others_results_kept(ray_cluster, private_redis,
                                                                              redis_client, tmp_path):
     with writes_to(redis_client, job_result_key("j5")) as writes, \
