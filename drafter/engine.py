@@ -22,6 +22,7 @@ from drafter.config import check_aux_layer_ids, default_aux_layer_ids
 from drafter.drafters import Drafter
 from drafter.model import CausalLM, draft_features
 from drafter.sampling import BatchSampling, SamplingParams, Verdict, verify
+from drafter.static import StaticRunner, slot_bucket
 from drafter.tree import Tree, compact_path, tree_attention, verify_tree
 
 
@@ -125,9 +126,28 @@ def _find_stop(tokenizer, token_ids: list[int], stops: tuple[str, ...]) -> int:
 
 
 class Engine:
-    def __init__(self, model: CausalLM, tokenizer=None) -> None:
+    def __init__(self, model: CausalLM, tokenizer=None, static: bool | None = None) -> None:
+        """static: run the policy on drafter.static's path (static KV cache, bucketed batches, CUDA graphs on a
+        GPU) instead of the eager one; None chooses it on CUDA and keeps the eager path on a CPU, where
+        oneDNN's packed weights make the eager path the faster (docs/benchmarks.md, "GPU"). The static path
+        drafts chains only (draft trees run on the eager path)."""
         self.model, self.tokenizer = model, tokenizer
+        self.static = model.device.type == "cuda" if static is None else bool(static)
+        self.runner: StaticRunner | None = None
         self.stats = EngineStats()
+
+    def static_runner(self, num_rows: int, max_len: int) -> StaticRunner:
+        """The static path's runner, reused while its cache holds num_rows rows of max_len slots (its captured
+        graphs with it), else built anew with room rounded up to a slot bucket."""
+        runner = self.runner
+        if runner is None or runner.cache.max_batch < num_rows or runner.cache.max_len < max_len \
+                or runner.model is not self.model:
+            self.runner = runner = None  # free the old cache first
+            max_len = slot_bucket(max_len, self.model.cfg.max_position)
+            runner = self.runner = StaticRunner(self.model, num_rows, max_len)
+        runner.check_weights()
+        runner.cache.num_used = 0
+        return runner
 
     def validate(self, requests: list[Request], k: int, drafter: Drafter | None) -> None:
         if not isinstance(k, int) or k < 0:
@@ -170,8 +190,12 @@ class Engine:
         rows = [_Row(r, model.cfg.eos_token_ids, lim, record_hidden) for r, lim in zip(requests, limits)]
         order = list(range(len(rows)))  # live position -> index in `rows`
         sampling = BatchSampling.from_params([r.params for r in requests], device)
-        largest = drafter.tree_for(k) if drafter is not None else None  # room for its side slots
-        cache = model.new_cache(len(rows), max(limits), extra=largest.num_nodes if largest is not None else 0)
+        # room for a tree's side slots; the static path drafts chains only
+        largest = drafter.tree_for(k) if drafter is not None and not self.static else None
+        if self.static:
+            cache = self.static_runner(len(rows), max(limits)).cache
+        else:
+            cache = model.new_cache(len(rows), max(limits), extra=largest.num_nodes if largest is not None else 0)
         needs_hidden = drafter is not None and drafter.needs_hidden
         aux = self._aux_layers(drafter if needs_hidden else None, record_hidden, aux_layers)
         prefill_hidden = self._prefill(rows, cache, needs_hidden or record_hidden, aux)
@@ -223,8 +247,13 @@ class Engine:
             return None
         return check_aux_layer_ids(aux_layers or default_aux_layer_ids(num_layers), num_layers)
 
-    def _forward(self, aux: tuple[int, ...] | None, *args, **kwargs) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The policy forward: (logits, hidden states), or with `aux` (logits, features)."""
+    def _forward(self, aux: tuple[int, ...] | None, *args, num_slots: int, **kwargs
+                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The policy forward: (logits, hidden states), or with `aux` (logits, features). num_slots: one past
+        the largest position fed, known on the host (the static path reads no position back)."""
+        if self.static:
+            input_ids, positions, _ = args
+            return self.runner.forward(input_ids, positions, num_slots, aux, kwargs.get("logits_for", "all"))
         if aux is None:
             return self.model(*args, **kwargs)
         logits, hidden, states = self.model(*args, aux_layers=aux, **kwargs)
@@ -248,7 +277,8 @@ class Engine:
         positions = cache.lens.unsqueeze(1) + torch.arange(K + 1, device=device)  # (B, K+1)
         # rows drafting fewer than K tokens are padded; their pad slots lie past every real one
         positions = positions.clamp_(max=cache.max_len - 1)
-        logits, hidden = self._forward(aux, input_ids, positions, cache, logits_for="all")
+        num_slots = min(max(len(r.tokens) for r in live) + K, cache.max_len)
+        logits, hidden = self._forward(aux, input_ids, positions, cache, logits_for="all", num_slots=num_slots)
         if K == 0:
             draft_tokens = torch.zeros(len(live), 0, dtype=torch.long, device=device)
             draft_lens = torch.zeros(len(live), dtype=torch.long, device=device)
@@ -271,7 +301,7 @@ class Engine:
         slots = base.view(B, 1) + torch.arange(N + 1, device=device).view(1, -1)
         mask = tree_attention(base, torch.arange(N + 1, device=device), tree, 0, int(base.max()) + N + 1)
         logits, hidden = self._forward(aux, torch.cat([last, tokens], dim=1), positions, cache, logits_for="all",
-                                       tree=(slots, mask))
+                                       tree=(slots, mask), num_slots=mask.shape[-1])
         verdict = verify_tree(logits, tree, tokens, valid, None if prop.probs is None else prop.probs.to(device),
                               sampling, None if uniforms is None else uniforms[:, : tree.num_uniforms])
         compact_path(cache, verdict.path, verdict.num_accepted)
@@ -298,7 +328,7 @@ class Engine:
             ids[b, : len(r.tokens) - 1] = torch.tensor(r.tokens[:-1], dtype=torch.long)
         device = self.model.device
         positions = torch.arange(P, device=device).expand(len(rows), P)  # padding slots get overwritten later
-        _, hidden = self._forward(aux, ids.to(device), positions, cache, logits_for="none")
+        _, hidden = self._forward(aux, ids.to(device), positions, cache, logits_for="none", num_slots=P)
         return hidden if needs_hidden else None
 
     def _advance(self, live, cache, verdict, draft_tokens, draft_lens, hidden, drafter) -> None:

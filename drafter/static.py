@@ -1,0 +1,276 @@
+"""The policy's GPU-grade decode path: a static KV cache, batch sizes padded to buckets, no host
+synchronization inside a forward, and each (batch bucket, tokens, slot bucket) forward captured once in a
+CUDA graph and replayed (in the manner of nano-vllm's `capture_cudagraph` and gpt-fast's static KVCache).
+
+It runs the same CausalLM weights as the eager path (drafter.model) through a leaner layer: one rotary
+for q, k and v at once (v's tables are cos=1, sin=0), one cache write per layer, the residual adds fused
+into the output projections (addmm), 18 top-level ops per layer at one token. Outputs equal the eager
+path's up to float rounding (greedy tokens identical: tests/drafter/test_static.py).
+
+Cache layout: (L, B, 2*Hkv, G, S, D), keys then values, each KV head stored once per query head of its
+group (G = H / Hkv). SDPA's fused CUDA kernels take an attention mask only without enable_gqa (with it
+they fall back to the unfused math path), so the cache pays G times the memory of a grouped one for a
+one-kernel attention; the write stays one index_put_ (the value broadcasts over G).
+
+Rows 0..B-1 of the cache are the live sequences, in the engine's order; rows past them are scratch that
+padded rows of a bucket write into. Graph outputs live in shared buffers valid until the next forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from drafter.model import CausalLM, draft_features
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # past 128: multiples of 64
+MIN_SLOTS = 64  # slot buckets are powers of two from here (a multiple of 16: SDPA's mask alignment)
+MAX_GRAPH_TOKENS = 16  # forwards of more tokens per row (prefill) run uncaptured
+
+
+def batch_bucket(n: int) -> int:
+    for b in BATCH_BUCKETS:
+        if n <= b:
+            return b
+    return -(-n // 64) * 64
+
+
+def slot_bucket(n: int, max_len: int) -> int:
+    s = MIN_SLOTS
+    while s < n:
+        s *= 2
+    return min(s, max_len)
+
+
+def rotate_half_matrix(head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """P (D, D) with x @ P == cat(-x[D/2:], x[:D/2]) (HF's rotate_half): a signed permutation, exact in
+    any dtype."""
+    half = head_dim // 2
+    P = torch.zeros(head_dim, head_dim, dtype=dtype, device=device)
+    idx = torch.arange(half, device=device)
+    P[idx + half, idx] = -1.0  # out[j] = -x[j + D/2] for j < D/2
+    P[idx, idx + half] = 1.0  # out[j] = x[j - D/2] for j >= D/2
+    return P
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's tensors as the static forward reads them (views of the module's parameters:
+    in-place updates show through; a replaced parameter is caught by StaticRunner.check_weights)."""
+
+    in_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_t: torch.Tensor  # (H*D, hidden): transposed for addmm
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down_t: torch.Tensor  # (I, hidden)
+
+
+class StaticCache:
+    """The runner's KV cache, with what the engine asks of a cache: per-row lengths, the slot capacity,
+    and dropping finished rows (in place: captured graphs hold its address)."""
+
+    def __init__(self, model: CausalLM, max_batch: int, max_len: int) -> None:
+        c = model.cfg
+        group = c.num_heads // c.num_kv_heads
+        self.kv = torch.zeros(c.num_layers, max_batch, 2 * c.num_kv_heads, group, max_len, c.head_dim,
+                              dtype=model.dtype, device=model.device)  # (L, B, 2Hkv, G, S, D)
+        self.lens = torch.zeros(0, dtype=torch.long, device=model.device)
+        self.num_kv_heads = c.num_kv_heads
+        self.num_live = 0
+        self.num_used = 0  # slots per row written so far (host-side bound; compaction copies only these)
+
+    @property
+    def max_batch(self) -> int:
+        return self.kv.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.kv.shape[4]
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` of the live batch, in that order, as rows 0..len(rows)-1."""
+        n, used = len(rows), max(self.num_used, 1)
+        self.kv[:, :n, :, :, :used] = self.kv[:, rows, :, :, :used]
+        self.lens = self.lens.index_select(0, rows)
+        self.num_live = n
+
+    def layer_views(self, num_rows: int, num_slots: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per layer: (the layer's cache to write (B_max, 2Hkv, G, S_max, D), keys (B, H, S, D), values
+        (B, H, S, D)) over the first num_rows rows and num_slots slots: views, made once per shape."""
+        h = self.num_kv_heads
+        out = []
+        for layer in self.kv.unbind(0):  # (B, 2Hkv, G, S, D)
+            B, _, G, _, D = layer.shape
+            k = layer[:num_rows, :h].reshape(num_rows, h * G, -1, D)[:, :, :num_slots]  # (B, H, S, D)
+            v = layer[:num_rows, h:].reshape(num_rows, h * G, -1, D)[:, :, :num_slots]
+            out.append((layer, k, v))
+        return out
+
+
+class StaticRunner:
+    """Runs policy forwards on a StaticCache; on CUDA each (batch bucket, tokens, slots, outputs) forward of
+    at most MAX_GRAPH_TOKENS tokens per row is captured in a CUDA graph on first use and replayed after."""
+
+    def __init__(self, model: CausalLM, max_batch: int, max_len: int, cuda_graphs: bool | None = None) -> None:
+        if max_batch < 1 or max_len < 2:
+            raise ValueError(f"max_batch must be >= 1 and max_len >= 2, got {max_batch}, {max_len}")
+        if max_len > model.cfg.max_position:
+            raise ValueError(f"max_len {max_len} is beyond the model's context ({model.cfg.max_position})")
+        self.model, c = model, model.cfg
+        device, dtype = model.device, model.dtype
+        self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+        if self.cuda_graphs and device.type != "cuda":
+            raise ValueError("cuda_graphs needs a model on a CUDA device")
+        self.cache = StaticCache(model, batch_bucket(max_batch), max_len)
+        B, T = self.cache.max_batch, MAX_GRAPH_TOKENS
+        self.ids = torch.zeros(B * T, dtype=torch.long, device=device)  # graph inputs, (bucket * tokens) used
+        self.positions = torch.zeros(B * T, dtype=torch.long, device=device)
+        self.rows = torch.arange(B, device=device)
+        self.slot_ids = torch.arange(max_len, device=device)
+        self.rotate = rotate_half_matrix(c.head_dim, dtype, device)
+        num_heads = c.num_heads + 2 * c.num_kv_heads
+        # q and k heads rotate; v heads pass through (cos 1, sin 0)
+        self.is_rotated = (torch.arange(num_heads, device=device) < c.num_heads + c.num_kv_heads).view(
+            1, 1, num_heads, 1, 1)
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self.pool = None
+        self._views: dict[tuple[int, int], list] = {}
+        self._weights_key = None
+        self.weights: list[LayerWeights] = []
+        self.check_weights()
+
+    # --- weights -------------------------------------------------------------------------------------
+    def _key(self) -> tuple:
+        return tuple(p.data_ptr() for p in self.model.parameters())
+
+    def check_weights(self) -> None:
+        """Re-read the layers' tensors (and drop captured graphs) when a parameter was replaced rather than
+        updated in place. Cheap; the engine calls it once per generate()."""
+        key = self._key()
+        if key == self._weights_key:
+            return
+        self.graphs.clear()
+        self.weights = [LayerWeights(layer.input_norm.weight, layer.attn.qkv_proj.weight, layer.attn.qkv_proj.bias,
+                                     layer.attn.o_proj.weight.t(), layer.post_attn_norm.weight,
+                                     layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight.t())
+                        for layer in self.model.layers]
+        self._weights_key = key
+
+    # --- the forward ---------------------------------------------------------------------------------
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) (B, T, NH, 1, D) for every q/k/v head at `positions` (B, T)."""
+        B, T = positions.shape
+        rot = self.model.rotary
+        dtype = self.model.dtype
+        cos = rot.cos[positions].to(dtype).view(B, T, 1, 1, -1)
+        sin = rot.sin[positions].to(dtype).view(B, T, 1, 1, -1)
+        return torch.where(self.is_rotated, cos, 1.0), torch.where(self.is_rotated, sin, 0.0)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, num_slots: int, aux: tuple[int, ...] | None,
+                 logits_for: str) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """ids (B*T,), positions (B, T) -> (logits (B*T', V) or None, hidden (B*T, D) or features (B*T, F)).
+        Every op is on the device: capturable."""
+        model, c = self.model, self.model.cfg
+        B, T = positions.shape
+        H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+        eps = c.rms_norm_eps
+        views = self._views.get((B, num_slots))
+        if views is None:
+            views = self._views[B, num_slots] = self.cache.layer_views(B, num_slots)
+        cos, sin = self._rope(positions)
+        # additive mask (B, 1, T, S): 0 where slot <= position, -inf elsewhere (padding slots included)
+        visible = self.slot_ids[:num_slots].view(1, 1, 1, -1) <= positions.view(B, 1, T, 1)
+        mask = torch.zeros(visible.shape, dtype=model.dtype, device=ids.device).masked_fill_(~visible, float("-inf"))
+        rows = self.rows[:B].view(B, 1)
+        x = model.embed_tokens(ids)  # (B*T, hidden): the residual stream stays 2-D
+        kept = {}
+        wanted = set(aux or ())
+        for i, (w, (cache_l, keys, values)) in enumerate(zip(self.weights, views)):
+            if i in wanted:
+                kept[i] = x
+            h = F.rms_norm(x, (x.shape[-1],), w.in_norm, eps)
+            qkv = F.linear(h, w.qkv, w.qkv_bias).view(B, T, H + 2 * Hkv, 1, D)
+            qkv = torch.addcmul(qkv * cos, qkv @ self.rotate, sin)  # rotary on q and k; v passes through
+            q, kv = qkv.split((H, 2 * Hkv), dim=2)  # (B, T, H, 1, D), (B, T, 2Hkv, 1, D)
+            # one write per layer, broadcast over the group: (B, T, 2Hkv, G, D)
+            torch.ops.aten.index_put_(cache_l, [rows, None, None, positions], kv)
+            q = q.view(B, H, 1, D) if T == 1 else q.squeeze(3).transpose(1, 2)  # (B, H, T, D)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, H, T, D)
+            out = out.view(B, H * D) if T == 1 else out.transpose(1, 2).reshape(B * T, H * D)
+            x = torch.addmm(x, out, w.o_t)  # residual + o_proj
+            gate, up = F.linear(F.rms_norm(x, (x.shape[-1],), w.post_norm, eps), w.gate_up).chunk(2, dim=-1)
+            x = torch.addmm(x, F.silu(gate) * up, w.down_t)  # residual + down_proj
+        if len(self.weights) in wanted:
+            kept[len(self.weights)] = x
+        hidden = model.norm(x)
+        if logits_for == "none":
+            logits = None
+        elif logits_for == "last":
+            logits = model.lm_head(hidden.view(B, T, -1)[:, -1])
+        else:
+            logits = model.lm_head(hidden)
+        if aux is not None:
+            hidden = draft_features(hidden, torch.cat([kept[i] for i in aux], dim=-1))
+        return logits, hidden
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_slots: int,
+                aux_layers: tuple[int, ...] | None = None, logits_for: str = "all"
+                ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One policy forward of input_ids (B, T) at positions (B, T) over cache rows 0..B-1, reading slots
+        [0, num_slots) (> every position: the engine knows it on the host, so no forward reads it back).
+        Returns (logits (B, T, V) or (B, 1, V) or None, hidden (B, T, D) or features (B, T, F)); logits
+        are valid until the next forward, hidden is the caller's."""
+        B, T = input_ids.shape
+        if self.cache.max_batch < B:
+            raise ValueError(f"batch of {B} rows is larger than this runner's cache ({self.cache.max_batch})")
+        if not 0 < num_slots <= self.cache.max_len:
+            raise ValueError(f"num_slots must be in [1, {self.cache.max_len}], got {num_slots}")
+        if aux_layers is not None:
+            missing = sorted(set(aux_layers) - set(range(len(self.weights) + 1)))
+            if missing:
+                raise ValueError(f"aux_layers {missing} are not layers of this model (0..{len(self.weights)})")
+        S = slot_bucket(num_slots, self.cache.max_len)
+        self.cache.num_used = max(self.cache.num_used, S)
+        aux = tuple(aux_layers) if aux_layers is not None else None
+        if not self.cuda_graphs or T > MAX_GRAPH_TOKENS:
+            logits, hidden = self._forward(input_ids.reshape(-1), positions, S, aux, logits_for)
+            return self._shape(logits, hidden, B, T, logits_for)
+        Bp = batch_bucket(B)
+        ids = self.ids[: Bp * T].view(Bp, T)
+        pos = self.positions[: Bp * T].view(Bp, T)
+        ids[:B].copy_(input_ids)
+        pos[:B].copy_(positions)
+        if Bp > B:  # padded rows: token 0 at slot 0 of scratch rows
+            ids[B:].zero_()
+            pos[B:].zero_()
+        key = (Bp, T, S, aux, logits_for)
+        if key not in self.graphs:
+            self._capture(key, ids, pos)
+        graph, (logits, hidden) = self.graphs[key]
+        graph.replay()
+        logits, hidden = self._shape(logits, hidden, Bp, T, logits_for)
+        return (None if logits is None else logits[:B]), hidden[:B].clone()
+
+    @staticmethod
+    def _shape(logits, hidden, B, T, logits_for):
+        if logits is not None:
+            logits = logits.view(B, 1 if logits_for == "last" else T, -1)
+        return logits, hidden.view(B, T, -1)
+
+    def _capture(self, key: tuple, ids: torch.Tensor, pos: torch.Tensor) -> None:
+        _, _, S, aux, logits_for = key
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up outside the capture: cuBLAS handles, workspaces
+            self._forward(ids.reshape(-1), pos, S, aux, logits_for)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = self._forward(ids.reshape(-1), pos, S, aux, logits_for)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[key] = (graph, outputs)
