@@ -66,6 +66,8 @@ class DraftRows:
     pending_tokens: list[list[int]] = field(default_factory=list)  # per row: the n tokens that followed them
     history_hidden: list[list[torch.Tensor]] = field(default_factory=list)  # per row: every true pair so far
     history_tokens: list[list[int]] = field(default_factory=list)
+    # the static path (drafter.draft_graphs): the cache has a bucket of rows, compacted in place (graphs hold it)
+    static: bool = False
 
     def begin(self, prompts: list[list[int]], prefill_hidden: torch.Tensor | None, empty: torch.Tensor) -> None:
         """A new batch: each prompt's pairs (features at i, t_{i+1}) are pending; prefill_hidden (B, P, F)."""
@@ -117,5 +119,5 @@ class DraftRows:
         self.history_hidden = [self.history_hidden[i] for i in idx]
         self.history_tokens = [self.history_tokens[i] for i in idx]
         if self.cache is not None:
-            self.cache.keep_rows(rows.to(self.cache.lens.device))
+            self.cache.keep_rows(rows.to(self.cache.lens.device), in_place=self.static)
 

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from drafter.draft_graphs import DraftGraphs
 from drafter.draft_state import DraftRows, PendingSwap, SwapStats
 from drafter.drafters import Drafter, Proposal
 from drafter.head import EagleHead
@@ -64,7 +65,7 @@ class EagleDrafter(Drafter):
 
     def __init__(self, policy: CausalLM, head: EagleHead, dtype: torch.dtype | str | None = None,
                  tree: str | tuple[int, ...] | None = None, tree_side_depth: int = 1,
-                 tree_max_batch: int = 4) -> None:
+                 tree_max_batch: int = 4, static: bool | None = None) -> None:
         """dtype: the precision the head drafts in (see serving_dtype); the head passed in is never
         converted in place: a head in another dtype is served from a converted copy. tree: candidates
         at the first draft depths ("3,2": three at the first, two at the second; None or "": a chain),
@@ -84,6 +85,11 @@ class EagleDrafter(Drafter):
         self.pending = PendingSwap()
         self.swaps = SwapStats()
         self.rows = DraftRows()
+        # static: chains drafted on drafter.draft_graphs' path (bucketed head cache, CUDA graphs on a GPU); None
+        # chooses it on CUDA. It drafts chains only: no tree is proposed while it is on
+        on = policy.device.type == "cuda" if static is None else bool(static)
+        self.graphs = DraftGraphs(self, policy.device.type == "cuda") if on else None
+        self.rows.static = on
         # held by every step of the decode loop that touches the draft state (begin, propose,
         # observe, keep_rows) and by an install: a head switches between them, never inside one
         self._serve_lock = threading.RLock()
@@ -164,7 +170,8 @@ class EagleDrafter(Drafter):
         return torch.zeros(0, self.head.feature_size, dtype=self.policy.dtype, device=self.policy.device)
 
     def tree_for(self, k: int, batch_size: int = 1) -> Tree | None:
-        if k < 1 or not any(w > 1 for w in self.tree_widths) or batch_size > self.tree_max_batch:
+        if (k < 1 or not any(w > 1 for w in self.tree_widths) or batch_size > self.tree_max_batch
+                or self.graphs is not None):
             return None
         return Tree.for_k(k, self.tree_widths, self.tree_side_depth)
 
@@ -207,6 +214,8 @@ class EagleDrafter(Drafter):
         self._apply_swap()
         if tree is not None:
             return self._propose_tree(contexts, caps, sampling, uniforms, tree)
+        if self.graphs is not None and self.graphs.usable(sampling):
+            return self.graphs.propose(caps, sampling, uniforms)
         B, device = len(contexts), self.policy.device
         K = max(caps)
         vocab_ids = self.head.vocab_ids

@@ -33,10 +33,16 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[2]
 
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        """Drop finished sequences: keep only `rows` (a 1-D index tensor), in that order."""
-        self.k = self.k.index_select(1, rows)
-        self.v = self.v.index_select(1, rows)
+    def keep_rows(self, rows: torch.Tensor, in_place: bool = False) -> None:
+        """Drop finished sequences: keep only `rows` (a 1-D index tensor), in that order. in_place: as rows
+        0..n-1 of the same tensors (a captured CUDA graph holds their address), the rest left as scratch."""
+        if in_place:
+            n = len(rows)
+            self.k[:, :n] = self.k[:, rows]
+            self.v[:, :n] = self.v[:, rows]
+        else:
+            self.k = self.k.index_select(1, rows)
+            self.v = self.v.index_select(1, rows)
         self.lens = self.lens.index_select(0, rows)
 
 

@@ -40,28 +40,43 @@ class SamplingParams:
 
 @dataclass
 class BatchSampling:
-    """Per-row sampling settings as tensors, so one batch can mix greedy and sampled rows."""
+    """Per-row sampling settings as tensors, so one batch can mix greedy and sampled rows; `host` holds the
+    same settings as Python values, so the decode loop asks which paths a batch needs without reading the
+    device back (a CUDA graph cannot)."""
 
     temperature: torch.Tensor  # (B,) float, 0 for greedy rows
     top_k: torch.Tensor  # (B,) long, 0 = off
     top_p: torch.Tensor  # (B,) float, 1 = off
+    host: tuple[tuple[float, int, float], ...] | None = None  # per row (temperature, top_k, top_p)
     is_greedy: torch.Tensor = field(init=False)  # (B,) bool
 
     def __post_init__(self) -> None:
         self.is_greedy = self.temperature == 0
+        if self.host is None:
+            self.host = tuple(zip(self.temperature.tolist(), self.top_k.tolist(), self.top_p.tolist()))
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> BatchSampling:
         return cls(torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
                    torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-                   torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device))
+                   torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+                   tuple((float(p.temperature), int(p.top_k), float(p.top_p)) for p in params))
 
     def select(self, rows: torch.Tensor) -> BatchSampling:
-        return BatchSampling(self.temperature[rows], self.top_k[rows], self.top_p[rows])
+        host = tuple(self.host[i] for i in rows.tolist())
+        return BatchSampling(self.temperature[rows], self.top_k[rows], self.top_p[rows], host)
 
     @property
     def all_greedy(self) -> bool:
-        return bool(self.is_greedy.all())
+        return all(t == 0 for t, _, _ in self.host)
+
+    @property
+    def any_greedy(self) -> bool:
+        return any(t == 0 for t, _, _ in self.host)
+
+    def truncates(self, vocab_size: int) -> bool:
+        """Whether any row applies top-k (below the vocabulary) or top-p."""
+        return any(0 < k < vocab_size or p < 1 for _, k, p in self.host)
 
 
 def token_probs(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
@@ -74,11 +89,10 @@ def token_probs(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
     B, T, V = logits.shape
     temp = torch.where(sampling.is_greedy, torch.ones_like(sampling.temperature), sampling.temperature)
     logits = logits / temp.view(B, 1, 1)
-    top_k, top_p = sampling.top_k, sampling.top_p
-    if bool(((top_k > 0) & (top_k < V)).any()) or bool((top_p < 1).any()):
+    if sampling.truncates(V):
         logits = _truncate(logits, sampling)
     probs = logits.softmax(dim=-1)
-    if bool(sampling.is_greedy.any()):
+    if sampling.any_greedy:
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(sampling.is_greedy.view(B, 1, 1), one_hot, probs)
     return probs
@@ -139,9 +153,7 @@ def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     idx = idx.clamp_(max=probs.shape[-1] - 1)
     # a zero-probability token can only be hit through rounding at the CDF's flat end: step back
     bad = probs.gather(-1, idx.unsqueeze(-1)).squeeze(-1) <= 0
-    if bool(bad.any()):
-        idx = torch.where(bad, probs.argmax(-1), idx)
-    return idx
+    return torch.where(bad, probs.argmax(-1), idx)  # unconditionally: no read-back (capturable)
 
 
 @dataclass
