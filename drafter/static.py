@@ -4,7 +4,7 @@ CUDA graph and replayed (in the manner of nano-vllm's `capture_cudagraph` and gp
 
 It runs the same CausalLM weights as the eager path (drafter.model) through a leaner layer: one rotary
 for q, k and v at once (v's tables are cos=1, sin=0), one cache write per layer, the residual adds fused
-into the output projections (addmm), 18 top-level ops per layer at one token. Outputs equal the eager
+into the output projections (in-place addmm_), 18 top-level ops per layer at one token. Outputs equal the eager
 path's up to float rounding (greedy tokens identical: tests/drafter/test_static.py).
 
 Cache layout: (L, B, 2*Hkv, G, S, D), keys then values, each KV head stored once per query head of its
@@ -186,12 +186,12 @@ class StaticRunner:
         visible = self.slot_ids[:num_slots].view(1, 1, 1, -1) <= positions.view(B, 1, T, 1)
         mask = torch.zeros(visible.shape, dtype=model.dtype, device=ids.device).masked_fill_(~visible, float("-inf"))
         rows = self.rows[:B].view(B, 1)
-        x = model.embed_tokens(ids)  # (B*T, hidden): the residual stream stays 2-D
+        x = model.embed_tokens(ids)  # (B*T, hidden): the residual stream stays 2-D, updated in place
         kept = {}
         wanted = set(aux or ())
         for i, (w, (cache_l, keys, values)) in enumerate(zip(self.weights, views)):
             if i in wanted:
-                kept[i] = x
+                kept[i], x = x, x.clone()  # the layers below add into x in place
             h = F.rms_norm(x, (x.shape[-1],), w.in_norm, eps)
             qkv = F.linear(h, w.qkv, w.qkv_bias).view(B, T, H + 2 * Hkv, 1, D)
             qkv = torch.addcmul(qkv * cos, qkv @ self.rotate, sin)  # rotary on q and k; v passes through
@@ -201,9 +201,9 @@ class StaticRunner:
             q = q.view(B, H, 1, D) if T == 1 else q.squeeze(3).transpose(1, 2)  # (B, H, T, D)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, H, T, D)
             out = out.view(B, H * D) if T == 1 else out.transpose(1, 2).reshape(B * T, H * D)
-            x = torch.addmm(x, out, w.o_t)  # residual + o_proj
+            x.addmm_(out, w.o_t)  # residual += o_proj(out): one GEMM, no copy of the stream
             gate, up = F.linear(F.rms_norm(x, (x.shape[-1],), w.post_norm, eps), w.gate_up).chunk(2, dim=-1)
-            x = torch.addmm(x, F.silu(gate) * up, w.down_t)  # residual + down_proj
+            x.addmm_(F.silu(gate) * up, w.down_t)  # residual += down_proj
         if len(self.weights) in wanted:
             kept[len(self.weights)] = x
         hidden = model.norm(x)
