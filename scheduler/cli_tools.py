@@ -8,6 +8,7 @@ import argparse
 import json
 import sys
 
+from bench.gpu_args import add_arguments as add_gpu_arguments
 from drafter.config import SMOLLM2_SPEC, TrainConfig
 from workers.spec import JobSpec
 from workers.tasks import TASKS
@@ -65,6 +66,12 @@ def _bench_drafter(args: argparse.Namespace) -> int:
     result["path"] = str(write_result("drafter", result, Path(args.out_dir) if args.out_dir else None))
     print(json.dumps(result))
     return 0
+
+
+def _bench_gpu(args: argparse.Namespace) -> int:
+    from bench.gpu import run_args
+
+    return run_args(args)
 
 
 def _bench_dataplane(args: argparse.Namespace) -> int:
@@ -241,6 +248,11 @@ def add_tool_commands(sub) -> None:
     drf.add_argument("--out-dir", default=None, help="where drafter.json goes (default docs/bench)")
     drf.add_argument("--json", action="store_true", help="accepted for symmetry; the JSON object is always last")
     drf.set_defaults(func=_bench_drafter)
+
+    gpu = bench_sub.add_parser("gpu", help="one GPU in one run: forward physics, warm start, speculation at batch 1 "
+                               "and in batches, a long-tail rollout, drift, training, the CUDA tests")
+    add_gpu_arguments(gpu)
+    gpu.set_defaults(func=_bench_gpu)
 
     dp = bench_sub.add_parser("dataplane", help="GRPO job on local Ray: step breakdown, hot swap, progress cost")
     dp.add_argument("--model", default=SMOLLM2_SPEC)

@@ -1,0 +1,212 @@
+"""`tlt bench gpu` (also `python3 -m bench.gpu`): the product on one GPU, measured in one run.
+
+(h) the CUDA test set, first; (a) the physics of one policy forward (wall vs kernel time, kernels per
+forward, verify cost); (b) the warm start on the device; (c) the batch-1 sweep at each k, greedy and T=1;
+(d) the batch sweep: plain, fixed k and adaptive, with greedy identity; (g) one longtail rollout batch;
+(f) drift and online adaptation; (e) drafter training in fp32 and bf16, and stop latency. Speculative
+and plain arms run interleaved in the same run and are reported as ratios.
+
+Writes docs/bench/gpu.json on CUDA and docs/bench/gpu_cpu.json with --device cpu (small sizes: the CPU
+form keeps the path from rotting; a CPU run never overwrites the GPU's file). Imports nothing a bare GPU
+node lacks (no Ray, Redis, FastAPI, pydantic...): torch, transformers (GGUF only), safetensors, numpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench.gpu_args import Settings, add_arguments, settings_from_args
+from bench.gpu_decode import ByteTokenizer, batch_sweep, longtail, sweep_b1
+from bench.gpu_physics import aten_ops_per_forward, forward_path, physics, smollm2_layout
+from bench.gpu_tests import cuda_tests
+from bench.gpu_train import device_name, drift, fresh_buffer, training, warm_head
+from bench.record import BENCH_DIR, finite, provenance
+from drafter.engine import Engine
+from drafter.loading import load_model
+
+# the result's headline keys and their goals (docs/benchmarks.md, "GPU"); None: no goal, reported
+GOALS: dict[str, tuple[str, float] | None] = {
+    "forward_ms_b1_fp32": ("<=", 2.0), "forward_ms_b1_bf16": ("<=", 1.5),
+    "wall_over_kernel_b1": ("<=", 1.5), "wall_over_kernel_b64": ("<=", 1.5), "verify_cost_k3_b1": ("<=", 1.1),
+    "kernels_per_forward_b1_fp32": None, "aten_ops_per_forward_b1": ("<=", 600),
+    "warm_start_s": ("<=", 180), "speedup_greedy_b1": (">=", 1.8), "speedup_t1_b1": (">=", 1.4),
+    "adaptive_min_ratio": (">=", 0.97), "greedy_identical": ("==", True),
+    "train_fp32_tokens_per_s": None, "train_bf16_tokens_per_s": None, "train_bf16_over_fp32": (">=", 1.0),
+    "stop_p50_s": None, "stop_max_s": None, "drift_recovered_fraction": None,
+    "longtail_rollout_speedup": (">=", 1.3), "cuda_tests_passed": (">", 0), "cuda_tests_failed": ("==", 0),
+}
+PART_NAMES = {"h": "CUDA tests", "a": "physics", "b": "warm start", "c": "batch-1 sweep", "d": "batch sweep",
+              "g": "long-tail rollout", "f": "drift and adaptation", "e": "training throughput and stops"}
+
+
+def log(msg: str) -> None:
+    print(f"[bench gpu] {msg}", file=sys.stderr, flush=True)
+
+
+def met(value, goal: tuple[str, float] | None) -> bool | None:
+    if goal is None or value is None:
+        return None
+    op, target = goal
+    return {"<=": value <= target, ">=": value >= target, ">": value > target, "==": value == target}[op]
+
+
+class Run:
+    """The result being built: each part is timed and is the run's error boundary (a part that fails is
+    recorded, with its traceback on stderr, and the others still run: GPU time is scarce)."""
+
+    def __init__(self, result: dict) -> None:
+        self.result = result
+
+    def part(self, letter: str, fn: Callable[[], object]):
+        log(f"({letter}) {PART_NAMES[letter]} ...")
+        start = time.perf_counter()
+        try:
+            out = fn()
+        except Exception as exc:  # noqa: BLE001 (the part boundary: recorded in the result, run goes on)
+            traceback.print_exc()
+            self.result["errors"][letter] = f"{type(exc).__name__}: {exc}"
+            out = None
+        seconds = round(time.perf_counter() - start, 1)
+        self.result["part_seconds"][letter] = seconds
+        log(f"({letter}) {PART_NAMES[letter]}: {seconds} s" + (" FAILED" if letter in self.result["errors"] else ""))
+        return out
+
+    def take(self, nested: str, out: dict | None, keys: tuple[str, ...]) -> None:
+        """Store a part's output under `nested` and copy its headline `keys` to the top level."""
+        if out is None:
+            return
+        self.result[nested] = out
+        for key in keys:
+            self.result[key] = out.get(key)
+
+
+def bench_gpu(settings: Settings) -> dict:
+    s, device, parts = settings.sizes, settings.device, settings.parts
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    torch.manual_seed(0)
+    draft_dtype = None if settings.draft_dtype == "policy" else settings.draft_dtype
+    result: dict = {"device": device_name(device), "device_type": device, "model": settings.model, "parts": parts,
+                    "forward_path": forward_path(device), "engine_path": None, **dict.fromkeys(GOALS),
+                    "settings": dataclasses.asdict(s), "part_seconds": {}, "errors": {}}
+    run = Run(result)
+    started = time.perf_counter()
+    # first, before the model takes the GPU's memory (not run on a CPU or without h: a note says so)
+    tests = run.part("h", lambda: cuda_tests(device, "h" not in parts, settings.tests_junit, settings.tests_timeout))
+    if tests is not None:
+        result["cuda_tests"] = tests
+        result["cuda_tests_passed"], result["cuda_tests_failed"] = tests.get("passed"), tests.get("failed")
+    loaded = load_model(settings.model, dtype=torch.float32, device=device)
+    policy = loaded.model
+    tok = loaded.tokenizer or ByteTokenizer(policy.cfg.vocab_size)
+    engine = Engine(policy, tok)  # the static path (CUDA graphs) on a GPU, eager on a CPU
+    result["model"] = loaded.name
+    result["engine_path"] = ("static+graphs" if device == "cuda" else "static") if engine.static else "eager"
+    log(f"{loaded.name} on {result['device']}; forward path {result['forward_path']}, engine {result['engine_path']}; "
+        f"parts {parts}")
+    if "a" in parts:
+        out = run.part("a", lambda: {**physics(policy, device, s.physics_batches, s.physics_tokens, s.physics_dtypes,
+                                               s.physics_context, s.physics_iters, s.profile_iters, log),
+                                     "aten_ops_per_forward_b1": aten_ops_per_forward(smollm2_layout(),
+                                                                                     s.physics_context),
+                                     "aten_ops_model": "SmolLM2-135M layout, narrow widths, CPU, batch 1, 1 token"})
+        run.take("physics", out, ("forward_ms_b1_fp32", "forward_ms_b1_bf16", "wall_over_kernel_b1",
+                                  "wall_over_kernel_b64", "verify_cost_k3_b1", "kernels_per_forward_b1_fp32",
+                                  "aten_ops_per_forward_b1"))
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    if not set(parts) & set("bcdefg"):
+        return finish(result, started)
+    warm = run.part("b", lambda: warm_head(loaded, tok, device, s.warm_prompts, s.warm_task_prompts,
+                                           s.warm_new_tokens, s.harvest_batch, s.warm_steps,
+                                           fresh=settings.fresh_warm, progress=log))
+    if warm is None:
+        return finish(result, started)  # every later part needs the draft
+    head, info = warm
+    run.take("warm_start", info, ("warm_start_s",) if "b" in parts else ())
+    if "c" in parts:
+        run.take("sweep_b1", run.part("c", lambda: sweep_b1(engine, tok, head, s.ks, s.k, s.sweep_prompts,
+                                                            s.sweep_new_tokens, s.calib_prompts, draft_dtype)),
+                 ("speedup_greedy_b1", "speedup_t1_b1"))
+    if "d" in parts:
+        run.take("batch_sweep", run.part("d", lambda: batch_sweep(engine, tok, head, s.batch_sizes, s.k,
+                                                                  s.batch_new_tokens, s.repeats, draft_dtype, log)),
+                 ("adaptive_min_ratio", "greedy_identical"))
+    if "g" in parts:
+        run.take("longtail", run.part("g", lambda: longtail(engine, tok, head, s.longtail_prompts, s.longtail_group,
+                                                            s.longtail_new_tokens, s.k, s.longtail_repeats,
+                                                            draft_dtype, log)),
+                 ("longtail_rollout_speedup",))
+    trained = None
+    if "f" in parts:
+        trained = run.part("f", lambda: drift(engine, tok, head, s.k, s.drift_eval_prompts, s.sweep_new_tokens,
+                                              s.drift_steps, s.adapt_prompts, s.adapt_seconds, draft_dtype))
+        if trained is not None:
+            run.take("drift", trained[0], ("drift_recovered_fraction",))
+    if "e" in parts:
+        def train_part() -> dict:  # on (f)'s moved policy, adapted head and harvest, as a lease would train
+            policy_e, head_e, buffer = trained[1:] if trained is not None else (policy, head, fresh_buffer(engine, tok))
+            return training(policy_e, head_e, buffer, s.train_seconds, s.stop_trials)
+
+        run.take("training", run.part("e", train_part), ("train_fp32_tokens_per_s", "train_bf16_tokens_per_s",
+                                                          "train_bf16_over_fp32", "stop_p50_s", "stop_max_s"))
+    return finish(result, started)
+
+
+def finish(result: dict, started: float) -> dict:
+    result["total_s"] = round(time.perf_counter() - started, 1)
+    result["goals_met"] = {key: met(result.get(key), goal) for key, goal in GOALS.items() if goal is not None}
+    return result
+
+
+def write(name: str, result: dict, directory: Path | None) -> Path:
+    """bench.record.write_result's file (commit, machine, date; atomic), with the GPU in the machine on CUDA."""
+    result.update(provenance())
+    if result.get("device_type") == "cuda":
+        result["machine"] = {"gpu": result["device"], **result["machine"]}
+    directory = directory or BENCH_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(finite(result), indent=1, allow_nan=False) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def run_args(args: argparse.Namespace) -> int:
+    """Run from parsed options (`tlt bench gpu`, `python3 -m bench.gpu`): the JSON object is printed last."""
+    settings = settings_from_args(args, torch.cuda.is_available())
+    result = bench_gpu(settings)
+    result["path"] = str(write(settings.result_name, result, Path(settings.out_dir) if settings.out_dir else None))
+    if not args.json:
+        for key, ok in result["goals_met"].items():
+            print(f"{key:30s} {result[key]!s:>12s}  goal {' '.join(map(str, GOALS[key]))}: "
+                  f"{'-' if ok is None else 'met' if ok else 'NOT met'}")
+    if result["errors"]:
+        log(f"parts failed: {result['errors']}")
+    print(json.dumps(finite(result)))
+    return 1 if result["errors"] else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m bench.gpu", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_args(args)
+    except ValueError as exc:
+        print(f"bench gpu: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""`tlt bench gpu`: its CPU form end to end on a tiny preset, with the packages a GPU node lacks blocked (so
+the path never rots, and never grows an import the node cannot satisfy); options; the CUDA test runner;
+the physics' kernel attribution on CUDA where there is one. This module imports only what a GPU node has
+(the `tlt` command's test skips there), so the CUDA test set can list it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.gpu import GOALS, main, met
+from bench.gpu_args import CPU_SIZES, CUDA_SIZES, add_arguments, settings_from_args
+from bench.gpu_physics import headline, kernel_times
+from bench.gpu_tests import junit_counts, read_test_paths, run_cuda_tests
+
+ROOT = Path(__file__).parents[2]
+BLOCKED = ("ray", "redis", "fastapi", "uvicorn", "orjson", "simpy", "pydantic", "prometheus_client", "starlette")
+# a meta_path finder that refuses the packages a bare GPU node lacks, as a missing package would
+BLOCKER = textwrap.dedent(f"""
+    import sys
+    class Blocked:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in {BLOCKED!r}:
+                raise ModuleNotFoundError(f"No module named {{name!r}} (blocked: a GPU node has none)")
+            return None
+    sys.meta_path.insert(0, Blocked())
+""")
+TINY = ["--device", "cpu", "--model", "tiny", "--threads", "1", "--json", "--physics-iters", "2",
+        "--warm-prompts", "4", "--warm-task-prompts", "2", "--warm-new-tokens", "16", "--warm-steps", "3",
+        "--calib-prompts", "2", "--sweep-prompts", "1", "--sweep-new-tokens", "8", "--ks", "2",
+        "--batch-sizes", "1,2", "--batch-new-tokens", "6", "--train-seconds", "0.5", "--stop-trials", "1",
+        "--drift-steps", "1", "--drift-eval-prompts", "1", "--adapt-prompts", "2", "--adapt-seconds", "0.5",
+        "--longtail-prompts", "2", "--longtail-group", "2", "--longtail-new-tokens", "16"]
+
+
+def run_blocked(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    """`python -m bench.gpu ARGS` with the GPU node's missing packages blocked and a private cache."""
+    code = BLOCKER + f"import runpy; sys.argv = ['bench.gpu', *{args!r}]; runpy.run_module('bench.gpu', " \
+                     "run_name='__main__', alter_sys=True)"
+    env = {**os.environ, "TLT_CACHE_DIR": str(tmp_path / "cache")}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=240)
+
+
+def test_the_cpu_form_runs_end_to_end_without_the_control_planes_packages(tmp_path):
+    out = tmp_path / "out"
+    proc = run_blocked([*TINY, "--out-dir", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])  # the JSON object is printed last
+    assert json.loads((out / "gpu_cpu.json").read_text())["date"] == result["date"]
+    assert not (out / "gpu.json").exists()  # a CPU run never writes the GPU's file
+    assert result["errors"] == {} and set(result["part_seconds"]) == set("abcdefgh")
+    assert set(GOALS) <= set(result) and result["device"].startswith("cpu: ")
+    assert result["machine"]["cpu_model"] and result["commit"]
+    assert result["forward_path"] == "static" and result["engine_path"] in ("eager", "static")
+    # physics: every case of the CPU grid measured, the headline keys read from it; no kernel times on a CPU
+    table = result["physics"]["table"]["fp32"]
+    assert set(table) == {"b1", "b8"} and all(set(row) == {"t1", "t4"} for row in table.values())
+    assert 0 < result["forward_ms_b1_fp32"] == table["b1"]["t1"]["wall_ms"]
+    assert result["verify_cost_k3_b1"] == pytest.approx(table["b1"]["t4"]["wall_ms"] / table["b1"]["t1"]["wall_ms"],
+                                                        abs=1e-3)
+    assert result["forward_ms_b1_bf16"] is None and result["wall_over_kernel_b1"] is None
+    assert 30 * 10 <= result["aten_ops_per_forward_b1"] <= 30 * 60  # 30 layers, some ops each
+    # warm start: trained here (3 steps), then the draft served every later part
+    warm = result["warm_start"]
+    assert warm["cached"] is False and warm["train_steps"] == 3 and warm["harvested_tokens"] > 0
+    assert result["warm_start_s"] == pytest.approx(warm["harvest_s"] + warm["train_s"], abs=0.02)
+    assert result["speedup_greedy_b1"] > 0 and result["speedup_t1_b1"] > 0
+    assert result["sweep_b1"]["greedy_identical_fraction_b1"] == 1.0
+    # the batch sweep: each arm at each batch size, plain the reference; greedy speculation is lossless
+    sweep = result["batch_sweep"]
+    assert set(sweep["table"]["temp1"]) == {"b1", "b2"} and sweep["table"]["temp1"]["b2"]["plain"]["ratio"] == 1.0
+    assert result["adaptive_min_ratio"] == min(r["adaptive"]["ratio"] for r in sweep["table"]["temp1"].values())
+    assert result["greedy_identical"] is True and sweep["greedy_compared"] == 2 * (1 + 2)  # 2 arms, b1 + b2 rows
+    # the long tail: 2 prompts x 2 responses per arm
+    tail = result["longtail"]
+    assert tail["num_responses"] == 4 and tail["table"]["plain"]["max_response_tokens"] <= 16
+    assert result["longtail_rollout_speedup"] == pytest.approx(
+        tail["table"]["plain"]["rollout_s"] / tail["table"]["adaptive"]["rollout_s"], rel=0.01)
+    assert result["train_fp32_tokens_per_s"] > 0 and result["train_bf16_tokens_per_s"] > 0
+    assert 0 <= result["stop_p50_s"] <= result["stop_max_s"] < 10
+    assert result["drift"]["drift_adapt_steps"] > 0
+    assert result["cuda_tests_passed"] is None and "cpu" in result["cuda_tests"]["note"]
+
+    # again, the warm start only: its draft comes from the cache, with the timings it was built in
+    again = run_blocked([*TINY, "--out-dir", str(out), "--parts", "b"], tmp_path)
+    assert again.returncode == 0, again.stderr[-4000:]
+    cached = json.loads(again.stdout.strip().splitlines()[-1])
+    assert cached["warm_start"]["cached"] is True and cached["warm_start_s"] == result["warm_start_s"]
+    assert cached["speedup_greedy_b1"] is None and set(cached["part_seconds"]) == {"h", "b"}
+
+
+def test_the_blocker_would_catch_an_import_the_gpu_node_lacks():
+    proc = subprocess.run([sys.executable, "-c", BLOCKER + "import workers.spec"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode != 0 and "blocked: a GPU node has none" in proc.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--ks", "2,x"], "--ks must be comma-separated integers"),
+    (["--batch-sizes", "0"], "--batch-sizes must be integers >= 1"),
+    (["--physics-dtypes", "fp16"], "--physics-dtypes must be fp32 and/or bf16"),
+    (["--physics-tokens", "1,17"], "--physics-tokens must be at most 16"),
+    (["--parts", "az"], "--parts must be letters of abcdefgh"),
+    (["--parts", "h", "--skip-tests"], "leaves nothing to run"),
+    (["--train-seconds", "0"], "--train-seconds must be > 0"),
+    (["--warm-steps", "0"], "--warm-steps must be >= 1"),
+])
+def test_bad_options_get_a_clear_error(args, message, capsys):
+    assert main(["--device", "cpu", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tlt_bench_gpu_is_the_same_command(capsys):
+    tlt = pytest.importorskip("scheduler.cli", reason="the tlt CLI needs the control plane's packages")
+    assert tlt.main(["bench", "gpu", "--device", "cpu", "--ks", "0"]) == 2
+    assert "tlt: error: --ks must be integers >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tlt.main(["bench", "gpu", "--help"])
+    assert "--longtail-new-tokens" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_cuda_asked_for_where_there_is_none_says_so(capsys):
+    assert main([]) == 2
+    assert "no CUDA device is visible" in capsys.readouterr().err
+
+
+def parse(*argv: str, cuda: bool = True):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return settings_from_args(p.parse_args(list(argv)), cuda)
+
+
+def test_sizes_default_per_device_and_options_override_them():
+    gpu = parse()
+    assert gpu.device == "cuda" and gpu.result_name == "gpu" and gpu.sizes == CUDA_SIZES
+    assert {1, 8, 32, 64, 128} <= set(gpu.sizes.physics_batches) and gpu.sizes.physics_tokens == tuple(range(1, 10))
+    assert gpu.sizes.harvest_batch == 128 and gpu.sizes.batch_sizes == (1, 4, 16, 64)
+    cpu = parse("--device", "cpu", "--ks", "3,5", "--skip-tests", cuda=False)
+    assert cpu.result_name == "gpu_cpu" and cpu.sizes.ks == (3, 5) and "h" not in cpu.parts
+    assert cpu.sizes.physics_dtypes == ("fp32",) and cpu.sizes.warm_steps == CPU_SIZES.warm_steps
+
+
+def test_headline_keys_come_from_the_physics_table():
+    cell = {"wall_ms": 3.0, "kernel_ms": 2.0, "wall_over_kernel": 1.5, "kernels": 300.0}
+    table = {"fp32": {"b1": {"t1": cell, "t4": {**cell, "wall_ms": 3.3}},
+                      "b64": {"t1": {**cell, "wall_over_kernel": 1.2}}}}
+    h = headline(table)
+    assert h["verify_cost_k3_b1"] == 1.1 and h["wall_over_kernel_b64"] == 1.2
+    assert h["kernels_per_forward_b1_fp32"] == 300
+    assert h["forward_ms_b1_bf16"] is None
+    assert headline({"fp32": {"b1": {"t1": cell}}})["verify_cost_k3_b1"] is None
+
+
+def test_goals_compare_in_their_direction():
+    assert met(1.4, GOALS["forward_ms_b1_bf16"]) is True and met(1.6, GOALS["forward_ms_b1_bf16"]) is False
+    assert met(1.9, GOALS["speedup_greedy_b1"]) is True and met(None, GOALS["speedup_greedy_b1"]) is None
+    assert met(0, GOALS["cuda_tests_passed"]) is False and met(0, GOALS["cuda_tests_failed"]) is True
+
+
+def write_test_set(root: Path, listing: str) -> Path:
+    (root / "tests").mkdir()
+    (root / "tests" / "test_x.py").write_text("def test_cuda_ok():\n    pass\n\ndef test_cuda_broken():\n"
+                                              "    assert False\n\ndef test_other():\n    assert False\n")
+    listing_file = root / "tests" / "cuda_tests.txt"
+    listing_file.write_text(listing)
+    return listing_file
+
+
+def test_the_cuda_test_set_runs_from_its_list_and_is_counted(tmp_path):
+    listing = write_test_set(tmp_path, "# the CUDA tests\n\ntests/test_x.py  # both cuda tests\n")
+    assert read_test_paths(listing) == ["tests/test_x.py"]
+    counts = run_cuda_tests(tmp_path / "junit.xml", 120, listing)
+    assert (counts["passed"], counts["failed"], counts["tests"]) == (1, 1, 2)  # test_other: deselected by -k cuda
+    assert junit_counts(tmp_path / "junit.xml")["failed"] == 1
+
+
+def test_a_bad_test_list_or_report_is_named(tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        read_test_paths(tmp_path / "absent.txt")
+    listing = write_test_set(tmp_path, "# nothing but comments\n")
+    with pytest.raises(ValueError, match="lists no test paths"):
+        read_test_paths(listing)
+    listing.write_text("tests/test_x.py\ntests/test_gone.py\n")
+    with pytest.raises(ValueError, match="do not exist: tests/test_gone.py"):
+        read_test_paths(listing)
+    (tmp_path / "junk.xml").write_text("not xml")
+    with pytest.raises(ValueError, match="not a readable junit XML report"):
+        junit_counts(tmp_path / "junk.xml")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_kernels_are_attributed_to_their_case():
+    x = torch.randn(256, 256, device="cuda")
+
+    def matmuls(n: int):
+        def run() -> None:
+            for _ in range(n):
+                x @ x
+        return run
+
+    times = kernel_times([("one", matmuls(1)), ("three", matmuls(3)), ("none", lambda: None)], iters=2)
+    assert times["one"][1] >= 1 and times["three"][1] == pytest.approx(3 * times["one"][1])  # per call
+    assert 0 < times["one"][0] < times["three"][0] and times["none"] == (0.0, 0.0)
