@@ -1,22 +1,33 @@
 """An EagleDrafter's chain drafting on the static path: one step feeds the true pairs the policy just
 verified and drafts k tokens, on a head KV cache of a bucketed batch, with no read-back; on CUDA each
-(batch bucket, k, slots, sampling mode) step is captured once in a CUDA graph and replayed.
+(batch bucket, pairs, k, slots, sampling mode) step is captured once in a CUDA graph and replayed.
 
-The drafts are those of EagleDrafter's eager loop (drafter.eagle): the same head, the same pairs in the
-same positions, the same draft distribution and uniforms; attention reads a bucket of slots under a mask
-instead of exactly the slots written, so values agree up to float rounding. A step whose pending pairs
-outnumber k + 1 (a batch's first, after its prompt, or the first after a swap, which re-feeds the
-history) runs the same function uncaptured.
+The head runs the static path's lean attention (drafter.static.attend: one rotary for q/k/v, one cache
+write, SDPA's fused kernel under an additive mask) over the same weights, positions and pairs as
+EagleDrafter's eager loop (drafter.eagle), with the same draft distribution and uniforms: drafts agree up
+to float rounding. A step whose pending pairs outnumber k + 1 (a batch's first, after its prompt, or the
+first after a swap, which re-feeds the history) runs the same function uncaptured.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from drafter.drafters import Proposal
-from drafter.model import KVCache, attention_mask
 from drafter.sampling import BatchSampling, draft_probs, sample
-from drafter.static import batch_bucket, slot_bucket
+from drafter.static import (
+    StaticCache,
+    additive_mask,
+    attend,
+    batch_bucket,
+    rope_tables,
+    rotate_half_matrix,
+    rotated_heads,
+    slot_bucket,
+)
+
+NUM_INTS = 3  # per-row integers after the pending tokens in the input buffer: num_pending, lens, caps
 
 
 class DraftGraphs:
@@ -25,72 +36,90 @@ class DraftGraphs:
     def __init__(self, drafter, cuda_graphs: bool) -> None:
         self.drafter = drafter
         self.cuda_graphs = cuda_graphs
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.bufs: dict[str, torch.Tensor] = {}
-        self._cache_id = None
+        self._keys = None  # (cache, head) the graphs were captured on
 
-    def usable(self, sampling: BatchSampling) -> bool:
-        """Top-k/top-p truncation reads the device back (drafter.sampling._truncate): eager only."""
-        return not sampling.truncates(self.drafter.head.lm_head.weight.shape[0])
-
-    def _cache(self, Bp: int, needed: int) -> KVCache:
-        """The rows' head cache with exactly Bp rows and room for `needed` slots; a new one (the old content
-        copied, captured graphs dropped) when the bucket or the room changed."""
+    def _cache(self, Bp: int, needed: int) -> StaticCache:
+        """The rows' head cache with exactly Bp rows and room for `needed` slots; a new one (live rows copied)
+        when the bucket or the room changed."""
         d, rows = self.drafter, self.drafter.rows
         cache = rows.cache
-        if cache is None or cache.k.shape[1] != Bp or cache.max_len < needed:
-            size = max(needed, cache.max_len if cache is not None else 0)
-            new = d.head.new_cache(Bp, slot_bucket(size, 1 << 30), d.dtype, d.policy.device)
-            if cache is not None:  # live rows and the slots they use (lens is set by the caller)
-                n, s = min(Bp, cache.k.shape[1]), cache.max_len
-                new.k[:, :n, :s] = cache.k[:, :n]
-                new.v[:, :n, :s] = cache.v[:, :n]
+        if cache is None or cache.kv.shape[1] != Bp or cache.max_len < needed:
+            size = slot_bucket(max(needed, cache.max_len if cache is not None else 0), 1 << 30)
+            new = StaticCache(d.head.policy_cfg, 1, Bp, size, d.dtype, d.policy.device)
+            if cache is not None:
+                n, s = min(Bp, cache.kv.shape[1]), cache.max_len
+                new.kv[:, :n, :, :, :s] = cache.kv[:, :n]
             rows.cache = cache = new
-        if id(cache.k) != self._cache_id:
-            self.graphs.clear()
-            self._cache_id = id(cache.k)
+        cache.num_used = cache.max_len
         return cache
 
-    def _buffers(self, Bp: int, P: int, K: int, V: int, F: int) -> dict[str, torch.Tensor]:
+    def _buffers(self, Bp: int, P: int, K: int) -> dict[str, torch.Tensor]:
         """Graph inputs and outputs, grown (and graphs dropped) when a step needs more."""
         b = self.bufs
         shape = (Bp, P, K)
         if not b or any(x > y for x, y in zip(shape, b["shape"])):
             d = self.drafter
-            dev, B2, P2, K2 = d.policy.device, *(max(x, y) for x, y in zip(shape, b.get("shape", shape)))
+            dev, V = d.policy.device, d.policy.cfg.vocab_size
+            B2, P2, K2 = (max(x, y) for x, y in zip(shape, b.get("shape", shape)))
             self.graphs.clear()
             b = self.bufs = {
                 "shape": (B2, P2, K2),
-                "feats": torch.zeros(B2, P2, F, dtype=d.dtype, device=dev),
-                "toks": torch.zeros(B2, P2, dtype=torch.long, device=dev),
-                "num_pending": torch.zeros(B2, dtype=torch.long, device=dev),
-                "lens": torch.zeros(B2, dtype=torch.long, device=dev),
+                "feats": torch.zeros(B2, P2, d.head.feature_size, dtype=d.dtype, device=dev),
+                "ints": torch.zeros(B2, P2 + NUM_INTS, dtype=torch.long, device=dev),  # tokens | NUM_INTS
                 "uniforms": torch.zeros(B2, K2, device=dev),
                 "temperature": torch.zeros(B2, device=dev),
                 "tokens": torch.zeros(B2, K2, dtype=torch.long, device=dev),
                 "probs": torch.zeros(B2, K2, V, device=dev),
-                "steps": torch.arange(max(P2, K2), device=dev),
-                "rows": torch.arange(B2, device=dev),
+                "new_lens": torch.zeros(B2, dtype=torch.long, device=dev),
+                "draft_lens": torch.zeros(B2, dtype=torch.long, device=dev),
+                "steps": torch.arange(max(P2, K2) + 1, device=dev),
+                "slots": torch.arange(2 * d.policy.cfg.max_position, device=dev),
             }
         return b
 
-    def _step(self, Bp: int, P: int, K: int, S: int, greedy: bool, any_greedy: bool) -> None:
+    def _layer(self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+               ) -> torch.Tensor:
+        """The head's decoder layer (drafter.head.Eagle3Layer) on the static cache: (B, T, D) -> (B, T, D)."""
+        head = self.drafter.head
+        layer, cfg = head.midlayer, head.policy_cfg
+        B, T, D = hidden.shape
+        cache_l, keys, values = self._views
+        rope = rope_tables(head.rotary, positions, self._rotated, hidden.dtype)
+        flat = hidden.reshape(B * T, D)
+        x_in = layer.attn_input(flat, embeds.reshape(B * T, D))  # (B*T, 2D)
+        attn = layer.self_attn
+        out = attend(attn.qkv_proj(x_in), rope, self._rotate, cache_l, keys, values,
+                     self._rows[:B].view(B, 1), positions, mask, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim))
+        x = torch.addmm(flat, out, attn.o_proj.weight.t())  # residual + o_proj
+        gate, up = layer.mlp.gate_up_proj(layer.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x.addmm_(F.silu(gate) * up, layer.mlp.down_proj.weight.t()).view(B, T, D)
+
+    def _step(self, Bp: int, P: int, K: int, S: int, greedy: bool, any_greedy: bool, truncates: bool) -> None:
         """Feed P pending pairs per row, then draft K tokens: everything on the device (capturable)."""
         d, b = self.drafter, self.bufs
-        head, cache = d.head, d.rows.cache
-        lens, num_pending = b["lens"][:Bp], b["num_pending"][:Bp]
+        head = d.head
+        ints = b["ints"][:Bp]
+        toks, num_pending, lens, caps = ints[:, :P], ints[:, P], ints[:, P + 1], ints[:, P + 2]
+        slots = b["slots"][:S]
         positions = lens.view(Bp, 1) + b["steps"][:P].view(1, P)  # (Bp, P)
         hidden = head.fuse(b["feats"][:Bp, :P])  # (Bp, P, 4D) -> (Bp, P, D)
-        embeds = d.policy.embed_tokens(b["toks"][:Bp, :P]).to(d.dtype)
-        out = head(hidden, embeds, positions, cache, (positions, attention_mask(positions, S)))  # (Bp, P, D)
-        pred = out[b["rows"][:Bp], (num_pending - 1).clamp(min=0)].unsqueeze(1)  # (Bp, 1, D)
-        pos = (lens + num_pending).view(Bp, 1)  # the first speculative slot
+        embeds = d.policy.embed_tokens(toks).to(d.dtype)
+        out = self._layer(hidden, embeds, positions, additive_mask(slots, positions, d.dtype))  # (Bp, P, D)
+        pred = out.gather(1, (num_pending - 1).clamp(min=0).view(Bp, 1, 1).expand(Bp, 1, out.shape[-1]))
+        pos = lens + num_pending  # (Bp,): the first speculative slot
+        b["new_lens"][:Bp].copy_(pos)
+        b["draft_lens"][:Bp].copy_(torch.where(num_pending > 0, caps.clamp(max=K), 0))
+        chain = pos.view(Bp, 1) + b["steps"][:K].view(1, K)  # (Bp, K): draft step j writes slot pos + j
+        chain_mask = additive_mask(slots, chain, d.dtype)  # (Bp, 1, K, S)
         tokens, probs = b["tokens"][:Bp, :K], b["probs"][:Bp, :K]
-        # rows' temperatures from the buffer; host: whether any row may be greedy (one-hots), no truncation
+        # rows' temperatures from the buffer; host: whether any row may be greedy (one-hots). Top-k/top-p
+        # (uncaptured: their truncation reads the device back) use the batch's own settings, padded
         host = ((0.0 if any_greedy else 1.0, 0, 1.0),) * Bp
-        sampling = None if greedy else BatchSampling(b["temperature"][:Bp], torch.zeros_like(lens),
-                                                     torch.ones_like(b["temperature"][:Bp]), host)
+        sampling = None if greedy else self._truncating if truncates else BatchSampling(
+            b["temperature"][:Bp], torch.zeros_like(lens), torch.ones_like(b["temperature"][:Bp]), host)
         if not greedy:
             probs.zero_()
         vocab_ids = head.vocab_ids
@@ -104,9 +133,8 @@ class DraftGraphs:
                 probs[:, j].index_copy_(1, vocab_ids, q)  # scattered onto the policy vocabulary
             tokens[:, j] = x
             if j + 1 < K:
-                p = pos + j
-                pred = head(pred, d.policy.embed_tokens(x.unsqueeze(1)).to(d.dtype), p, cache,
-                            (p, attention_mask(p, S)))
+                embeds = d.policy.embed_tokens(x.view(Bp, 1)).to(d.dtype)
+                pred = self._layer(pred, embeds, chain[:, j : j + 1], chain_mask[:, :, j : j + 1])
 
     def propose(self, caps: list[int], sampling: BatchSampling, uniforms: torch.Tensor | None) -> Proposal:
         d, rows = self.drafter, self.drafter.rows
@@ -121,37 +149,60 @@ class DraftGraphs:
         # a row's head cache holds every true pair not pending: known here, never read back
         lens = [len(h) - n for h, n in zip(rows.history_tokens, num_pending)]
         Bp = batch_bucket(B)
-        captured = self.cuda_graphs and P <= K + 1
+        truncates = sampling.truncates(d.head.lm_head.weight.shape[0])
+        captured = self.cuda_graphs and P <= K + 1 and not truncates
         P = K + 1 if captured else P  # captured steps feed a fixed k + 1 pairs per row, padded
         cache = self._cache(Bp, max(lens) + P + K + 1)
         S = slot_bucket(max(lens) + P + K, cache.max_len)
-        b = self._buffers(Bp, P, K, V, d.head.feature_size)
-        feats, toks = b["feats"][:Bp, :P], b["toks"][:Bp, :P]
-        feats.zero_()
-        padded = [t + [0] * (P - len(t)) for t in rows.pending_tokens] + [[0] * P] * (Bp - B)
-        toks.copy_(torch.tensor(padded, dtype=torch.long), non_blocking=True)
-        for r, h in enumerate(rows.pending_hidden):
-            if len(h):
-                feats[r, : len(h)] = h
-        b["num_pending"][:Bp].copy_(torch.tensor(num_pending + [0] * (Bp - B)), non_blocking=True)
-        b["lens"][:Bp].copy_(torch.tensor(lens + [0] * (Bp - B)), non_blocking=True)
+        b = self._buffers(Bp, P, K)
+        if self._keys != (cache, d.head):  # graphs read the cache and the head's weights by address
+            self.graphs.clear()
+            self._keys = (cache, d.head)
+            self._rotate = rotate_half_matrix(d.head.policy_cfg.head_dim, d.dtype, device)
+            self._rotated = rotated_heads(d.head.policy_cfg.num_heads, d.head.policy_cfg.num_kv_heads, device)
+            self._rows = torch.arange(cache.kv.shape[1], device=device)
+        h = d.head.policy_cfg.num_kv_heads
+        layer = cache.kv[0, :Bp]  # (Bp, 2Hkv, G, S_max, D)
+        self._views = (layer, layer[:, :h].flatten(1, 2)[:, :, :S], layer[:, h:].flatten(1, 2)[:, :, :S])
+        self._fill(b, Bp, P, num_pending, lens, caps)
         greedy = sampling.all_greedy
         if not greedy:
             b["temperature"][:Bp].zero_()
             b["temperature"][:B].copy_(sampling.temperature)
             b["uniforms"][:B, :K].copy_(uniforms[:, :K])
+        if truncates:
+            self._truncating = _padded(sampling, Bp)
+        key = (Bp, P, K, S, greedy, sampling.any_greedy, truncates)
         if captured:
-            key = (Bp, P, K, S, greedy, sampling.any_greedy)
             if key not in self.graphs:
                 self._capture(key)
-            self.graphs[key][0].replay()
+            self.graphs[key].replay()
         else:
-            self._step(Bp, P, K, S, greedy, sampling.any_greedy)
-        cache.lens = torch.tensor([n + p for n, p in zip(lens, num_pending)], dtype=torch.long).to(device)
+            self._step(*key)
+        cache.lens = b["new_lens"][:B].clone()
         rows.clear_pending(d._empty())
-        draft_lens = [min(c, K) if n > 0 else 0 for c, n in zip(caps, num_pending)]
-        return Proposal(b["tokens"][:B, :K].clone(), torch.tensor(draft_lens, dtype=torch.long).to(device),
+        return Proposal(b["tokens"][:B, :K].clone(), b["draft_lens"][:B].clone(),
                         None if greedy else b["probs"][:B, :K].clone())
+
+    def _fill(self, b: dict, Bp: int, P: int, num_pending: list[int], lens: list[int], caps: list[int]) -> None:
+        """The step's inputs into the graph's buffers: pending features (one copy when they are one step's
+        output), and tokens and counts in one host-to-device copy."""
+        rows, B = self.drafter.rows, len(num_pending)
+        feats = b["feats"][:Bp, :P]
+        fresh = rows.fresh
+        if fresh is not None and fresh[0].shape[0] == B:
+            n = min(fresh[0].shape[1], P)
+            feats[:B, :n] = fresh[0][:, :n]  # past a row's count: pairs the mask and the gather never use
+        else:
+            empty = self.drafter._empty()
+            for r in range(B):
+                t = rows.pending_hidden(r, empty)
+                if len(t):
+                    feats[r, : len(t)] = t
+        pad = [0] * P
+        host = [(t + pad)[:P] + [n, s, c] for t, n, s, c in zip(rows.pending_tokens, num_pending, lens, caps)]
+        host += [pad + [0] * NUM_INTS] * (Bp - B)  # padded rows: nothing pending, nothing drafted
+        b["ints"][:Bp, : P + NUM_INTS].copy_(torch.tensor(host, dtype=torch.long), non_blocking=True)
 
     def _capture(self, key: tuple) -> None:
         stream = torch.cuda.Stream()
@@ -164,4 +215,11 @@ class DraftGraphs:
             self._step(*key)
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[key] = (graph, ())
+        self.graphs[key] = graph
+
+
+def _padded(sampling: BatchSampling, Bp: int) -> BatchSampling:
+    """`sampling` with greedy rows appended up to Bp (the bucket's padded rows)."""
+    n = Bp - len(sampling.host)
+    return BatchSampling(F.pad(sampling.temperature, (0, n)), F.pad(sampling.top_k, (0, n)),
+                         F.pad(sampling.top_p, (0, n), value=1.0), sampling.host + ((0.0, 0, 1.0),) * n)

@@ -198,7 +198,7 @@ class EagleDrafter(Drafter):
         toks = torch.zeros(B, P, dtype=torch.long, device=device)
         for b in range(B):
             n = len(rows.pending_tokens[b])
-            feats[b, :n] = rows.pending_hidden[b]
+            feats[b, :n] = rows.pending_hidden(b, self._empty())
             toks[b, :n] = torch.tensor(rows.pending_tokens[b], dtype=torch.long)
         positions = cache.lens.unsqueeze(1) + torch.arange(P, device=device)  # (B, P)
         hidden = self.head.fuse(feats)  # (B, P, 4D) -> (B, P, D)
@@ -214,7 +214,7 @@ class EagleDrafter(Drafter):
         self._apply_swap()
         if tree is not None:
             return self._propose_tree(contexts, caps, sampling, uniforms, tree)
-        if self.graphs is not None and self.graphs.usable(sampling):
+        if self.graphs is not None:
             return self.graphs.propose(caps, sampling, uniforms)
         B, device = len(contexts), self.policy.device
         K = max(caps)
@@ -300,7 +300,7 @@ class EagleDrafter(Drafter):
             if not grow:
                 continue
             nodes = torch.tensor(grow, dtype=torch.long, device=device)
-            feats = node_pred[:, tree.parent[nodes].to(device)]  # (B, T, D)
+            feats = node_pred[:, tree.parent.to(device)[nodes]]  # (B, T, D); the tree's tables are on the CPU
             embeds = self.policy.embed_tokens(tokens[:, nodes - 1]).to(self.dtype)
             positions = base.view(B, 1) + (d - 1)
             slots = base.view(B, 1) + nodes.view(1, -1) - 1

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from drafter.config import ModelConfig
 from drafter.model import CausalLM, draft_features
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # past 128: multiples of 64
@@ -55,6 +56,48 @@ def rotate_half_matrix(head_dim: int, dtype: torch.dtype, device: torch.device) 
     return P
 
 
+def rope_tables(rotary, positions: torch.Tensor, is_rotated: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) (B, T, NH, 1, D) at `positions` (B, T) for every q/k/v head (is_rotated (1, 1, NH, 1, 1):
+    False for v heads, which get cos 1 and sin 0 and so pass the rotary unchanged)."""
+    B, T = positions.shape
+    cos = rotary.cos[positions].to(dtype).view(B, T, 1, 1, -1)
+    sin = rotary.sin[positions].to(dtype).view(B, T, 1, 1, -1)
+    return torch.where(is_rotated, cos, 1.0), torch.where(is_rotated, sin, 0.0)
+
+
+def additive_mask(slot_ids: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, 1, T, S) 0 where slot <= the query's position, -inf elsewhere: SDPA's fused kernels take it as
+    is (a bool mask would be converted in every layer)."""
+    B, T = positions.shape
+    visible = slot_ids.view(1, 1, 1, -1) <= positions.view(B, 1, T, 1)
+    return torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(~visible, float("-inf"))
+
+
+def rotated_heads(num_heads: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+    """(1, 1, NH, 1, 1) bool over the q, k, v heads of a fused projection: True for q and k."""
+    total = num_heads + 2 * num_kv_heads
+    return (torch.arange(total, device=device) < num_heads + num_kv_heads).view(1, 1, total, 1, 1)
+
+
+def attend(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotate: torch.Tensor, cache_l: torch.Tensor,
+           keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+           mask: torch.Tensor, heads: tuple[int, int, int]) -> torch.Tensor:
+    """One attention over a static cache layer: qkv (B*T, NH*D) fused projections -> (B*T, H*D). Rotary on
+    q and k (v passes through), K/V written at `positions`, SDPA over `keys`/`values` (views of cache_l)."""
+    H, Hkv, D = heads
+    B, T = positions.shape
+    cos, sin = rope
+    qkv = qkv.view(B, T, H + 2 * Hkv, 1, D)
+    qkv = torch.addcmul(qkv * cos, qkv @ rotate, sin)  # x cos + rotate_half(x) sin
+    q, kv = qkv.split((H, 2 * Hkv), dim=2)  # (B, T, H, 1, D), (B, T, 2Hkv, 1, D)
+    # one write per layer, broadcast over the group: (B, T, 2Hkv, G, D)
+    torch.ops.aten.index_put_(cache_l, [rows, None, None, positions], kv)
+    q = q.view(B, H, 1, D) if T == 1 else q.squeeze(3).transpose(1, 2)  # (B, H, T, D)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, H, T, D)
+    return out.view(B, H * D) if T == 1 else out.transpose(1, 2).reshape(B * T, H * D)
+
+
 @dataclass
 class LayerWeights:
     """One decoder layer's tensors as the static forward reads them (views of the module's parameters:
@@ -70,17 +113,17 @@ class LayerWeights:
 
 
 class StaticCache:
-    """The runner's KV cache, with what the engine asks of a cache: per-row lengths, the slot capacity,
-    and dropping finished rows (in place: captured graphs hold its address)."""
+    """A static path's KV cache (the policy's, or a draft head's with one layer), with what the engine asks of
+    a cache: per-row lengths, the slot capacity, and dropping finished rows (in place: captured graphs hold
+    its address)."""
 
-    def __init__(self, model: CausalLM, max_batch: int, max_len: int) -> None:
-        c = model.cfg
-        group = c.num_heads // c.num_kv_heads
-        self.kv = torch.zeros(c.num_layers, max_batch, 2 * c.num_kv_heads, group, max_len, c.head_dim,
-                              dtype=model.dtype, device=model.device)  # (L, B, 2Hkv, G, S, D)
-        self.lens = torch.zeros(0, dtype=torch.long, device=model.device)
-        self.num_kv_heads = c.num_kv_heads
-        self.num_live = 0
+    def __init__(self, cfg: ModelConfig, num_layers: int, max_batch: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        group = cfg.num_heads // cfg.num_kv_heads
+        self.kv = torch.zeros(num_layers, max_batch, 2 * cfg.num_kv_heads, group, max_len, cfg.head_dim,
+                              dtype=dtype, device=device)  # (L, B, 2Hkv, G, S, D)
+        self.lens = torch.zeros(0, dtype=torch.long, device=device)
+        self.num_kv_heads = cfg.num_kv_heads
         self.num_used = 0  # slots per row written so far (host-side bound; compaction copies only these)
 
     @property
@@ -91,12 +134,11 @@ class StaticCache:
     def max_len(self) -> int:
         return self.kv.shape[4]
 
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep only `rows` of the live batch, in that order, as rows 0..len(rows)-1."""
+    def keep_rows(self, rows: torch.Tensor, in_place: bool = True) -> None:
+        """Keep only `rows` of the live batch, in that order, as rows 0..len(rows)-1 (always in place)."""
         n, used = len(rows), max(self.num_used, 1)
         self.kv[:, :n, :, :, :used] = self.kv[:, rows, :, :, :used]
         self.lens = self.lens.index_select(0, rows)
-        self.num_live = n
 
     def layer_views(self, num_rows: int, num_slots: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per layer: (the layer's cache to write (B_max, 2Hkv, G, S_max, D), keys (B, H, S, D), values
@@ -125,17 +167,14 @@ class StaticRunner:
         self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         if self.cuda_graphs and device.type != "cuda":
             raise ValueError("cuda_graphs needs a model on a CUDA device")
-        self.cache = StaticCache(model, batch_bucket(max_batch), max_len)
+        self.cache = StaticCache(c, c.num_layers, batch_bucket(max_batch), max_len, dtype, device)
         B, T = self.cache.max_batch, MAX_GRAPH_TOKENS
         self.ids = torch.zeros(B * T, dtype=torch.long, device=device)  # graph inputs, (bucket * tokens) used
         self.positions = torch.zeros(B * T, dtype=torch.long, device=device)
         self.rows = torch.arange(B, device=device)
         self.slot_ids = torch.arange(max_len, device=device)
         self.rotate = rotate_half_matrix(c.head_dim, dtype, device)
-        num_heads = c.num_heads + 2 * c.num_kv_heads
-        # q and k heads rotate; v heads pass through (cos 1, sin 0)
-        self.is_rotated = (torch.arange(num_heads, device=device) < c.num_heads + c.num_kv_heads).view(
-            1, 1, num_heads, 1, 1)
+        self.is_rotated = rotated_heads(c.num_heads, c.num_kv_heads, device)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self.pool = None
         self._views: dict[tuple[int, int], list] = {}
@@ -162,29 +201,22 @@ class StaticRunner:
 
     # --- the forward ---------------------------------------------------------------------------------
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) (B, T, NH, 1, D) for every q/k/v head at `positions` (B, T)."""
-        B, T = positions.shape
-        rot = self.model.rotary
-        dtype = self.model.dtype
-        cos = rot.cos[positions].to(dtype).view(B, T, 1, 1, -1)
-        sin = rot.sin[positions].to(dtype).view(B, T, 1, 1, -1)
-        return torch.where(self.is_rotated, cos, 1.0), torch.where(self.is_rotated, sin, 0.0)
+        return rope_tables(self.model.rotary, positions, self.is_rotated, self.model.dtype)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, num_slots: int, aux: tuple[int, ...] | None,
                  logits_for: str) -> tuple[torch.Tensor | None, torch.Tensor]:
         """ids (B*T,), positions (B, T) -> (logits (B*T', V) or None, hidden (B*T, D) or features (B*T, F)).
         Every op is on the device: capturable."""
         model, c = self.model, self.model.cfg
-        B, T = positions.shape
         H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
         eps = c.rms_norm_eps
+        B, T = positions.shape
         views = self._views.get((B, num_slots))
         if views is None:
             views = self._views[B, num_slots] = self.cache.layer_views(B, num_slots)
         cos, sin = self._rope(positions)
         # additive mask (B, 1, T, S): 0 where slot <= position, -inf elsewhere (padding slots included)
-        visible = self.slot_ids[:num_slots].view(1, 1, 1, -1) <= positions.view(B, 1, T, 1)
-        mask = torch.zeros(visible.shape, dtype=model.dtype, device=ids.device).masked_fill_(~visible, float("-inf"))
+        mask = additive_mask(self.slot_ids[:num_slots], positions, model.dtype)
         rows = self.rows[:B].view(B, 1)
         x = model.embed_tokens(ids)  # (B*T, hidden): the residual stream stays 2-D, updated in place
         kept = {}
@@ -193,14 +225,8 @@ class StaticRunner:
             if i in wanted:
                 kept[i], x = x, x.clone()  # the layers below add into x in place
             h = F.rms_norm(x, (x.shape[-1],), w.in_norm, eps)
-            qkv = F.linear(h, w.qkv, w.qkv_bias).view(B, T, H + 2 * Hkv, 1, D)
-            qkv = torch.addcmul(qkv * cos, qkv @ self.rotate, sin)  # rotary on q and k; v passes through
-            q, kv = qkv.split((H, 2 * Hkv), dim=2)  # (B, T, H, 1, D), (B, T, 2Hkv, 1, D)
-            # one write per layer, broadcast over the group: (B, T, 2Hkv, G, D)
-            torch.ops.aten.index_put_(cache_l, [rows, None, None, positions], kv)
-            q = q.view(B, H, 1, D) if T == 1 else q.squeeze(3).transpose(1, 2)  # (B, H, T, D)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, H, T, D)
-            out = out.view(B, H * D) if T == 1 else out.transpose(1, 2).reshape(B * T, H * D)
+            out = attend(F.linear(h, w.qkv, w.qkv_bias), (cos, sin), self.rotate, cache_l, keys, values, rows,
+                         positions, mask, (H, Hkv, D))  # (B*T, H*D)
             x.addmm_(out, w.o_t)  # residual += o_proj(out): one GEMM, no copy of the stream
             gate, up = F.linear(F.rms_norm(x, (x.shape[-1],), w.post_norm, eps), w.gate_up).chunk(2, dim=-1)
             x.addmm_(F.silu(gate) * up, w.down_t)  # residual += down_proj

@@ -131,3 +131,27 @@ def test_static_forward_is_lean():
         runner.forward(ids, pos, 129)
         num_ops = top_level_aten_ops(lambda: runner.forward(ids, pos, 129))
     assert num_ops <= 600, num_ops
+
+
+def test_static_drafter_top_k_top_p_and_swaps(device):
+    """Rows with top-k/top-p (their drafting runs uncaptured) and heads swapped mid-generation (the next step
+    re-feeds every true pair): the static drafter's tokens are still the eager drafter's."""
+    model = copy.deepcopy(structured_model()).to(device)
+    prompts = random_prompts(LENGTHS, model.cfg.vocab_size, seed=5)
+    requests = [Request(p, SamplingParams(max_new_tokens=30, seed=i, temperature=1.0, top_k=5 if i % 2 else 0,
+                                          top_p=0.9 if i % 3 == 0 else 1.0)) for i, p in enumerate(prompts)]
+    heads = [EagleHead(model.cfg).to(device), EagleHead(model.cfg, init=False).to(device)]
+    with torch.no_grad():
+        for p in heads[1].parameters():
+            p.normal_(0, 0.05)
+    outs = []
+    for static in (False, True):
+        drafter = EagleDrafter(model, heads[0], static=static)
+
+        def swap(num_finished: int, num_generated: int, drafter=drafter) -> None:
+            if num_generated % 7 == 0:
+                drafter.request_swap(heads[num_generated % 2], version=num_generated)
+
+        outs.append(Engine(model, static=static).generate(requests, k=3, drafter=drafter, on_step=swap))
+        assert drafter.swaps.num_swaps > 0
+    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
