@@ -68,7 +68,7 @@ CUDA_SIZES = Sizes(
 CPU_SIZES = Sizes(
     physics_batches=(1, 8), physics_tokens=(1, 4), physics_dtypes=("fp32",), physics_context=128,
     physics_iters=5, profile_iters=0,
-    warm_prompts=24, warm_task_prompts=8, warm_new_tokens=48, harvest_batch=16, warm_steps=30,
+    warm_prompts=24, warm_task_prompts=8, warm_new_tokens=48, harvest_batch=16, warm_steps=20,
     calib_prompts=8, sweep_prompts=2, sweep_new_tokens=32, ks=(2, 4),
     batch_sizes=(1, 4), batch_new_tokens=16, repeats=1, k=4,
     train_seconds=3.0, stop_trials=3,
