@@ -137,14 +137,16 @@ def bench_gpu(settings: Settings) -> dict:
         run.take("sweep_b1", run.part("c", lambda: sweep_b1(engine, tok, head, s.ks, s.k, s.sweep_prompts,
                                                             s.sweep_new_tokens, s.calib_prompts, draft_dtype)),
                  ("speedup_greedy_b1", "speedup_t1_b1"))
+    tuners: dict = {}  # (d)'s adaptive tuners, per temperature: (g) starts from the T=1 one, as a worker would
     if "d" in parts:
         run.take("batch_sweep", run.part("d", lambda: batch_sweep(engine, tok, head, s.batch_sizes, s.k,
-                                                                  s.batch_new_tokens, s.repeats, draft_dtype, log)),
+                                                                  s.batch_new_tokens, s.repeats, draft_dtype, log,
+                                                                  tuners)),
                  ("adaptive_min_ratio", "greedy_identical"))
     if "g" in parts:
         run.take("longtail", run.part("g", lambda: longtail(engine, tok, head, s.longtail_prompts, s.longtail_group,
                                                             s.longtail_new_tokens, s.k, s.longtail_repeats,
-                                                            draft_dtype, log)),
+                                                            draft_dtype, log, tuners.get(1.0))),
                  ("longtail_rollout_speedup",))
     trained = None
     if "f" in parts:

@@ -75,23 +75,29 @@ def _run(engine: Engine, reqs: list[Request], k: int, drafter, tuner=None, on_st
 
 
 def batch_sweep(engine: Engine, tok, head, batch_sizes: tuple[int, ...], k: int, new_tokens: int, repeats: int,
-                draft_dtype, progress: Callable[[str], None]) -> dict:
-    """(d): tokens/s of plain, fixed-k and adaptive decoding per batch size and temperature."""
+                draft_dtype, progress: Callable[[str], None], tuners: dict | None = None) -> dict:
+    """(d): tokens/s of plain, fixed-k and adaptive decoding per batch size and temperature, the batch sizes
+    from the smallest up (the tuner drafts at a batch size only where a smaller one found it paid). The
+    adaptive arm is measured in steady state: one untimed run of full length at each batch size first does
+    its forced tries there, as a worker's earlier rollouts would have. tuners: filled with the tuner of
+    each temperature ({0.0: ..., 1.0: ...}), for (g) to start from."""
     prompts = [encode_prompt(tok, t) for t in synthetic_prompts(max(batch_sizes), seed=21)]
     drafter = EagleDrafter(engine.model, head, draft_dtype)
     table: dict = {}
     identical = compared = 0
     for temp in (0.0, 1.0):
         tuner = DraftLengthTuner(k)  # one per temperature, kept over batch sizes and repeats, as a worker keeps its own
+        if tuners is not None:
+            tuners[temp] = tuner
         arms = {"plain": (0, None), f"k{k}": (k, None), "adaptive": (k, tuner)}
         rows: dict = {}
-        for B in batch_sizes:
+        for B in sorted(batch_sizes):
             reqs = [Request(prompts[i], SamplingParams(temperature=temp, max_new_tokens=new_tokens, ignore_eos=True,
                                                        seed=i)) for i in range(B)]
             short = [Request(r.prompt_ids, SamplingParams(temperature=temp, max_new_tokens=8, ignore_eos=True, seed=0))
                      for r in reqs]
             for kk, tn in arms.values():  # untimed: no arm pays for a first call at this batch size
-                _run(engine, short, kk, drafter, tn)
+                _run(engine, short if tn is None else reqs, kk, drafter, tn)
             runs: dict = {name: [] for name in arms}
             for r in range(repeats):
                 for name in rotated(list(arms), r):
@@ -128,11 +134,15 @@ def longtail_requests(tok, num_prompts: int, group: int, new_tokens: int) -> lis
 
 
 def longtail(engine: Engine, tok, head, num_prompts: int, group: int, new_tokens: int, k: int, repeats: int,
-             draft_dtype, progress: Callable[[str], None]) -> dict:
-    """(g): the batch decoded plain, with the frozen warm draft at k, and adaptively, in rotating order."""
+             draft_dtype, progress: Callable[[str], None], tuner: DraftLengthTuner | None = None) -> dict:
+    """(g): the batch decoded plain, with the frozen warm draft at k, and adaptively, in rotating order. tuner:
+    the adaptive arm's, e.g. (d)'s at T=1 (a worker's, which has seen every batch size), else a fresh one
+    (a worker's first rollout: it decodes plainly until its batch is small, as the responses of one batch
+    that all run to the cap seldom let it become)."""
     reqs = longtail_requests(tok, num_prompts, group, new_tokens)
     drafter = EagleDrafter(engine.model, head, draft_dtype)
-    tuner = DraftLengthTuner(k)
+    tuner_from = "fresh" if tuner is None else "the batch sweep's, T=1"
+    tuner = tuner or DraftLengthTuner(k)
     arms = {"plain": (0, None), f"k{k}": (k, None), "adaptive": (k, tuner)}
     num_before_tail = math.ceil(TAIL_FRACTION * len(reqs))
     runs: dict = {name: [] for name in arms}
@@ -167,6 +177,7 @@ def longtail(engine: Engine, tok, head, num_prompts: int, group: int, new_tokens
     table["adaptive"]["k_served"] = tuner.summary()
     plain = table["plain"]["rollout_s"]
     return {"table": table, "num_responses": len(reqs), "max_new_tokens": new_tokens, "k": k, "repeats": repeats,
+            "tuner": tuner_from,
             "longtail_rollout_speedup": round(plain / table["adaptive"]["rollout_s"], 3),
             "longtail_rollout_speedup_fixed_k": round(plain / table[f"k{k}"]["rollout_s"], 3),
             "longtail_tail_speedup": round(table["plain"]["tail_s"] / table["adaptive"]["tail_s"], 3)

@@ -82,6 +82,7 @@ def test_the_cpu_form_runs_end_to_end_without_the_control_planes_packages(tmp_pa
     # the long tail: 2 prompts x 2 responses per arm
     tail = result["longtail"]
     assert tail["num_responses"] == 4 and tail["table"]["plain"]["max_response_tokens"] <= 16
+    assert tail["tuner"] == "the batch sweep's, T=1"  # a worker's tuner, which has seen every batch size
     assert result["longtail_rollout_speedup"] == pytest.approx(
         tail["table"]["plain"]["rollout_s"] / tail["table"]["adaptive"]["rollout_s"], rel=0.01)
     assert result["train_fp32_tokens_per_s"] > 0 and result["train_bf16_tokens_per_s"] > 0
