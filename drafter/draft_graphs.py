@@ -25,6 +25,7 @@ from drafter.static import (
     rotate_half_matrix,
     rotated_heads,
     slot_bucket,
+    slot_buckets,
 )
 
 NUM_INTS = 3  # per-row integers after the pending tokens in the input buffer: num_pending, lens, caps
@@ -39,21 +40,33 @@ class DraftGraphs:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.bufs: dict[str, torch.Tensor] = {}
-        self._keys = None  # (cache, head) the graphs were captured on
+        self._caches: dict[int, StaticCache] = {}  # per batch bucket
+        self._capacity = 0  # slots per row of every cache
+        self._head = None  # the head the graphs were captured on (they read its weights by address)
 
     def _cache(self, Bp: int, needed: int) -> StaticCache:
-        """The rows' head cache with exactly Bp rows and room for `needed` slots; a new one (live rows copied)
-        when the bucket or the room changed."""
+        """The head cache of bucket Bp, with room for `needed` slots. One cache per bucket lives as long as the
+        drafter (graphs hold their addresses): a new batch or a swap starts on it afresh (the rows' lengths
+        say what is valid), and a batch whose bucket changes moves its live rows to that bucket's cache. Room
+        grows geometrically; then every cache and graph is made anew."""
         d, rows = self.drafter, self.drafter.rows
-        cache = rows.cache
-        if cache is None or cache.kv.shape[1] != Bp or cache.max_len < needed:
-            size = slot_bucket(max(needed, cache.max_len if cache is not None else 0), 1 << 30)
-            new = StaticCache(d.head.policy_cfg, 1, Bp, size, d.dtype, d.policy.device)
-            if cache is not None:
-                n, s = min(Bp, cache.kv.shape[1]), cache.max_len
-                new.kv[:, :n, :, :, :s] = cache.kv[:, :n]
-            rows.cache = cache = new
-        cache.num_used = cache.max_len
+        if needed > self._capacity:
+            self._capacity = slot_bucket(2 * needed, 1 << 30)
+            self._caches.clear()
+            self.graphs.clear()
+        cache = self._caches.get(Bp)
+        if cache is None:
+            cache = self._caches[Bp] = StaticCache(d.head.policy_cfg, 1, Bp, self._capacity, d.dtype, d.policy.device)
+            cache.num_used = self._capacity
+        old = rows.cache
+        if old is not None and old is not cache:  # the live rows (the batch's first len(lens)) move over
+            n = len(old.lens)
+            if old.kv.shape[-2] == cache.kv.shape[-2]:
+                cache.kv[:, :n] = old.kv[:, :n]
+            else:  # room grew: the old slots into the new room
+                cache.kv[:, :n, :, :, : old.kv.shape[-2]] = old.kv[:, :n]
+            cache.lens = old.lens
+        rows.cache = cache
         return cache
 
     def _buffers(self, Bp: int, P: int, K: int) -> dict[str, torch.Tensor]:
@@ -76,6 +89,7 @@ class DraftGraphs:
                 "new_lens": torch.zeros(B2, dtype=torch.long, device=dev),
                 "draft_lens": torch.zeros(B2, dtype=torch.long, device=dev),
                 "steps": torch.arange(max(P2, K2) + 1, device=dev),
+                "rows": torch.arange(B2, device=dev),
                 "slots": torch.arange(2 * d.policy.cfg.max_position, device=dev),
             }
         return b
@@ -92,7 +106,7 @@ class DraftGraphs:
         x_in = layer.attn_input(flat, embeds.reshape(B * T, D))  # (B*T, 2D)
         attn = layer.self_attn
         out = attend(attn.qkv_proj(x_in), rope, self._rotate, cache_l, keys, values,
-                     self._rows[:B].view(B, 1), positions, mask, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim))
+                     self.bufs["rows"][:B].view(B, 1), positions, mask, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim))
         x = torch.addmm(flat, out, attn.o_proj.weight.t())  # residual + o_proj
         gate, up = layer.mlp.gate_up_proj(layer.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x.addmm_(F.silu(gate) * up, layer.mlp.down_proj.weight.t()).view(B, T, D)
@@ -101,6 +115,8 @@ class DraftGraphs:
         """Feed P pending pairs per row, then draft K tokens: everything on the device (capturable)."""
         d, b = self.drafter, self.bufs
         head = d.head
+        h, layer = head.policy_cfg.num_kv_heads, self._caches[Bp].kv[0]  # (Bp, 2Hkv, G, S_max, D)
+        self._views = (layer, layer[:, :h].flatten(1, 2)[:, :, :S], layer[:, h:].flatten(1, 2)[:, :, :S])
         ints = b["ints"][:Bp]
         toks, num_pending, lens, caps = ints[:, :P], ints[:, P], ints[:, P + 1], ints[:, P + 2]
         slots = b["slots"][:S]
@@ -155,15 +171,11 @@ class DraftGraphs:
         cache = self._cache(Bp, max(lens) + P + K + 1)
         S = slot_bucket(max(lens) + P + K, cache.max_len)
         b = self._buffers(Bp, P, K)
-        if self._keys != (cache, d.head):  # graphs read the cache and the head's weights by address
+        if self._head is not d.head:  # graphs read the head's weights by address
             self.graphs.clear()
-            self._keys = (cache, d.head)
+            self._head = d.head
             self._rotate = rotate_half_matrix(d.head.policy_cfg.head_dim, d.dtype, device)
             self._rotated = rotated_heads(d.head.policy_cfg.num_heads, d.head.policy_cfg.num_kv_heads, device)
-            self._rows = torch.arange(cache.kv.shape[1], device=device)
-        h = d.head.policy_cfg.num_kv_heads
-        layer = cache.kv[0, :Bp]  # (Bp, 2Hkv, G, S_max, D)
-        self._views = (layer, layer[:, :h].flatten(1, 2)[:, :, :S], layer[:, h:].flatten(1, 2)[:, :, :S])
         self._fill(b, Bp, P, num_pending, lens, caps)
         greedy = sampling.all_greedy
         if not greedy:
@@ -174,15 +186,17 @@ class DraftGraphs:
             self._truncating = _padded(sampling, Bp)
         key = (Bp, P, K, S, greedy, sampling.any_greedy, truncates)
         if captured:
-            if key not in self.graphs:
-                self._capture(key)
+            if key not in self.graphs:  # every slot bucket of this shape at once: the batch goes through them
+                for s in slot_buckets(cache.max_len):
+                    self._capture((Bp, P, K, s, *key[4:]))
             self.graphs[key].replay()
         else:
             self._step(*key)
         cache.lens = b["new_lens"][:B].clone()
         rows.clear_pending(d._empty())
+        host_lens = [min(c, K) if n > 0 else 0 for c, n in zip(caps, num_pending)]
         return Proposal(b["tokens"][:B, :K].clone(), b["draft_lens"][:B].clone(),
-                        None if greedy else b["probs"][:B, :K].clone())
+                        None if greedy else b["probs"][:B, :K].clone(), host_lens=host_lens)
 
     def _fill(self, b: dict, Bp: int, P: int, num_pending: list[int], lens: list[int], caps: list[int]) -> None:
         """The step's inputs into the graph's buffers: pending features (one copy when they are one step's
@@ -205,6 +219,8 @@ class DraftGraphs:
         b["ints"][:Bp, : P + NUM_INTS].copy_(torch.tensor(host, dtype=torch.long), non_blocking=True)
 
     def _capture(self, key: tuple) -> None:
+        """Capture one shape. Its warm-up runs on the step's real inputs (what it writes, the replay that
+        follows writes again)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm up outside the capture (idempotent: same inputs, same writes)

@@ -26,6 +26,7 @@ class Proposal:
     probs: torch.Tensor | None  # (B, K, V) the draft distribution q, None for deterministic drafters
     # draft trees (drafter.tree): tokens[:, j - 1] is node j's; valid (B, N) marks the nodes row b proposed
     valid: torch.Tensor | None = None
+    host_lens: list[int] | None = None  # `lens` as the drafter knew them on the host (the engine reads none back)
 
 
 class Drafter(ABC):
@@ -64,12 +65,11 @@ class Drafter(ABC):
 
 
 def pad_proposal(drafts: list[list[int]], device: torch.device | str = "cpu") -> Proposal:
+    """Token lists as a Proposal on `device`, right-padded with 0."""
     width = max((len(d) for d in drafts), default=0)
-    tokens = torch.zeros(len(drafts), width, dtype=torch.long)
-    for b, d in enumerate(drafts):
-        tokens[b, : len(d)] = torch.tensor(d, dtype=torch.long)
-    lens = torch.tensor([len(d) for d in drafts], dtype=torch.long)
-    return Proposal(tokens.to(device), lens.to(device), None)
+    tokens = torch.tensor([d + [0] * (width - len(d)) for d in drafts], dtype=torch.long, device=device)
+    lens = torch.tensor([len(d) for d in drafts], dtype=torch.long, device=device)
+    return Proposal(tokens.view(len(drafts), width), lens, None)
 
 
 class NgramDrafter(Drafter):

@@ -267,7 +267,7 @@ class Engine:
             caps = [r.cap(k) for r in live]
             prop = drafter.propose([r.tokens for r in live], caps, sampling,
                                    None if uniforms is None else uniforms[:, k + 1 :])
-            K = int(prop.lens.max()) if len(live) else 0
+            K = (max(prop.host_lens) if prop.host_lens is not None else int(prop.lens.max())) if len(live) else 0
             draft_tokens, draft_lens = prop.tokens[:, :K].to(device), prop.lens.to(device)
             draft_probs = None if prop.probs is None else prop.probs[:, :K]
         else:
@@ -332,10 +332,12 @@ class Engine:
         return hidden if needs_hidden else None
 
     def _advance(self, live, cache, verdict, draft_tokens, draft_lens, hidden, drafter) -> None:
-        num_acc = verdict.num_accepted.tolist()
-        nxt = verdict.next_tokens.tolist()
-        drafts = draft_tokens.tolist()
-        lens = draft_lens.tolist()
+        B, K = draft_tokens.shape
+        # one read-back per step: accepted counts, next tokens, drafts and draft lengths together
+        packed = torch.cat([verdict.num_accepted.view(B, 1), verdict.next_tokens.view(B, 1),
+                            draft_lens.view(B, 1), draft_tokens], dim=1).tolist()
+        num_acc, nxt, lens = [p[0] for p in packed], [p[1] for p in packed], [p[2] for p in packed]
+        drafts = [p[3:] for p in packed]
         new_tokens = []
         st = self.stats
         st.num_forwards += 1

@@ -45,6 +45,14 @@ def slot_bucket(n: int, max_len: int) -> int:
     return min(s, max_len)
 
 
+def slot_buckets(max_len: int) -> list[int]:
+    """Every slot bucket up to max_len, smallest first."""
+    out = [slot_bucket(1, max_len)]
+    while out[-1] < max_len:
+        out.append(slot_bucket(out[-1] + 1, max_len))
+    return out
+
+
 def rotate_half_matrix(head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """P (D, D) with x @ P == cat(-x[D/2:], x[:D/2]) (HF's rotate_half): a signed permutation, exact in
     any dtype."""
@@ -274,8 +282,9 @@ class StaticRunner:
             ids[B:].zero_()
             pos[B:].zero_()
         key = (Bp, T, S, aux, logits_for)
-        if key not in self.graphs:
-            self._capture(key, ids, pos)
+        if key not in self.graphs:  # every slot bucket of this shape at once: a sequence goes through them all
+            for s in slot_buckets(self.cache.max_len):
+                self._capture((Bp, T, s, aux, logits_for), ids, pos)
         graph, (logits, hidden) = self.graphs[key]
         graph.replay()
         logits, hidden = self._shape(logits, hidden, Bp, T, logits_for)
@@ -288,6 +297,8 @@ class StaticRunner:
         return logits, hidden.view(B, T, -1)
 
     def _capture(self, key: tuple, ids: torch.Tensor, pos: torch.Tensor) -> None:
+        """Capture one shape. Its warm-up runs on the step's real inputs: the K/V it writes are the step's own
+        (they depend on the inputs only), and its outputs are overwritten by the replay that follows."""
         _, _, S, aux, logits_for = key
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
