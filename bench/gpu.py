@@ -94,10 +94,11 @@ def bench_gpu(settings: Settings) -> dict:
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     torch.manual_seed(0)
+    cpu_threads = torch.get_num_threads()
     draft_dtype = None if settings.draft_dtype == "policy" else settings.draft_dtype
     result: dict = {"device": device_name(device), "device_type": device, "model": settings.model, "parts": parts,
                     "forward_path": forward_path(device), "engine_path": None, **dict.fromkeys(GOALS),
-                    "settings": dataclasses.asdict(s), "part_seconds": {}, "errors": {}}
+                    "settings": dataclasses.asdict(s), "cpu_threads": cpu_threads, "part_seconds": {}, "errors": {}}
     run = Run(result)
     started = time.perf_counter()
     # first, before the model takes the GPU's memory (not run on a CPU or without h: a note says so)

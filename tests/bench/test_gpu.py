@@ -58,7 +58,7 @@ def test_the_cpu_form_runs_end_to_end_without_the_control_planes_packages(tmp_pa
     assert not (out / "gpu.json").exists()  # a CPU run never writes the GPU's file
     assert result["errors"] == {} and set(result["part_seconds"]) == set("abcdefgh")
     assert set(GOALS) <= set(result) and result["device"].startswith("cpu: ")
-    assert result["machine"]["cpu_model"] and result["commit"]
+    assert result["machine"]["cpu_model"] and result["commit"] and result["cpu_threads"] == 1
     assert result["forward_path"] == "static" and result["engine_path"] in ("eager", "static")
     # physics: every case of the CPU grid measured, the headline keys read from it; no kernel times on a CPU
     table = result["physics"]["table"]["fp32"]
