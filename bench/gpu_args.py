@@ -72,8 +72,8 @@ CPU_SIZES = Sizes(
     calib_prompts=8, sweep_prompts=2, sweep_new_tokens=32, ks=(2, 4),
     batch_sizes=(1, 4), batch_new_tokens=16, repeats=1, k=4,
     train_seconds=3.0, stop_trials=3,
-    drift_steps=5, drift_eval_prompts=2, adapt_prompts=8, adapt_seconds=5.0,
-    longtail_prompts=4, longtail_group=2, longtail_new_tokens=64, longtail_repeats=1,
+    drift_steps=3, drift_eval_prompts=2, adapt_prompts=8, adapt_seconds=5.0,
+    longtail_prompts=10, longtail_group=2, longtail_new_tokens=64, longtail_repeats=1,
 )
 
 

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -144,7 +143,7 @@ def longtail(engine: Engine, tok, head, num_prompts: int, group: int, new_tokens
     tuner_from = "fresh" if tuner is None else "the batch sweep's, T=1"
     tuner = tuner or DraftLengthTuner(k)
     arms = {"plain": (0, None), f"k{k}": (k, None), "adaptive": (k, tuner)}
-    num_before_tail = math.ceil(TAIL_FRACTION * len(reqs))
+    num_before_tail = max(1, int(TAIL_FRACTION * len(reqs)))  # the tail: the last 10% of the responses
     runs: dict = {name: [] for name in arms}
     for r in range(repeats):
         for name in rotated(list(arms), r):
