@@ -24,14 +24,15 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_args import Settings, add_arguments, settings_from_args
+from bench.gpu_args import SHAPE_ONLY, Settings, add_arguments, settings_from_args
 from bench.gpu_decode import ByteTokenizer, batch_sweep, longtail, sweep_b1
 from bench.gpu_physics import aten_ops_per_forward, forward_path, physics, smollm2_layout
 from bench.gpu_tests import cuda_tests
 from bench.gpu_train import device_name, drift, fresh_buffer, training, warm_head
 from bench.record import BENCH_DIR, finite, provenance
+from drafter.config import ModelConfig
 from drafter.engine import Engine
-from drafter.loading import load_model
+from drafter.loading import LoadedModel, load_model, random_model
 
 # the result's headline keys and their goals (docs/benchmarks.md, "GPU"); None: no goal, reported
 GOALS: dict[str, tuple[str, float] | None] = {
@@ -106,7 +107,10 @@ def bench_gpu(settings: Settings) -> dict:
     if tests is not None:
         result["cuda_tests"] = tests
         result["cuda_tests_passed"], result["cuda_tests_failed"] = tests.get("passed"), tests.get("failed")
-    loaded = load_model(settings.model, dtype=torch.float32, device=device)
+    if settings.model == SHAPE_ONLY:  # physics without the model file: the same shapes, random weights
+        loaded = LoadedModel(random_model(ModelConfig(), 0, torch.float32, device), None, SHAPE_ONLY)
+    else:
+        loaded = load_model(settings.model, dtype=torch.float32, device=device)
     policy = loaded.model
     tok = loaded.tokenizer or ByteTokenizer(policy.cfg.vocab_size)
     engine = Engine(policy, tok)  # the static path (CUDA graphs) on a GPU, eager on a CPU

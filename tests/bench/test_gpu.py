@@ -113,6 +113,7 @@ def test_the_blocker_would_catch_an_import_the_gpu_node_lacks():
     (["--parts", "h", "--skip-tests"], "leaves nothing to run"),
     (["--train-seconds", "0"], "--train-seconds must be > 0"),
     (["--warm-steps", "0"], "--warm-steps must be >= 1"),
+    (["--model", "smollm2-135m-shape", "--parts", "ab"], "serves the physics (a) and the tests (h) only"),
 ])
 def test_bad_options_get_a_clear_error(args, message, capsys):
     assert main(["--device", "cpu", *args]) == 2
