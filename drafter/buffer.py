@@ -105,7 +105,7 @@ class RolloutBuffer:
                 raise ValueError(f"outputs[{i}].hidden_states is None: generate with record_hidden=True")
             if o.prompt_hidden_states is not None:
                 tokens = list(o.prompt_ids) + list(o.token_ids)
-                hidden = torch.cat([o.prompt_hidden_states.to(o.hidden_states.dtype), o.hidden_states])
+                hidden = torch.cat([o.prompt_hidden_states.to(o.hidden_states), o.hidden_states])  # its dtype, device
                 num_prompt = len(o.prompt_ids)
             else:
                 if not o.prompt_ids:
@@ -168,7 +168,7 @@ class RolloutBuffer:
     def _make(self, tokens: Sequence[int] | torch.Tensor, hidden: torch.Tensor, policy_version: int,
               num_prompt: int, hidden_size: int | None) -> Rollout:
         """Validate and convert; raises ValueError naming the offending field."""
-        tokens = torch.as_tensor(tokens)
+        tokens = torch.as_tensor(tokens, device="cpu")  # validated and stored on the CPU, as the buffer is
         if tokens.dim() != 1 or tokens.numel() < 2:
             raise ValueError(f"tokens must be 1-D with at least 2 ids, got shape {tuple(tokens.shape)}")
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
@@ -236,6 +236,16 @@ class PackedBatch:
     num_tokens: int  # real pairs
     num_sequences: int  # segments (a chunk of a long sequence counts as one)
 
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> PackedBatch:
+        """The batch on `device` (the head's that trains or scores on it), features in `dtype` (None: as they
+        are): batches are packed on the CPU, where the buffer lives, and moved once, whole."""
+        def move(t: torch.Tensor, to: torch.dtype | None = None) -> torch.Tensor:
+            # non_blocking: from pageable memory the copy is staged at once, and the stream is not synchronized
+            return t.to(device, to or t.dtype, non_blocking=True)
+
+        return PackedBatch(move(self.feats, dtype), move(self.tokens), move(self.positions), move(self.seq_ids),
+                           move(self.target_mask), move(self.seg_start), self.num_tokens, self.num_sequences)
+
 
 @dataclass(eq=False)  # tensors inside: compare by identity
 class _Segment:
@@ -290,13 +300,15 @@ def iter_batches(buffer: RolloutBuffer | Sequence[Rollout], max_tokens_per_row: 
 
 
 def _pack(rows: list[_Row], hidden_size: int) -> PackedBatch:
+    """Packed on the CPU, where the rollouts are (PackedBatch.to moves a batch to its head's device)."""
     R, T = len(rows), max(row.num_tokens for row in rows)
-    feats = torch.zeros(R, T, hidden_size)
-    tokens = torch.zeros(R, T, dtype=torch.long)
-    positions = torch.zeros(R, T, dtype=torch.long)
-    seq_ids = torch.full((R, T), -1, dtype=torch.long)
-    target_mask = torch.zeros(R, T, dtype=torch.bool)
-    seg_start = torch.zeros(R, T, dtype=torch.long)
+    cpu = torch.device("cpu")
+    feats = torch.zeros(R, T, hidden_size, device=cpu)
+    tokens = torch.zeros(R, T, dtype=torch.long, device=cpu)
+    positions = torch.zeros(R, T, dtype=torch.long, device=cpu)
+    seq_ids = torch.full((R, T), -1, dtype=torch.long, device=cpu)
+    target_mask = torch.zeros(R, T, dtype=torch.bool, device=cpu)
+    seg_start = torch.zeros(R, T, dtype=torch.long, device=cpu)
     num_segments = num_tokens = 0
     for b, row in enumerate(rows):
         t = 0
@@ -304,7 +316,7 @@ def _pack(rows: list[_Row], hidden_size: int) -> PackedBatch:
             s, e, n = seg.start, seg.end, seg.end - seg.start
             feats[b, t : t + n] = seg.rollout.hidden[s:e].float()
             tokens[b, t : t + n] = seg.rollout.tokens[s + 1 : e + 1].long()
-            positions[b, t : t + n] = torch.arange(s, e)
+            positions[b, t : t + n] = torch.arange(s, e, device=cpu)
             seq_ids[b, t : t + n] = num_segments
             target_mask[b, t : t + n - 1] = True
             seg_start[b, t : t + n] = s

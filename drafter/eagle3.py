@@ -143,7 +143,7 @@ def check_tensors(tensors: dict[str, torch.Tensor], config: dict) -> None:
 def target_ids(tensors: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
     """(V',) int64: the target id of every draft id (arange + d2t; the identity without d2t)."""
     n = tensors["lm_head.weight"].shape[0] if "lm_head.weight" in tensors else _dims(config)["draft_vocab_size"]
-    base = torch.arange(n, dtype=torch.long)
+    base = torch.arange(n, dtype=torch.long, device="cpu")  # checkpoint tensors are read on the CPU
     return base + tensors["d2t"].long().cpu() if "d2t" in tensors else base
 
 
@@ -167,9 +167,9 @@ def eagle3_tensors(head: EagleHead, copy: bool = True) -> dict[str, torch.Tensor
     q_w, k_w, v_w = (w(t, split=True) for t in layer.self_attn.qkv_proj.weight.split((q, kv, kv), dim=0))
     gate, up = (w(t, split=True) for t in layer.mlp.gate_up_proj.weight.chunk(2, dim=0))  # MLP.forward: gate, up
     ids = head.vocab_ids.detach().to("cpu").long()
-    t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+    t2d = torch.zeros(c.vocab_size, dtype=torch.bool, device="cpu")  # the export is on the CPU, as the file
     t2d[ids] = True
-    maps = {"d2t": ids - torch.arange(ids.numel(), dtype=torch.long), "t2d": t2d}
+    maps = {"d2t": ids - torch.arange(ids.numel(), dtype=torch.long, device="cpu"), "t2d": t2d}
     if ids.numel() == c.vocab_size:
         if bool(maps["d2t"].any()):
             raise ValueError("vocab_ids: a draft vocabulary of the whole target vocabulary must be in order")

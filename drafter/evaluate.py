@@ -63,17 +63,21 @@ def expected_accepted_lengths(head: EagleHead, policy: CausalLM, rollouts: list[
         raise ValueError(f"k must be >= 1, got {k}")
     if not rollouts:
         raise ValueError("no rollouts to evaluate on")
+    device = head.fc.weight.device  # every batch moves to the head's device, which must be the policy's
+    if policy.device != device:
+        raise ValueError(f"the head is on {device} and the policy on {policy.device}: score them on one device")
     was_training = head.training
     head.eval()
     dtype = head.fc.weight.dtype
     lm_full = policy.lm_head.weight.to(dtype)  # (V, D)
     vocab_ids = head.vocab_ids
     n = len(draft_temperatures)
-    total, count = [0.0] * n, 0
+    # sums kept on the device and read once at the end: a float() per batch would wait for the device each time
+    total, count = torch.zeros(n, dtype=torch.float64, device=device), torch.zeros((), dtype=torch.long, device=device)
     try:
         for batch in iter_batches(rollouts, ROW_TOKENS, NUM_ROWS, shuffle=False):
-            feats = batch.feats.to(dtype)
-            batch.feats = feats
+            batch = batch.to(device, dtype)  # packed on the CPU, where the rollouts are
+            feats = batch.feats
             preds = unrolled_predictions(head, policy.embed_tokens, batch, k)
             # (R, T-1, V): the policy at slot j
             target_logits = F.linear(head.policy_hidden(feats[:, 1:]), lm_full).float()
@@ -99,10 +103,10 @@ def expected_accepted_lengths(head: EagleHead, policy: CausalLM, rollouts: list[
             chain_ok = torch.stack(valid).all(0)  # (R, T-1): every draft step of the chain has its target
             for i in range(n):
                 survive = torch.stack(alphas[i]).cumprod(0)  # (k, R, T-1): the first m drafts all accepted
-                total[i] += float((1.0 + survive.sum(0))[chain_ok].sum())
-            count += int(chain_ok.sum())
+                total[i] += torch.where(chain_ok, 1.0 + survive.sum(0), 0.0).sum()  # no mask indexing: no sync
+            count += chain_ok.sum()
     finally:
         head.train(was_training)
-    if count == 0:
+    if int(count) == 0:
         raise ValueError(f"the rollouts are too short to score {k} draft steps")
-    return [t / count for t in total]
+    return (total / count).tolist()

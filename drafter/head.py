@@ -140,7 +140,7 @@ class EagleHead(nn.Module):
         counts = token_counts.double().clone()
         counts[list(always)] = float("inf")
         ids = counts.topk(n).indices.sort().values
-        self.vocab_ids.copy_(ids)
+        self.vocab_ids.copy_(ids)  # onto the head's device
 
     @torch.no_grad()
     def init_lm_head(self, policy: CausalLM) -> None:
@@ -183,23 +183,25 @@ def draft_lm_weight(head: EagleHead, policy: CausalLM) -> torch.Tensor:
 
 
 def token_counts(buffer: RolloutBuffer, vocab_size: int) -> torch.Tensor:
-    """(V,) how often each policy token occurs in the buffer's rollouts."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
+    """(V,) how often each policy token occurs in the buffer's rollouts (on the CPU, where they are)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long, device="cpu")
     for r in buffer.rollouts:
         counts += torch.bincount(r.tokens.long(), minlength=vocab_size)
     return counts
 
 
 def new_head(policy: CausalLM, buffer: RolloutBuffer | None, draft_vocab_size: int | None, seed: int = 0) -> EagleHead:
-    """A fresh head; with a buffer, its draft vocabulary is the buffer's most frequent tokens. Its LM head
-    starts as the policy's rows for that vocabulary."""
+    """A fresh head on the policy's device, in its dtype; with a buffer, its draft vocabulary is the buffer's
+    most frequent tokens. Its LM head starts as the policy's rows for that vocabulary."""
     if draft_vocab_size is not None and draft_vocab_size >= policy.cfg.vocab_size:
         draft_vocab_size = None
+    # initialised on the CPU (its seeded generator is a CPU one: the same head on every device), then moved
     head = EagleHead(policy.cfg, EagleConfig(draft_vocab_size=draft_vocab_size, init_seed=seed))
+    head = head.to(device=policy.device, dtype=policy.dtype)
     if buffer is not None and draft_vocab_size is not None:
         head.set_vocab(token_counts(buffer, policy.cfg.vocab_size), always=policy.cfg.eos_token_ids)
     head.init_lm_head(policy)
-    return head.to(policy.dtype)
+    return head
 
 
 def head_config(head: EagleHead) -> dict:
@@ -240,8 +242,9 @@ def head_from_state(config: dict, state: dict[str, torch.Tensor]) -> EagleHead:
         head.load_state_dict(state, assign=True)  # strict: every weight present, shapes checked
     except RuntimeError as exc:
         raise ValueError(f"the checkpoint's tensors do not fit its head: {exc}") from None
-    cfg = head.policy_cfg  # non-persistent buffers are not in a checkpoint: rebuild them (tables are cached)
-    head.rotary = Rotary(cfg.head_dim, 2 * cfg.max_position, cfg.rope_theta)
+    cfg = head.policy_cfg  # non-persistent buffers are not in a checkpoint: rebuild them (tables are cached),
+    # on the device of the weights they serve beside
+    head.rotary = Rotary(cfg.head_dim, 2 * cfg.max_position, cfg.rope_theta).to(head.fc.weight.device)
     leftover = [name for name, t in [*head.named_parameters(), *head.named_buffers()] if t.is_meta]
     if leftover:
         raise ValueError(f"checkpoint leaves {leftover} unset")

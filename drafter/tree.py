@@ -46,16 +46,18 @@ class Tree:
             index[p] = len(index)
         self.paths = tuple(paths)
         n = len(paths) + 1  # nodes, root included
-        self.parent = torch.tensor([-1] + [index[p[:-1]] for p in paths], dtype=torch.long)
-        self.depth = torch.tensor([0] + [len(p) for p in paths], dtype=torch.long)
-        self.rank = torch.tensor([0] + [p[-1] for p in paths], dtype=torch.long)
+        # the shape's tables live on the CPU (a Tree is cached and shared by every device): users move them
+        cpu = torch.device("cpu")
+        self.parent = torch.tensor([-1] + [index[p[:-1]] for p in paths], dtype=torch.long, device=cpu)
+        self.depth = torch.tensor([0] + [len(p) for p in paths], dtype=torch.long, device=cpu)
+        self.rank = torch.tensor([0] + [p[-1] for p in paths], dtype=torch.long, device=cpu)
         self.max_depth = int(self.depth.max())
         self.width = max((p[-1] + 1 for p in paths), default=0)
-        children = torch.full((n, max(self.width, 1)), -1, dtype=torch.long)
+        children = torch.full((n, max(self.width, 1)), -1, dtype=torch.long, device=cpu)
         for p in paths:
             children[index[p[:-1]], p[-1]] = index[p]
         self.children = children  # (N+1, W): node index of each rank's child, -1 where none
-        anc = torch.eye(n, dtype=torch.bool)
+        anc = torch.eye(n, dtype=torch.bool, device=cpu)
         for j in range(1, n):  # parents come first: their rows are complete
             anc[j] |= anc[int(self.parent[j])]
         self.ancestors = anc  # (N+1, N+1): [j, i] true when i is j or an ancestor of j
