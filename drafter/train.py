@@ -12,10 +12,11 @@ before its optimizer update, so a trainer stops within one micro-step and never 
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ from drafter.checkpoint import DraftMeta, load_trainer_state, save_trainer_state
 from drafter.config import TrainConfig
 from drafter.head import EagleHead, draft_lm_weight
 from drafter.model import CausalLM, fast_bf16
-from drafter.unroll import flash_varlen_kernel, loss_mask, unrolled_predictions
+from drafter.unroll import LossIndex, flash_varlen_kernel, loss_mask, unrolled_predictions
 
 
 class StopRequestedError(Exception):
@@ -34,37 +35,37 @@ class StopRequestedError(Exception):
 
 def draft_loss(head: EagleHead, policy: CausalLM, batch: PackedBatch, cfg: TrainConfig,
                check_stop: Callable[[], None] | None = None,
-               lm_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+               lm_weight: torch.Tensor | None = None, index: LossIndex | None = None) -> tuple[torch.Tensor, dict]:
     """lm_weight: draft_lm_weight(head, policy), the policy's LM head over the draft vocabulary that scores
     the targets, possibly already in the autocast dtype (a trainer keeps one copy instead of gathering and
     casting 8192 x D weights at every use). The LM heads, the largest matmuls of a step, run on the
-    trained pairs only (loss_mask), not on padding or pairs without a chain."""
+    trained pairs only (loss_mask), not on padding or pairs without a chain. index: LossIndex.of(batch),
+    on the batch's device (None: built here, from the batch wherever it is). The stats are 0-d tensors on
+    the batch's device (ce_s and acc_s per unroll step), for the caller to read at once."""
     if lm_weight is None:
         lm_weight = draft_lm_weight(head, policy)
-    target_feats = head.policy_hidden(batch.feats[:, 1:])  # (R, T-1, D): h_{j+1} for pair j
-    first = loss_mask(batch, 0)  # every later step's pairs are among these
+    if index is None:
+        index = LossIndex.of(batch, cfg.num_unroll)
+    slots = batch.feats.flatten(0, 1)  # (R*T, F)
+    target_feats = head.policy_hidden(slots.index_select(0, index.first + 1))  # (N, D): h_{j+1} for pair j
     with torch.no_grad():
-        target_logits = F.linear(target_feats[first], lm_weight).float()  # (N, V')
+        target_logits = F.linear(target_feats, lm_weight).float()  # (N, V')
         target_p = F.softmax(target_logits, dim=-1)
         target_top = target_logits.argmax(-1)
         del target_logits
     kernel = flash_varlen_kernel() if cfg.varlen_attention and batch.feats.is_cuda else None
     preds = unrolled_predictions(head, policy.embed_tokens, batch, cfg.num_unroll, check_stop, kernel)
     total, stats = 0.0, {}
-    for s, pred in enumerate(preds):
-        valid = first if s == 0 else loss_mask(batch, s)  # (R, T-1)
-        if not bool(valid.any()):
-            continue
-        picked = valid[first]  # (N,): which of the targets this step trains on
-        trained = head.norm(pred[:, :-1][valid])  # (n, D): the normed output the head's LM head scores
+    for s, pairs, picked in index.steps:  # picked: which of the targets step s trains on
+        trained = head.norm(preds[s].flatten(0, 1).index_select(0, pairs))  # (n, D): what the head's LM head scores
         logits = head.lm_head(trained)  # (n, V')
         logp = F.log_softmax(logits.float(), dim=-1)
         ce = -(target_p[picked] * logp).sum(-1).mean()
-        reg = F.smooth_l1_loss(trained, target_feats[valid])
+        reg = F.smooth_l1_loss(trained, target_feats[picked])
         with torch.no_grad():
             agree = (logits.argmax(-1) == target_top[picked]).float().mean()
         total = total + cfg.unroll_decay**s * (ce + cfg.hidden_loss_weight * reg)
-        stats[f"ce_{s}"], stats[f"acc_{s}"] = float(ce.detach()), float(agree)
+        stats[f"ce_{s}"], stats[f"acc_{s}"] = ce.detach(), agree
     return total, stats
 
 
@@ -86,6 +87,10 @@ class DraftTrainer:
     """Trains an EagleHead against a frozen policy on a RolloutBuffer, in stoppable micro-steps."""
 
     def __init__(self, policy: CausalLM, head: EagleHead, cfg: TrainConfig | None = None) -> None:
+        self.device = head.fc.weight.device  # where it trains: batches are moved here, whole
+        if policy.device != self.device:
+            raise ValueError(f"the head is on {self.device} and the policy on {policy.device}: the head trains on "
+                             "the policy's device (its embedding and LM head score every step)")
         self.policy, self.head, self.cfg = policy, head, cfg or TrainConfig()
         self.head.train().requires_grad_(True)
         self.head.vocab_ids.requires_grad_(False)
@@ -124,7 +129,7 @@ class DraftTrainer:
             progress = min(1.0, max(0.0, budget_progress))
         else:
             progress = min(1.0, (step - c.warmup_steps) / max(1, c.total_steps - c.warmup_steps))
-        cosine = 0.5 * (1 + torch.cos(torch.tensor(progress * torch.pi)).item())
+        cosine = 0.5 * (1 + math.cos(progress * math.pi))
         return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * cosine)
 
     def request_stop(self) -> None:
@@ -156,14 +161,17 @@ class DraftTrainer:
     def micro_step(self, batch: PackedBatch, budget_progress: float | None = None) -> dict:
         """One optimizer step; raises StopRequestedError (with nothing applied) if a stop arrives mid-way.
         budget_progress: how much of the train() call's budget is spent (anneal_to_budget only)."""
-        dtype = self.head.fc.weight.dtype
-        batch = replace(batch, feats=batch.feats.to(dtype))
+        # where the loss reads, from the masks while they are on the CPU (no host sync on a GPU), then the batch
+        # on the head's device in its dtype: packed on the CPU, moved once
+        index = LossIndex.of(batch, self.cfg.num_unroll).to(self.device)
+        batch = batch.to(self.device, self.head.fc.weight.dtype)
         lr = self.lr_at(self.step, budget_progress)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(batch.feats.device.type, dtype=torch.bfloat16, enabled=self.bf16_autocast):
-            loss, stats = draft_loss(self.head, self.policy, batch, self.cfg, self._check_stop, self.lm_weight())
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16_autocast):
+            loss, stats = draft_loss(self.head, self.policy, batch, self.cfg, self._check_stop, self.lm_weight(),
+                                     index)
         self._check_stop()
         loss.backward()
         self._check_stop()
@@ -171,7 +179,11 @@ class DraftTrainer:
         self.optimizer.step()
         self.step += 1
         self.num_tokens += batch.num_tokens
-        stats.update(loss=float(loss.detach()), grad_norm=float(grad_norm), lr=lr)
+        # every figure of the step read in one transfer: each float() of a device tensor waits for the device
+        names = [*stats, "loss", "grad_norm"]
+        values = torch.stack([t.detach().float() for t in (*stats.values(), loss, grad_norm)]).tolist()
+        stats = dict(zip(names, values, strict=True))
+        stats["lr"] = lr
         if budget_progress is not None:
             stats["budget_progress"] = budget_progress
         return stats

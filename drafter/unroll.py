@@ -16,10 +16,19 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from drafter.buffer import PackedBatch
 from drafter.head import EagleHead
 from drafter.model import apply_rotary
+
+# The attention backends the unrolled forward may use: all but cuDNN's. Under bf16 on Hopper, torch sends masked
+# SDPA to cuDNN attention, which builds an execution plan for every new shape, and packed batches bring new shapes
+# at every micro-step (R, T, and the (R, 1, T, T*(s+1)) masks): bf16 autocast trained 22x slower than float32 on
+# an H100 (1.6k against 36.4k tokens/s); float32 never goes to cuDNN. Without it (H100, torch 2.11, SmolLM2's
+# head shape): bf16 20k-29k tokens/s, float32 32k, bf16 with cuDNN allowed 1.8k (its kernels in the profile).
+# `tlt bench gpu` measures the ratio (train_bf16_over_fp32). No effect on a CPU, which has no cuDNN backend.
+UNROLL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -108,11 +117,18 @@ def unrolled_predictions(head: EagleHead, embed: torch.nn.Embedding, batch: Pack
     takes step s-1's output at the slot before, as drafting feeds its own output back. With
     `varlen_kernel` (flash-attn's on a GPU) step 0 runs it over the packed segments; later steps need
     keys from other steps on the diagonal, which no varlen kernel expresses, so they stay on masked SDPA."""
-    feats, positions, seq = batch.feats, batch.positions, batch.seq_ids
+    feats = batch.feats
     if feats.shape[-1] != head.feature_size:
         raise ValueError(f"the batch's features are {feats.shape[-1]} wide; this head takes {head.feature_size} "
                          f"(three aux layers' states and the final hidden state, each {head.policy_cfg.hidden_size}): "
                          "rollouts recorded for another head layout or policy")
+    with sdpa_kernel(UNROLL_SDPA_BACKENDS):  # the backward follows the kernels the forward picked
+        return _unrolled(head, embed, batch, num_unroll, check_stop, varlen_kernel)
+
+
+def _unrolled(head: EagleHead, embed: torch.nn.Embedding, batch: PackedBatch, num_unroll: int,
+              check_stop: Callable[[], None] | None, varlen_kernel) -> list[torch.Tensor]:
+    feats, positions, seq = batch.feats, batch.positions, batch.seq_ids
     layout = varlen_layout(seq) if varlen_kernel is not None else None
     R, T, _ = feats.shape
     emb = embed(batch.tokens)  # (R, T, D), frozen
@@ -155,6 +171,36 @@ def unrolled_predictions(head: EagleHead, embed: torch.nn.Embedding, batch: Pack
         preds.append(x)
         hidden = _shift_right(x, 1)  # slot j's next input is this step's output at slot j-1
     return preds
+
+
+@dataclass
+class LossIndex:
+    """Where the loss reads a packed batch, as flat slot indices into its (R*T) slots, in loss_mask's order:
+    built where the batch's masks are (on the CPU, before the batch moves to its head's device), because a
+    boolean mask indexing a GPU tensor makes the host wait for the device to count the mask's Trues."""
+
+    first: torch.Tensor  # (N,) slot of every pair step 0 trains (loss_mask(batch, 0)); its target is slot + 1
+    # per unroll step s that has pairs: (s, the slots of its pairs (n,), where they are among `first` (n,))
+    steps: list[tuple[int, torch.Tensor, torch.Tensor]]
+
+    @classmethod
+    def of(cls, batch: PackedBatch, num_unroll: int) -> LossIndex:
+        R, T = batch.positions.shape
+        slot = torch.arange(R * T, device=batch.positions.device).view(R, T)[:, :-1]  # (R, T-1): pair j's slot
+        first = loss_mask(batch, 0)
+        first_flat = first.flatten()
+        steps = []
+        for s in range(num_unroll):
+            valid = (first if s == 0 else loss_mask(batch, s)).flatten()  # (R*(T-1),): among step 0's pairs
+            if bool(valid.any()):
+                steps.append((s, slot.flatten()[valid], valid[first_flat].nonzero().squeeze(1)))
+        return cls(slot[first], steps)
+
+    def to(self, device: torch.device | str) -> LossIndex:
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)  # from pageable memory: staged at once, no stream sync
+
+        return LossIndex(move(self.first), [(s, move(a), move(b)) for s, a, b in self.steps])
 
 
 def loss_mask(batch: PackedBatch, step: int) -> torch.Tensor:
