@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,7 +30,9 @@ from workers.engine import (
     Speculation,
     check_batch,
 )
-from workers.spec import JobSpec
+
+if TYPE_CHECKING:  # the engine reads a few of its fields: it runs where pydantic is not installed (a bare GPU node)
+    from workers.spec import JobSpec
 
 
 def as_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:

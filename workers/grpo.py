@@ -15,12 +15,14 @@ job's own: the functions read them off its JobSpec (workers.spec), where each de
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from drafter.model import CausalLM
-from workers.spec import JobSpec
+
+if TYPE_CHECKING:  # only its fields are read: the learner's math imports no pydantic (a bare GPU node runs it)
+    from workers.spec import JobSpec
 
 
 class StateRecorder(Protocol):
@@ -68,10 +70,7 @@ def sequence_logprobs(model: CausalLM, sequences: list[list[int]], prompt_lens: 
             raise ValueError(f"prompt_lens[{b}] must be in [1, {len(s)}] (the sequence's length), got {p}")
     device = model.device
     B, L = len(sequences), max(len(s) for s in sequences)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    for b, s in enumerate(sequences):
-        ids[b, : len(s)] = torch.tensor(s, dtype=torch.long)
-    ids = ids.to(device)
+    ids = torch.tensor([s + [pad_id] * (L - len(s)) for s in sequences], dtype=torch.long, device=device)  # (B, L)
     plens = torch.tensor(prompt_lens, device=device)  # (B,)
     resp_lens = torch.tensor([len(s) for s in sequences], device=device) - plens  # (B,)
     T = int(resp_lens.max())
@@ -96,12 +95,13 @@ def sequence_logprobs(model: CausalLM, sequences: list[list[int]], prompt_lens: 
     return torch.where(mask, logp, torch.zeros_like(logp)), mask
 
 
-def response_mask(sequences: list[list[int]], prompt_lens: list[int]) -> torch.Tensor:
-    """(B, T) bool, T the longest response: True on each row's generated tokens (sequence_logprobs's mask,
-    without its forward)."""
-    resp_lens = torch.tensor([len(s) - p for s, p in zip(sequences, prompt_lens)])  # (B,)
-    T = int(resp_lens.max()) if len(resp_lens) else 0
-    return torch.arange(T).unsqueeze(0) < resp_lens.unsqueeze(1)  # (B, T)
+def response_mask(sequences: list[list[int]], prompt_lens: list[int],
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """(B, T) bool on `device`, T the longest response: True on each row's generated tokens (sequence_logprobs's
+    mask, without its forward)."""
+    resp_lens = torch.tensor([len(s) - p for s, p in zip(sequences, prompt_lens)], device=device)  # (B,)
+    T = max((len(s) - p for s, p in zip(sequences, prompt_lens)), default=0)
+    return torch.arange(T, device=device).unsqueeze(0) < resp_lens.unsqueeze(1)  # (B, T)
 
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
@@ -124,7 +124,7 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         raise ValueError(f"advantages must be ({logp.shape[0]},), got {tuple(advantages.shape)}")
     if kl_coef > 0 and ref_logp is None:
         raise ValueError("ref_logp is required when kl_coef > 0")
-    mask = mask.to(torch.bool)
+    mask = mask.to(logp.device, torch.bool)  # response_mask makes it on the CPU
     num_valid = int(mask.sum())
     denom = max(num_tokens if num_tokens is not None else num_valid, 1)
     adv = advantages.to(logp).unsqueeze(1)  # (B, 1)

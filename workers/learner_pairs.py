@@ -23,9 +23,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-import ray
 import torch
-from ray.exceptions import RayError
 
 from drafter.buffer import TOKEN_DTYPE, RolloutBuffer
 from drafter.config import default_aux_layer_ids
@@ -68,7 +66,9 @@ class LearnerPairs:
             self.slots[b] = (wid, num_rows.get(wid, 0))
             num_rows[wid] = num_rows.get(wid, 0) + len(seq) - 1
             num_bytes[wid] = num_bytes.get(wid, 0) + size
-        self.features = {wid: torch.empty(n, self.feature_size, dtype=dtype) for wid, n in num_rows.items()}
+        # on the CPU whatever the policy's device: they travel to the workers as numpy arrays (messages)
+        self.features = {wid: torch.empty(n, self.feature_size, dtype=dtype, device="cpu")
+                         for wid, n in num_rows.items()}
         self.recorded: set[int] = set()
 
     def __len__(self) -> int:
@@ -106,11 +106,10 @@ class LearnerPairs:
             for start in range(0, len(todo), micro_batch_size):
                 idx = todo[start : start + micro_batch_size]
                 L = max(len(self.sequences[b]) for b in idx)
-                ids = torch.zeros(len(idx), L, dtype=torch.long)  # (b, L), right-padded: causal, so harmless
-                for i, b in enumerate(idx):
-                    ids[i, : len(self.sequences[b])] = torch.tensor(self.sequences[b], dtype=torch.long)
+                padded = [self.sequences[b] + [0] * (L - len(self.sequences[b])) for b in idx]
+                ids = torch.tensor(padded, dtype=torch.long, device=device)  # (b, L), right-padded: causal, harmless
                 positions = torch.arange(L, device=device).expand(len(idx), L)  # (b, L)
-                _, hidden, aux = model(ids.to(device), positions, None, logits_for="none", aux_layers=self.aux_layers)
+                _, hidden, aux = model(ids, positions, None, logits_for="none", aux_layers=self.aux_layers)
                 self.record(idx, hidden, aux)
         return len(todo)
 
@@ -190,6 +189,9 @@ class PairShipments:
 
     def settle(self) -> int:
         """Wait for the calls in flight; returns the pairs they added."""
+        import ray  # here: the learner's recording above runs where Ray is not installed (a bare GPU node)
+        from ray.exceptions import RayError
+
         num_pairs = 0
         for ref, wid in self.calls.items():
             try:

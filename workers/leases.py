@@ -99,7 +99,7 @@ class LeaseRunner:
         head whose draft vocabulary is this worker's most frequent rollout tokens."""
         if version == 0 and self.served.latest_version() is None:
             return new_head(self.policy, self.buffer if len(self.buffer) else None, self.spec.draft_vocab_size)
-        return self.served.load_head(version, self.policy.dtype)[0]
+        return self.served.load_head(version, self.policy.dtype, self.policy.device)[0]
 
     def _train(self, lease: LeaseOffer) -> LeaseOutcome:
         head = self._parent(lease.parent_version)

@@ -73,11 +73,11 @@ class Scorer:
             recent, result.num_tokens = recent_rollouts(self.buffer)
             if not recent:
                 raise ValueError(f"worker {self.status.worker_id} has no rollouts to score drafts on")
-            head, _ = self.copies.load_head(result.candidate, self.policy.dtype)
+            head, _ = self.copies.load_head(result.candidate, self.policy.dtype, self.policy.device)
             tau, scores = calibrate_draft_temperature(head, self.policy, recent, req.draft_k)
             result.candidate_accepted_length, result.candidate_draft_temperature = scores[tau], tau
             if req.serving_version is not None:
-                serving, _ = self.served.load_head(req.serving_version, self.policy.dtype)
+                serving, _ = self.served.load_head(req.serving_version, self.policy.dtype, self.policy.device)
                 result.serving_accepted_length = expected_accepted_length(serving, self.policy, recent, req.draft_k,
                                                                           greedy=False)
         except Exception as exc:  # the round's boundary: whatever failed, its ScoringResult is written (with the error)

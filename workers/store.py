@@ -103,10 +103,12 @@ class DraftStore(DraftIndex):
             raise CheckpointError(f"{entry['path']}: holds version {meta.version}, the index says {version}")
         return state, meta
 
-    def load_head(self, version: int, dtype: torch.dtype) -> tuple[EagleHead, DraftMeta]:
-        """The head of a stored version in `dtype`, and its meta (checksum-checked by `load`)."""
+    def load_head(self, version: int, dtype: torch.dtype,
+                  device: torch.device | str = "cpu") -> tuple[EagleHead, DraftMeta]:
+        """The head of a stored version in `dtype` on `device` (the policy's it will draft, train or be scored
+        against), and its meta (checksum-checked by `load`)."""
         state, meta = self.load(version)
-        return head_from_state(meta.head_config, state).to(dtype), meta
+        return head_from_state(meta.head_config, state).to(device=device, dtype=dtype), meta
 
     # ----- after a crash ----------------------------------------------------------------------
     def consistency_check(self) -> dict:
