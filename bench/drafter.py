@@ -60,8 +60,8 @@ def warm_drafter(loaded, num_prompts: int, max_steps: int, draft_vocab: int, num
                                          ".safetensors")
     path = out / "draft-v000001.safetensors"
     if path.is_file():
-        state, meta = load_draft(path)
-        head = head_from_state(meta.head_config, state)
+        state, meta = load_draft(path, loaded.model.device)  # on the policy's device, as warm_start leaves its head
+        head = head_from_state(meta.head_config, state).to(loaded.model.dtype)
         log(f"reusing the warm-started drafter {path}")
         return head.eval().requires_grad_(False), {"cached": True, "path": str(path), "train_steps": meta.num_steps}
     log(f"warm start: {num_prompts} prompts, {max_steps} training steps (cached afterwards in {out})")
@@ -139,12 +139,13 @@ def drift_policy(policy, tokenizer, steps: int, lr: float, seed: int = 0):
     seqs = [o.prompt_ids + o.token_ids for o in engine.generate(reqs)]
     opt = torch.optim.AdamW([p for p in new.parameters() if p.requires_grad], lr=lr)
     rng = random.Random(seed)
+    device = new.device
     for _ in range(steps):
         batch = rng.sample(seqs, 8)
         L = max(len(s) for s in batch)
-        ids = torch.tensor([s + [0] * (L - len(s)) for s in batch])
-        mask = torch.tensor([[1] * len(s) + [0] * (L - len(s)) for s in batch], dtype=torch.bool)
-        logits, _ = new(ids, torch.arange(L).expand(len(batch), L), None)
+        ids = torch.tensor([s + [0] * (L - len(s)) for s in batch], device=device)  # (B, L), right-padded
+        mask = torch.tensor([[1] * len(s) + [0] * (L - len(s)) for s in batch], dtype=torch.bool, device=device)
+        logits, _ = new(ids, torch.arange(L, device=device).expand(len(batch), L), None)
         loss = F.cross_entropy(logits[:, :-1][mask[:, 1:]], ids[:, 1:][mask[:, 1:]])
         opt.zero_grad()
         loss.backward()
@@ -188,17 +189,19 @@ def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_p
                   drift_lr: float = 1e-4,
                   adapt_seconds: float = 60.0, adapt_lr: float = 3e-4, adapt_prompts: int = 256,
                   stop_trials: int = 20, parts: str = "abc", drift_eval_prompts: int = 16,
-                  draft_dtype: str | None = "auto", tree: str = "", tree_side_depth: int = 1) -> dict:
+                  draft_dtype: str | None = "auto", tree: str = "", tree_side_depth: int = 1,
+                  device: str = "cpu") -> dict:
     """parts: any of "a" (sweep), "b" (drift), "c" (throughput, stops). Without (a), the drift is
     measured at k=4; without (b), (c) trains the warm-started head on 64 fresh rollouts. draft_dtype:
     the precision the heads draft in (drafter.eagle.serving_dtype), as the rollout workers serve them;
     tree, tree_side_depth: the warm head's draft tree in (a) (drafter.tree; "" for a chain), with a
-    chain of the same head beside it. The drift (b) is measured with chains: it is about the head."""
+    chain of the same head beside it. The drift (b) is measured with chains: it is about the head.
+    device: where the policy runs (every head and batch follows it)."""
     if not parts or set(parts) - set("abc"):
         raise ValueError(f"parts must be made of a, b and c, got {parts!r}")
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    loaded = load_model(model_spec)
+    loaded = load_model(model_spec, device=device)
     policy, tok = loaded.model, loaded.tokenizer
     engine = Engine(policy, tok)
     eval_prompts = [encode_prompt(tok, t) for t in PROMPTS[:num_eval_prompts]]  # held out: not templated
