@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 
 import pytest
@@ -20,6 +21,22 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.get_closest_marker("vllm") is not None:
             item.add_marker(skip)
+
+
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: the cuda case runs on a GPU "
+                             "node (the set in tests/cuda_tests.txt, `python3 -m pytest -q -k cuda ...`)")
+
+
+@pytest.fixture(scope="session", params=["cpu", pytest.param("cuda", marks=NO_CUDA)], ids=["cpu", "cuda"])
+def device(request) -> str:
+    """Where a device-parametrized test puts its models: "cpu", and "cuda" where a GPU is present (skipped
+    elsewhere). Session-scoped, so module fixtures can build their models on it."""
+    return request.param
+
+
+def on(model: torch.nn.Module, device: str) -> torch.nn.Module:
+    """`model` on `device`: itself on the CPU, a copy elsewhere (session fixtures are shared, never moved)."""
+    return model if torch.device(device).type == "cpu" else copy.deepcopy(model).to(device)
 
 
 def tiny_model(vocab_size: int = 64, seed: int = 0, std: float = 0.3, max_position: int = 512,

@@ -175,21 +175,24 @@ def test_merge_identical_copies_is_identity() -> None:
     assert (m.version, m.parent_version, m.num_steps) == (4, 0, 10)
 
 
-def test_merge_weights_by_steps() -> None:
-    a = {"w": torch.tensor([0.0, 4.0]), "h": torch.tensor([2.0, 2.0], dtype=torch.bfloat16)}
-    b = {"w": torch.tensor([4.0, 8.0]), "h": torch.tensor([6.0, 10.0], dtype=torch.bfloat16)}
+def test_merge_weights_by_steps(device: str) -> None:
+    """Merged where the copies are (a worker merges on its own device, or on the CPU as read from files)."""
+    bf16 = {"dtype": torch.bfloat16, "device": device}
+    a = {"w": torch.tensor([0.0, 4.0], device=device), "h": torch.tensor([2.0, 2.0], **bf16)}
+    b = {"w": torch.tensor([4.0, 8.0], device=device), "h": torch.tensor([6.0, 10.0], **bf16)}
     copies = [(a, meta(version=5, parent=3, policy=2, steps=1, total=11, tokens=100)),
               (b, meta(version=6, parent=3, policy=4, steps=3, total=13, tokens=300))]
     merged, m = merge_drafts(copies, new_version=7)
-    assert torch.equal(merged["w"], torch.tensor([3.0, 7.0]))  # 1/4 a + 3/4 b
-    assert torch.equal(merged["h"], torch.tensor([5.0, 8.0], dtype=torch.bfloat16))
+    assert merged["w"].device == a["w"].device
+    assert torch.equal(merged["w"].cpu(), torch.tensor([3.0, 7.0]))  # 1/4 a + 3/4 b
+    assert torch.equal(merged["h"].cpu(), torch.tensor([5.0, 8.0], dtype=torch.bfloat16))
     assert (m.version, m.parent_version, m.policy_version) == (7, 3, 4)
     assert (m.num_steps, m.total_steps, m.num_tokens) == (4, 14, 400)  # lineage 10 + 1 + 3
     assert m.extra == {"merged_versions": [5, 6], "merge_weights": [0.25, 0.75], "policy_versions": [2, 4]}
     # no steps anywhere: plain mean
     zero = [(a, meta(version=5, parent=3)), (b, meta(version=6, parent=3))]
     merged, m = merge_drafts(zero, new_version=7)
-    assert torch.equal(merged["w"], torch.tensor([2.0, 6.0]))
+    assert torch.equal(merged["w"].cpu(), torch.tensor([2.0, 6.0]))
     assert m.num_steps == 0
 
 
@@ -264,19 +267,21 @@ def test_trainer_state_that_does_not_fit(tmp_path: Path) -> None:
         load_trainer_state(path, other, torch.optim.AdamW(other.parameters()))
 
 
-def test_head_from_state_holds_the_checkpoint_and_real_rotary_tables(tmp_path: Path) -> None:
+def test_head_from_state_holds_the_checkpoint_and_real_rotary_tables(tmp_path: Path, device: str) -> None:
     """The hot-swap load path builds on the meta device: the result must equal a head built the
-    plain way, even when the rotary tables are computed for the first time inside that build."""
+    plain way, even when the rotary tables are computed for the first time inside that build, and
+    sit on the device of the state it was given (its rotary tables too)."""
     from drafter.model import rotary_tables
 
-    head = EagleHead(TINY, EagleConfig(init_seed=3))
+    head = EagleHead(TINY, EagleConfig(init_seed=3)).to(device)
     rotary_tables.cache_clear()
     rebuilt = head_from_state(head_config(head), {k: v.clone() for k, v in head.state_dict().items()})
     assert not any(t.is_meta for t in [*rebuilt.parameters(), *rebuilt.buffers()])
+    assert {t.device for t in [*rebuilt.parameters(), *rebuilt.buffers()]} == {head.fc.weight.device}
     assert torch.equal(rebuilt.rotary.cos, head.rotary.cos) and torch.equal(rebuilt.rotary.sin, head.rotary.sin)
     assert_same(rebuilt.state_dict(), head.state_dict())
-    feats, embeds = torch.randn(1, 4, TINY.hidden_size), torch.randn(1, 4, TINY.hidden_size)
-    positions = torch.arange(4)[None]
+    feats, embeds = (torch.randn(1, 4, TINY.hidden_size, device=device) for _ in range(2))
+    positions = torch.arange(4, device=device)[None]
     assert torch.equal(rebuilt(feats, embeds, positions, None), head(feats, embeds, positions, None))
     with pytest.raises(ValueError, match="Missing key.*fc.weight"):
         head_from_state(head_config(head), {k: v for k, v in head.state_dict().items() if "fc" not in k})

@@ -42,7 +42,7 @@ def perturbed_head(model, draft_vocab_size: int | None = 40, seed: int = 3) -> E
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in head.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() == 1 else 0.05))
+            p.add_(torch.randn(p.shape, generator=g).to(p.device) * (0.3 if p.dim() == 1 else 0.05))
         if draft_vocab_size is not None:
             head.vocab_ids.copy_(torch.randperm(model.cfg.vocab_size, generator=g)[:draft_vocab_size].sort().values)
             head.init_lm_head(model)
@@ -281,15 +281,16 @@ def test_import_checks_the_policy_and_write_checks_before_writing(good_dir, tmp_
         read_eagle3_dir(tmp_path / "absent")
 
 
-def test_the_engine_serves_an_imported_head_losslessly_and_trains_it(tmp_path):
+def test_the_engine_serves_an_imported_head_losslessly_and_trains_it(tmp_path, device):
     """A directory written by another EAGLE-3 trainer (here: our export of a head, default aux ids absent from
-    its config, as vLLM then falls back to) loads, serves greedy output equal to plain decoding, and trains."""
+    its config, as vLLM then falls back to) loads, serves greedy output equal to plain decoding, and trains, on
+    the policy's device (the directory is read on the CPU)."""
     from drafter.buffer import RolloutBuffer
     from drafter.config import TrainConfig
     from drafter.train import DraftTrainer
     from drafter.warmstart import HarvestConfig, harvest
 
-    model = tiny_model(seed=6)
+    model = tiny_model(seed=6).to(device)
     out = export_eagle3(perturbed_head(model, draft_vocab_size=None), model, tmp_path / "d")
     cfg = json.loads((out / "config.json").read_text())
     del cfg["eagle_aux_hidden_state_layer_ids"], cfg["tlt"]
@@ -304,7 +305,7 @@ def test_the_engine_serves_an_imported_head_losslessly_and_trains_it(tmp_path):
     buffer = RolloutBuffer(max_bytes=16 << 20, hidden_dtype=torch.float32)
     harvest(engine, random_prompts([5] * 16, 64, seed=9), buffer, cfg=HarvestConfig(batch_size=16, max_new_tokens=24))
     assert buffer.hidden_size == 4 * model.cfg.hidden_size  # three aux states and the final hidden state
-    head.requires_grad_(True)
+    head = head.to(device).requires_grad_(True)
     trainer = DraftTrainer(model, head, TrainConfig(warmup_steps=1, anneal_to_budget=False, bf16_autocast=False))
     batch = trainer.next_batch(buffer)
     losses = [trainer.micro_step(batch)["loss"] for _ in range(30)]

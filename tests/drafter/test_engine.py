@@ -16,9 +16,11 @@ from drafter.head import EagleHead
 from drafter.model import CausalLM, draft_features, fast_bf16, int8_linear_available
 from drafter.sampling import SamplingParams
 from drafter.unroll import unrolled_predictions
-from tests.conftest import random_prompts, tiny_model
+from tests.conftest import on, random_prompts, tiny_model
 
 LENGTHS_8 = [1, 3, 5, 9, 2, 17, 4, 33]
+# draft trees run on the eager path only: on CUDA the engine and the drafter default to the static one (chains)
+EAGER = {"static": False}
 NEEDS_INT8 = pytest.mark.skipif(not int8_linear_available(), reason="no fbgemm/x86 int8 kernels in this torch")
 
 
@@ -35,11 +37,14 @@ def greedy_requests(prompts, max_new_tokens=48):
 @pytest.mark.parametrize("drafter_name", ["ngram", "eagle", "eagle-bf16", pytest.param("eagle-int8", marks=NEEDS_INT8)])
 @pytest.mark.parametrize("k", [1, 2, 4, 7])
 @pytest.mark.parametrize("lengths", [[6], LENGTHS_8], ids=["batch1", "batch8"])
-def test_greedy_speculative_equals_plain(tiny, drafter_name, k, lengths):
-    engine = Engine(tiny)
+def test_greedy_speculative_equals_plain(tiny, drafter_name, k, lengths, device):
+    if drafter_name == "eagle-int8" and device != "cpu":
+        pytest.skip("int8 drafting is CPU-only")
+    model = on(tiny, device)
+    engine = Engine(model)
     requests = greedy_requests(random_prompts(lengths, tiny.cfg.vocab_size))
     plain = engine.generate(requests)
-    spec = engine.generate(requests, k=k, drafter=make_drafter(drafter_name, tiny))
+    spec = engine.generate(requests, k=k, drafter=make_drafter(drafter_name, model))
     for a, b in zip(plain, spec):
         assert b.token_ids == a.token_ids
         assert b.finish_reason == a.finish_reason
@@ -61,14 +66,16 @@ class CycleK:
 
 
 @pytest.mark.parametrize("drafter_name", ["ngram", "eagle", "eagle-tree"])
-def test_greedy_adaptive_draft_length_equals_plain(tiny, drafter_name):
+def test_greedy_adaptive_draft_length_equals_plain(tiny, drafter_name, device):
     """k switching step to step (0, the most, between; a tree at small batches) leaves greedy outputs
     identical to plain decoding; the chooser hears every step, capped at the engine's k."""
-    engine = Engine(tiny)
+    model = on(tiny, device)
+    engine = Engine(model, **(EAGER if drafter_name == "eagle-tree" else {}))
     requests = greedy_requests(random_prompts(LENGTHS_8, tiny.cfg.vocab_size, seed=11))
     plain = engine.generate(requests)
-    drafter = (EagleDrafter(tiny, EagleHead(tiny.cfg), tree="3,2") if drafter_name == "eagle-tree"
-               else make_drafter(drafter_name, tiny))
+    drafter = (EagleDrafter(model, EagleHead(tiny.cfg), tree="3,2", **EAGER) if drafter_name == "eagle-tree"
+               else make_drafter(drafter_name, model))
+    assert drafter_name != "eagle-tree" or drafter.tree_for(4, 1) is not None
     cycle = CycleK([0, 4, 1, 0, 9, 2, 3])
     spec = engine.generate(requests, k=4, drafter=drafter, tuner=cycle)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
@@ -77,7 +84,7 @@ def test_greedy_adaptive_draft_length_equals_plain(tiny, drafter_name):
     assert sum(n for _, _, n, _ in cycle.log) == sum(len(o.token_ids) for o in plain)
     assert all(s > 0 for *_, s in cycle.log) and cycle.log[0][0] == len(requests)
     tuner = DraftLengthTuner(4)
-    adaptive = engine.generate(requests, k=4, drafter=make_drafter(drafter_name.removesuffix("-tree"), tiny),
+    adaptive = engine.generate(requests, k=4, drafter=make_drafter(drafter_name.removesuffix("-tree"), model),
                                tuner=tuner)
     assert [o.token_ids for o in adaptive] == [o.token_ids for o in plain]
     assert set(tuner.summary()) <= {"1", "2", "3-4", "5-8"} and "5-8" in tuner.summary()
@@ -103,12 +110,13 @@ def test_serving_dtype_resolves_and_rejects_unknown_names(tiny):
         serving_precision(tiny_model().to("meta"), "int8")
 
 
-def test_swaps_are_counted_and_their_log_is_bounded(tiny):
+def test_swaps_are_counted_and_their_log_is_bounded(tiny, device):
     """Every installed head is counted, but only the latest MAX_SWAP_LOG swaps keep their times; a
     refresh (new policy weights) re-installs the serving head unless another is already queued."""
-    drafter = EagleDrafter(tiny, EagleHead(tiny.cfg))
-    assert drafter.swaps.last is None
-    heads = [EagleHead(tiny.cfg, init=False) for _ in range(2)]
+    model = on(tiny, device)
+    drafter = EagleDrafter(model, EagleHead(tiny.cfg))
+    assert drafter.swaps.last is None and drafter.head.fc.weight.device == model.device
+    heads = [EagleHead(tiny.cfg, init=False).to(device) for _ in range(2)]
     num = MAX_SWAP_LOG + 5
     for v in range(1, num + 1):
         drafter.request_swap(heads[v % 2], version=v)
@@ -157,18 +165,19 @@ def fit_eagle_head(model: CausalLM, prompts: list[list[int]], steps: int = 200, 
     the tokens, over drafter.unroll's training-time unrolling, which tests/drafter/test_train.py checks
     against inference), so that drafts past the first are accepted too."""
     outs = Engine(model).generate(greedy_requests(prompts, max_new_tokens=32))
-    seqs = torch.tensor([o.prompt_ids + o.token_ids for o in outs if len(o.token_ids) == 32])  # (N, L)
+    device = model.device  # the fit runs where the model is
+    seqs = torch.tensor([o.prompt_ids + o.token_ids for o in outs if len(o.token_ids) == 32], device=device)  # (N, L)
     N, L = seqs.shape
-    head = EagleHead(model.cfg)
+    head = EagleHead(model.cfg).to(device)
     with torch.no_grad():
-        _, hidden, aux = model(seqs, torch.arange(L).expand(N, L), model.new_cache(N, L), logits_for="none",
-                               aux_layers=head.aux_layers)  # (N, L, D), (N, L, 3D)
+        _, hidden, aux = model(seqs, torch.arange(L, device=device).expand(N, L), model.new_cache(N, L),
+                               logits_for="none", aux_layers=head.aux_layers)  # (N, L, D), (N, L, 3D)
     head.init_lm_head(model)
     T = L - 1  # pair j = (f_j, x_{j+1}) at step s predicts x_{j+2} from a chain rooted at pair j - s
-    batch = PackedBatch(feats=draft_features(hidden, aux)[:, :T], tokens=seqs[:, 1:],
-                        positions=torch.arange(T).expand(N, T), seq_ids=torch.arange(N).unsqueeze(1).expand(N, T),
-                        target_mask=torch.ones(N, T, dtype=torch.bool), seg_start=torch.zeros(N, T, dtype=torch.long),
-                        num_tokens=N * T, num_sequences=N)
+    arange = torch.arange(max(N, T), device=device)
+    batch = PackedBatch(feats=draft_features(hidden, aux)[:, :T], tokens=seqs[:, 1:], positions=arange[:T].expand(N, T),
+                        seq_ids=arange[:N].unsqueeze(1).expand(N, T), target_mask=seqs.new_ones(N, T, dtype=torch.bool),
+                        seg_start=seqs.new_zeros(N, T), num_tokens=N * T, num_sequences=N)
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
     for _ in range(steps):
         preds = unrolled_predictions(head, model.embed_tokens, batch, num_unroll)
@@ -184,16 +193,16 @@ def acceptance(outs) -> float:
     return sum(o.num_accepted for o in outs) / max(1, sum(o.num_draft_tokens for o in outs))
 
 
-def test_fitted_eagle_head_is_accepted_and_stays_lossless():
+def test_fitted_eagle_head_is_accepted_and_stays_lossless(device):
     """A head fitted to the policy's rollouts must be accepted on them: this checks that the drafter
     feeds (h_i, x_{i+1}) pairs at inference exactly as laid out in training, through the KV cache."""
-    model = tiny_model(vocab_size=32, seed=5, std=0.4)
+    model = tiny_model(vocab_size=32, seed=5, std=0.4).to(device)
     engine = Engine(model)
     prompts = random_prompts([4] * 32, model.cfg.vocab_size, seed=7)
     head = fit_eagle_head(model, prompts)
     requests = greedy_requests(prompts[:8], max_new_tokens=32)
     plain = engine.generate(requests)
-    untrained = engine.generate(requests, k=4, drafter=EagleDrafter(model, EagleHead(model.cfg)))
+    untrained = engine.generate(requests, k=4, drafter=EagleDrafter(model, EagleHead(model.cfg).to(device)))
     one = engine.generate(requests, k=1, drafter=EagleDrafter(model, head))
     four = engine.generate(requests, k=4, drafter=EagleDrafter(model, head))
     # k switching, 0 included: the head catches up on the pairs of the plain steps before drafting
@@ -206,31 +215,36 @@ def test_fitted_eagle_head_is_accepted_and_stays_lossless():
     assert acceptance(cycled) > max(0.3, 2 * acceptance(untrained))
 
 
-def test_sampled_generation_is_reproducible_per_seed(tiny):
-    engine = Engine(tiny)
+def test_sampled_generation_is_reproducible_per_seed(tiny, device):
+    model = on(tiny, device)
+    engine = Engine(model)
     prompts = random_prompts([5, 8, 3], tiny.cfg.vocab_size)
 
-    def run(seed0, k):
+    def run(seed0, k, drafter=None):
         reqs = [Request(p, SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=24, seed=seed0 + i))
                 for i, p in enumerate(prompts)]
-        return [o.token_ids for o in engine.generate(reqs, k=k, drafter=NgramDrafter() if k else None)]
+        return [o.token_ids for o in engine.generate(reqs, k=k, drafter=(drafter or NgramDrafter()) if k else None)]
 
     assert run(0, 0) == run(0, 0)
     assert run(0, 3) == run(0, 3)
     assert run(0, 0) != run(100, 0)
+    eagle = run(0, 3, EagleDrafter(model, EagleHead(tiny.cfg)))  # an EAGLE chain at T=1: drafts sampled on the device
+    assert eagle == run(0, 3, EagleDrafter(model, EagleHead(tiny.cfg))) and [len(t) for t in eagle] == [24] * 3
 
 
-def test_record_hidden_matches_a_full_forward(tiny):
-    engine = Engine(tiny)
+def test_record_hidden_matches_a_full_forward(tiny, device):
+    model = on(tiny, device)
+    engine = Engine(model)
     req = greedy_requests(random_prompts([6], tiny.cfg.vocab_size), max_new_tokens=20)
     plain = engine.generate(req)[0]
     assert plain.hidden_states is None
     out = engine.generate(req, k=3, drafter=NgramDrafter(), record_hidden=True)[0]
-    seq = torch.tensor([out.prompt_ids + out.token_ids])
+    seq = torch.tensor([out.prompt_ids + out.token_ids], device=device)
     L = seq.shape[1]
-    _, hidden = tiny(seq, torch.arange(L).unsqueeze(0), tiny.new_cache(1, L), logits_for="none")
-    _, _, aux = tiny(seq, torch.arange(L).unsqueeze(0), tiny.new_cache(1, L), logits_for="none",
-                     aux_layers=default_aux_layer_ids(tiny.cfg.num_layers))
+    positions = torch.arange(L, device=device).unsqueeze(0)
+    _, hidden = model(seq, positions, model.new_cache(1, L), logits_for="none")
+    _, _, aux = model(seq, positions, model.new_cache(1, L), logits_for="none",
+                      aux_layers=default_aux_layer_ids(tiny.cfg.num_layers))
     hidden = draft_features(hidden, aux)  # the aux layers' states, then the final hidden state
     P = len(out.prompt_ids)
     assert out.hidden_states.shape == (len(out.token_ids), 4 * tiny.cfg.hidden_size)
@@ -274,9 +288,10 @@ def test_context_limit_stops_with_length():
     assert len(out.token_ids) == 10 and out.finish_reason == "length"
 
 
-def test_forward_without_cache_matches_cached_forward(tiny):
-    ids = torch.tensor(random_prompts([12, 12], tiny.cfg.vocab_size))
-    pos = torch.arange(12).expand(2, 12)
-    cached, _ = tiny(ids, pos, tiny.new_cache(2, 12))
-    free, _ = tiny(ids, pos, None)
+def test_forward_without_cache_matches_cached_forward(tiny, device):
+    model = on(tiny, device)
+    ids = torch.tensor(random_prompts([12, 12], tiny.cfg.vocab_size), device=device)
+    pos = torch.arange(12, device=device).expand(2, 12)
+    cached, _ = model(ids, pos, model.new_cache(2, 12))
+    free, _ = model(ids, pos, None)
     torch.testing.assert_close(free, cached, atol=1e-5, rtol=1e-5)

@@ -23,7 +23,7 @@ from drafter.sampling import SamplingParams
 from drafter.train import DraftTrainer, StopRequestedError, draft_loss
 from drafter.unroll import unrolled_predictions
 from drafter.warmstart import HarvestConfig, harvest, measure, warm_start
-from tests.conftest import pattern_corpus, random_prompts, structured_model, tiny_model
+from tests.conftest import on, pattern_corpus, random_prompts, structured_model, tiny_model
 
 
 def offline_cfg(**kwargs) -> TrainConfig:
@@ -33,25 +33,26 @@ def offline_cfg(**kwargs) -> TrainConfig:
 
 
 def single_sequence_batch(model, seq: list[int]) -> PackedBatch:
-    L = len(seq)
-    ids = torch.tensor([seq])
-    _, hidden, aux = model(ids, torch.arange(L).unsqueeze(0), model.new_cache(1, L), logits_for="none",
+    """The pairs of one sequence as a packed batch, on the model's device."""
+    L, device = len(seq), model.device
+    ids = torch.tensor([seq], device=device)
+    _, hidden, aux = model(ids, torch.arange(L, device=device).unsqueeze(0), model.new_cache(1, L), logits_for="none",
                            aux_layers=default_aux_layer_ids(model.cfg.num_layers))  # (1, L, D), (1, L, 3D)
     T = L - 1  # pairs (f_j, x_{j+1}), j = 0..L-2
-    target = torch.ones(1, T, dtype=torch.bool)
+    target = torch.ones(1, T, dtype=torch.bool, device=device)
     target[0, -1] = False
     feats = draft_features(hidden, aux)[:, :T]  # (1, T, 4D)
-    return PackedBatch(feats=feats, tokens=ids[:, 1:], positions=torch.arange(T).unsqueeze(0),
-                       seq_ids=torch.zeros(1, T, dtype=torch.long), target_mask=target,
-                       seg_start=torch.zeros(1, T, dtype=torch.long), num_tokens=T, num_sequences=1)
+    return PackedBatch(feats=feats, tokens=ids[:, 1:], positions=torch.arange(T, device=device).unsqueeze(0),
+                       seq_ids=ids.new_zeros(1, T), target_mask=target, seg_start=ids.new_zeros(1, T), num_tokens=T,
+                       num_sequences=1)
 
 
 @torch.no_grad()
-def test_unrolled_training_sees_what_inference_sees():
+def test_unrolled_training_sees_what_inference_sees(device):
     """Unroll step s at slot j must equal running the head with a KV cache: true pairs (fused aux states)
     up to the chain start c = j - s, then s steps fed with its own outputs."""
-    model = tiny_model(seed=3).double()  # float64: a wrong mask or shift differs by O(1), rounding by 1e-12
-    head = EagleHead(model.cfg, EagleConfig(init_seed=1)).double().eval()
+    model = tiny_model(seed=3).to(device, torch.float64)  # float64: a wrong mask or shift differs by O(1), rounding
+    head = EagleHead(model.cfg, EagleConfig(init_seed=1)).to(device, torch.float64).eval()  # by 1e-12
     for p in head.parameters():  # larger weights, so a wrong mask or shift shows clearly
         p.mul_(10)
     seq = random_prompts([14], model.cfg.vocab_size, seed=5)[0]
@@ -59,26 +60,26 @@ def test_unrolled_training_sees_what_inference_sees():
     preds = unrolled_predictions(head, model.embed_tokens, batch, num_unroll=3)
     emb = model.embed_tokens
     for c in (0, 3, 7):
-        cache = head.new_cache(1, 32, torch.float64, "cpu")
-        out = head(head.fuse(batch.feats[:, : c + 1]), emb(batch.tokens[:, : c + 1]), torch.arange(c + 1).unsqueeze(0),
-                   cache)
+        cache = head.new_cache(1, 32, torch.float64, device)
+        out = head(head.fuse(batch.feats[:, : c + 1]), emb(batch.tokens[:, : c + 1]),
+                   torch.arange(c + 1, device=device).unsqueeze(0), cache)
         pred = out[:, -1:]  # (1, 1, D): the output that scores x_{c+2}
         torch.testing.assert_close(pred[0, 0], preds[0][0, c], atol=1e-9, rtol=1e-9)
         for s in (1, 2):
             j = c + s
-            pred = head(pred, emb(batch.tokens[:, j : j + 1]), torch.tensor([[j]]), cache)
+            pred = head(pred, emb(batch.tokens[:, j : j + 1]), torch.tensor([[j]], device=device), cache)
             torch.testing.assert_close(pred[0, 0], preds[s][0, j], atol=1e-9, rtol=1e-9)
 
 
-def test_the_loss_trains_chains_rooted_inside_their_segment_only():
+def test_the_loss_trains_chains_rooted_inside_their_segment_only(device):
     """One row holding two segments, the second a chunk that continues a sequence at position 5: the
     loss, rebuilt pair by pair, covers step s at pair j only when j - s is in j's segment."""
-    model = tiny_model(seed=3).double()
-    head = EagleHead(model.cfg, EagleConfig(init_seed=1)).double()
+    model = tiny_model(seed=3).to(device, torch.float64)
+    head = EagleHead(model.cfg, EagleConfig(init_seed=1)).to(device, torch.float64)
     seq = random_prompts([14], model.cfg.vocab_size, seed=5)[0]
     one = single_sequence_batch(model, seq)
     T = one.feats.shape[1]
-    second = torch.arange(T) >= 5
+    second = torch.arange(T, device=device) >= 5
     target = one.target_mask.clone()
     target[0, 4] = False  # the first segment's last pair
     batch = dataclasses.replace(one, seq_ids=second.long().unsqueeze(0), target_mask=target,
@@ -97,14 +98,14 @@ def test_the_loss_trains_chains_rooted_inside_their_segment_only():
         ce = -(p * torch.log_softmax(head.lm_head(pred), -1)).sum(-1).mean()
         reg = torch.nn.functional.smooth_l1_loss(pred, targets)
         expected += cfg.unroll_decay**s * (ce + cfg.hidden_loss_weight * reg)
-        assert stats[f"ce_{s}"] == pytest.approx(float(ce), rel=1e-5)
+        assert float(stats[f"ce_{s}"]) == pytest.approx(float(ce.detach()), rel=1e-5)
     torch.testing.assert_close(loss.detach(), expected.to(loss.dtype), rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
-def structured():
-    """A tiny policy with structure, its rollout buffer, and held-out prompts."""
-    model = structured_model()
+def structured(device):
+    """A tiny policy with structure on `device`, its rollout buffer (harvested there), and held-out prompts."""
+    model = on(structured_model(), device)
     engine = Engine(model)
     buffer = RolloutBuffer(max_bytes=64 << 20)
     prompts = [p[:6].tolist() for p in pattern_corpus(72, seed=10_000)]
@@ -142,7 +143,7 @@ def test_trained_drafter_beats_untrained_on_held_out_rollouts(structured):
     half = measure(engine, held_out, 3, bf16, max_new_tokens=32)
     assert half.mean_accepted_length > trained.mean_accepted_length - 0.15
     assert [o.token_ids for o in engine.generate(reqs, k=3, drafter=bf16)] == [o.token_ids for o in plain]
-    if not int8_linear_available():
+    if not int8_linear_available() or model.device.type != "cpu":  # int8 drafting is CPU-only
         return
     # with int8 weights (a quantized copy: the trained head keeps its float32 Linear layers), likewise
     int8 = EagleDrafter(model, head, "int8")
@@ -280,7 +281,7 @@ def test_bf16_autocast_trains_like_float32_and_keeps_float32_weights(structured)
     assert losses[True][-1] < 1.5 * losses[False][-1]
     # None: on where the device has native bf16 matmuls
     auto = DraftTrainer(model, new_head(model, None, None), TrainConfig(bf16_autocast=None))
-    assert auto.bf16_autocast == fast_bf16("cpu")
+    assert auto.bf16_autocast == fast_bf16(model.device)
     assert TrainConfig().bf16_autocast is None and TrainConfig().anneal_to_budget  # the online lease's defaults
 
 
@@ -290,7 +291,7 @@ def test_trainer_keeps_the_draft_lm_weight_and_rebuilds_it_when_the_policy_chang
     vocabulary is seen at once, never a stale copy."""
     model, _, buffer, _ = structured
     policy = copy.deepcopy(model)
-    head = EagleHead(policy.cfg, EagleConfig(draft_vocab_size=policy.cfg.vocab_size // 2))
+    head = EagleHead(policy.cfg, EagleConfig(draft_vocab_size=policy.cfg.vocab_size // 2)).to(policy.device)
     for bf16 in (False, True):
         trainer = DraftTrainer(policy, head, offline_cfg(bf16_autocast=bf16))
         kept = trainer.lm_weight()
@@ -298,7 +299,8 @@ def test_trainer_keeps_the_draft_lm_weight_and_rebuilds_it_when_the_policy_chang
         assert torch.equal(kept, draft_lm_weight(head, policy).to(kept.dtype))
         assert trainer.lm_weight() is kept  # not rebuilt while nothing changed
     batch = trainer.next_batch(buffer)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    batch = batch.to(policy.device)
+    with torch.autocast(policy.device.type, dtype=torch.bfloat16):
         fresh = draft_loss(head, policy, batch, trainer.cfg)[0]
         cached = draft_loss(head, policy, batch, trainer.cfg, lm_weight=trainer.lm_weight())[0]
     assert float(cached.detach()) == float(fresh.detach())
@@ -334,7 +336,8 @@ def test_killed_trainer_resumes_from_its_last_checkpoint(structured, tmp_path):
     trainer.train(buffer, max_steps=5, checkpoint=lambda t: t.save(path, meta), checkpoint_every=2)
     saved = {k: v.clone() for k, v in trainer.head.state_dict().items()}
     # "killed" after the checkpoint: a fresh process rebuilds the trainer and resumes
-    fresh = DraftTrainer(model, EagleHead(model.cfg, EagleConfig(init_seed=9)), offline_cfg(warmup_steps=1))
+    fresh = DraftTrainer(model, EagleHead(model.cfg, EagleConfig(init_seed=9)).to(model.device),
+                         offline_cfg(warmup_steps=1))
     assert fresh.resume(path).version == 2
     assert fresh.step == 5 and fresh.num_tokens == trainer.num_tokens
     for k, v in fresh.head.state_dict().items():
@@ -371,7 +374,8 @@ def test_head_swap_mid_generation_is_lossless_and_takes_effect(structured):
     assert [o.token_ids for o in engine.generate(reqs, k=3, drafter=half)] == [o.token_ids for o in plain]
     assert half.version == 8 and half.head.fc.weight.dtype == torch.bfloat16
     assert trained.fc.weight.dtype == torch.float32 and half.head is not trained
-    if int8_linear_available():  # likewise int8; a head converted in place (as a worker's fresh load) is not copied
+    if int8_linear_available() and model.device.type == "cpu":  # likewise int8 (CPU-only); a head converted in place
+        # (as a worker's fresh load) is not copied
         q = EagleDrafter(model, new_head(model, None, None), "int8")
         q.request_swap(trained, version=9)
         assert [o.token_ids for o in engine.generate(reqs, k=3, drafter=q)] == [o.token_ids for o in plain]
@@ -457,3 +461,44 @@ def test_warm_start_keeps_its_harvest_and_saves_a_calibrated_head(structured, tm
                           progress=messages.append, harvest_file=harvest_file)
     assert again.num_harvested_tokens == report.num_harvested_tokens
     assert any("read from" in m for m in messages) and not any(m.startswith("harvest [") for m in messages)
+
+
+def test_a_head_on_another_device_than_the_policy_is_refused():
+    """The trainer and the offline scorer take the device from the head and need the policy there too: a
+    clear error up front, not a device mismatch deep in a forward (here: the meta device stands in for a GPU)."""
+    model = tiny_model()
+    elsewhere = EagleHead(model.cfg).to("meta")
+    with pytest.raises(ValueError, match="the head is on meta and the policy on cpu"):
+        DraftTrainer(model, elsewhere)
+    with pytest.raises(ValueError, match="the head is on meta and the policy on cpu"):
+        rollouts = RolloutBuffer(max_bytes=1 << 20)
+        rollouts.add(list(range(6)), torch.zeros(5, elsewhere.feature_size), policy_version=0)
+        expected_accepted_length(elsewhere, model, rollouts.rollouts, 3)  # before anything is read
+    head = new_head(model.to("meta"), None, 16)  # a new head is made on its policy's device
+    assert head.fc.weight.is_meta and head.vocab_ids.is_meta
+
+
+def test_a_training_step_does_not_wait_for_the_device(structured):
+    """On a GPU the forward and backward of a micro-step queue their kernels without reading anything back:
+    the loss's indices come from the masks on the CPU, before the batch moves (torch's sync debug mode makes
+    every synchronizing call an error). bf16 autocast, as online leases train."""
+    model, _, buffer, _ = structured
+    if model.device.type != "cuda":
+        pytest.skip("host syncs are a GPU matter")
+    from drafter.unroll import LossIndex
+
+    trainer = DraftTrainer(model, new_head(model, None, 32), offline_cfg(bf16_autocast=True))
+    cpu_batch = trainer.next_batch(buffer)
+    index, batch = LossIndex.of(cpu_batch, trainer.cfg.num_unroll), cpu_batch.to(model.device)
+    index = index.to(model.device)
+    lm_weight = trainer.lm_weight()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss, stats = draft_loss(trainer.head, model, batch, trainer.cfg, trainer._check_stop, lm_weight, index)
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert set(stats) == {f"{n}_{s}" for n in ("ce", "acc") for s in range(trainer.cfg.num_unroll)}
+    assert math.isfinite(float(loss.detach())) and trainer.head.fc.weight.grad is not None
