@@ -216,7 +216,7 @@ class DraftGraphs:
         pad = [0] * P
         host = [(t + pad)[:P] + [n, s, c] for t, n, s, c in zip(rows.pending_tokens, num_pending, lens, caps)]
         host += [pad + [0] * NUM_INTS] * (Bp - B)  # padded rows: nothing pending, nothing drafted
-        b["ints"][:Bp, : P + NUM_INTS].copy_(torch.tensor(host, dtype=torch.long), non_blocking=True)
+        b["ints"][:Bp, : P + NUM_INTS].copy_(torch.tensor(host, dtype=torch.long, device="cpu"), non_blocking=True)
 
     def _capture(self, key: tuple) -> None:
         """Capture one shape. Its warm-up runs on the step's real inputs (what it writes, the replay that

@@ -195,11 +195,10 @@ class EagleDrafter(Drafter):
         if P == 0:
             return None
         feats = torch.zeros(B, P, self.head.feature_size, dtype=self.dtype, device=device)
-        toks = torch.zeros(B, P, dtype=torch.long, device=device)
+        toks = torch.tensor([t + [0] * (P - len(t)) for t in rows.pending_tokens], dtype=torch.long, device=device)
         for b in range(B):
             n = len(rows.pending_tokens[b])
             feats[b, :n] = rows.pending_hidden(b, self._empty())
-            toks[b, :n] = torch.tensor(rows.pending_tokens[b], dtype=torch.long)
         positions = cache.lens.unsqueeze(1) + torch.arange(P, device=device)  # (B, P)
         hidden = self.head.fuse(feats)  # (B, P, 4D) -> (B, P, D)
         out = self.head(hidden, self.policy.embed_tokens(toks).to(self.dtype), positions, cache)  # (B, P, D)

@@ -204,7 +204,7 @@ class Engine:
             for b, r in enumerate(rows):
                 n = r.num_prompt - 1
                 r.prompt_hidden = (prefill_hidden[b, :n].clone() if prefill_hidden is not None
-                                   else torch.zeros(0, width, dtype=model.dtype))
+                                   else torch.zeros(0, width, dtype=model.dtype, device=device))
         if drafter is not None:
             drafter.begin([r.tokens for r in rows], prefill_hidden)
         while order:
@@ -226,7 +226,9 @@ class Engine:
             if on_step is not None:
                 on_step(len(rows) - len(order) + len(done), sum(len(r.tokens) - r.num_prompt for r in rows))
             if done:
-                keep = torch.tensor([j for j in range(len(live)) if not live[j].finish_reason], dtype=torch.long)
+                # on the CPU: the drafter reorders its host-side rows by it; the caches get a device copy
+                keep = torch.tensor([j for j in range(len(live)) if not live[j].finish_reason], dtype=torch.long,
+                                    device="cpu")
                 order = [order[j] for j in keep.tolist()]
                 cache.keep_rows(keep.to(device))
                 sampling = sampling.select(keep.to(device))
@@ -315,7 +317,8 @@ class Engine:
         """(B, n) per row: for a chain of k, n = 2k+1: k acceptance tests, one final draw, k for sampled
         drafts; for a tree, its tests and final draw, then one per node. Drawn per row, so a row's
         random stream depends on its own seed only, not on what else is in the batch."""
-        return torch.stack([torch.rand(n, generator=r.gen) for r in live]).to(self.model.device)
+        # drawn on the CPU, where each row's torch.Generator lives, then moved in one copy
+        return torch.stack([torch.rand(n, generator=r.gen, device="cpu") for r in live]).to(self.model.device)
 
     def _prefill(self, rows: list[_Row], cache, needs_hidden: bool, aux=None) -> torch.Tensor | None:
         """Run prompt[:-1] of every row through the policy (no logits needed)."""
@@ -323,12 +326,11 @@ class Engine:
         cache.lens = torch.tensor([len(r.tokens) - 1 for r in rows], dtype=torch.long, device=cache.lens.device)
         if P == 0:
             return None
-        ids = torch.zeros(len(rows), P, dtype=torch.long)
-        for b, r in enumerate(rows):
-            ids[b, : len(r.tokens) - 1] = torch.tensor(r.tokens[:-1], dtype=torch.long)
         device = self.model.device
+        ids = torch.tensor([r.tokens[:-1] + [0] * (P + 1 - len(r.tokens)) for r in rows], dtype=torch.long,
+                           device=device)  # (B, P), right-padded
         positions = torch.arange(P, device=device).expand(len(rows), P)  # padding slots get overwritten later
-        _, hidden = self._forward(aux, ids.to(device), positions, cache, logits_for="none", num_slots=P)
+        _, hidden = self._forward(aux, ids, positions, cache, logits_for="none", num_slots=P)
         return hidden if needs_hidden else None
 
     def _advance(self, live, cache, verdict, draft_tokens, draft_lens, hidden, drafter) -> None:

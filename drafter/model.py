@@ -166,7 +166,8 @@ class Int8Linear(nn.Module):
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
         with warnings.catch_warnings():  # quantized tensors are deprecated as a user API; the kernels are not
             warnings.simplefilter("ignore", UserWarning)
-            qw = torch.quantize_per_channel(w, scale, torch.zeros(len(scale), dtype=torch.long), 0, torch.qint8)
+            qw = torch.quantize_per_channel(w, scale, torch.zeros(len(scale), dtype=torch.long, device="cpu"), 0,
+                                             torch.qint8)
             self._packed = torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.detach().float().cpu())
         self.out_features, self.in_features = w.shape
 
@@ -191,9 +192,9 @@ def quantize_int8(module: nn.Module) -> nn.Module:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, device=device))  # None: the default device, as nn.Linear
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
