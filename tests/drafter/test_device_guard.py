@@ -27,29 +27,11 @@ FACTORIES = frozenset({
     "tril_indices", "triu_indices", "zeros",
 })
 
-# (file, function): why its device-less factories stay. "TODO owner": in a file another engineer is rewriting;
-# the fix is theirs, and they remove the entry with it.
+# (file, function): why its device-less factories stay.
 ALLOWED = {
     ("drafter/head.py", "EagleHead.__init__"):
         "a module constructor: its vocab_ids buffer follows the construction device as nn.Linear's weights do "
         "(a torch.device context, e.g. head_from_state's meta device, or .to() after)",
-    ("drafter/model.py", "RMSNorm.__init__"):
-        "TODO owner: a module constructor (its weight follows the construction device, as nn.Linear's does)",
-    ("drafter/model.py", "Int8Linear.__init__"):
-        "TODO owner: int8 linear layers are CPU-only (the zero points of a CPU quantized weight): device='cpu'",
-    ("drafter/engine.py", "Engine.generate"):
-        "TODO owner: an empty prompt_hidden on the CPU beside device hidden states (RolloutBuffer.add_outputs "
-        "moves it now), and the kept rows' index made on the CPU, then moved",
-    ("drafter/engine.py", "Engine._uniforms"):
-        "TODO owner: per-row torch.Generator draws on the CPU (a row's stream depends on its seed only), moved "
-        "in one .to(device): device='cpu' says so",
-    ("drafter/engine.py", "Engine._prefill"):
-        "TODO owner: prompt ids padded on the CPU, then moved: one torch.tensor(padded, device=device)",
-    ("drafter/eagle.py", "EagleDrafter._feed_pending"):
-        "TODO owner: each row's pending tokens copied from a CPU tensor into the device batch (one copy per "
-        "row): one torch.tensor(padded, device=device)",
-    ("drafter/draft_graphs.py", "DraftGraphs._fill"):
-        "TODO owner: the host side of a non_blocking copy into a graph's input buffer: device='cpu' (pinned)",
 }
 
 
