@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 from typing import Annotated
 
 import redis as redis_lib
@@ -31,12 +32,22 @@ def _launcher(request: Request) -> Launcher:
     return request.app.state.launcher
 
 
-def require_token(settings: Annotated[Settings, Depends(_settings)],
-                   creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
-    """With a token configured, every route that changes a job or reads its details needs it (docs/api.md)."""
+def token_matches(authorization: str | None, token: str) -> bool:
+    """Whether an Authorization header is exactly "Bearer <token>" (the scheme in any case), compared in
+    constant time and never stripped: HTTPBearer strips the credentials, which made "token\u00a0" a match.
+    Starlette decodes headers as latin-1, so encoding back gives the bytes the client sent."""
+    scheme, sep, given = (authorization or "").partition(" ")
+    is_bearer = sep == " " and scheme.lower() == "bearer"
+    return hmac.compare_digest(given.encode("latin-1", "replace"), token.encode("utf-8")) and is_bearer
+
+
+def require_token(request: Request, settings: Annotated[Settings, Depends(_settings)],
+                  _: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+    """With a token configured, every route that changes a job or reads its details needs it (docs/api.md).
+    HTTPBearer stays a dependency so that the OpenAPI schema declares the scheme; the raw header decides."""
     if settings.api_token is None:
         return
-    if creds is None or creds.credentials != settings.api_token:
+    if not token_matches(request.headers.get("authorization"), settings.api_token):
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing or wrong bearer token",
                             headers={"WWW-Authenticate": "Bearer"})
 
