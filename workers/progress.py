@@ -158,7 +158,22 @@ def read_json_list(redis: redis_lib.Redis, key: str, start: int = 0) -> list:
     return out
 
 
-_STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
+_STREAM_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")  # ASCII digits only: \d takes any script's
+MAX_STREAM_ID_PART = (1 << 64) - 1  # each part of a Redis stream id is an unsigned 64-bit integer
+STREAM_ID_RULE = "must be a stream id like 1700000000000-0: two integers, each below 2**64"
+
+
+def stream_id_after(after: str) -> str | None:
+    """The smallest stream id greater than `after` (None: nothing can follow it); ValueError (STREAM_ID_RULE,
+    the value not echoed) for anything else. Reads then ask for an inclusive range from it: Redis refuses an
+    exclusive one from the largest id, which a crafted cursor turned into a 500."""
+    match = _STREAM_ID.fullmatch(after) if isinstance(after, str) else None
+    if match is None or any(int(part) > MAX_STREAM_ID_PART for part in match.groups()):
+        raise ValueError(f"after {STREAM_ID_RULE}")
+    ms, seq = (int(part) for part in match.groups())
+    if seq < MAX_STREAM_ID_PART:
+        return f"{ms}-{seq + 1}"
+    return f"{ms + 1}-0" if ms < MAX_STREAM_ID_PART else None
 
 
 def read_events(redis: redis_lib.Redis, job_id: str, count: int = 100, after: str | None = None) -> list[dict]:
@@ -167,13 +182,12 @@ def read_events(redis: redis_lib.Redis, job_id: str, count: int = 100, after: st
     earlier read) only later ones: a poller reads each event once. Malformed entries are logged and skipped."""
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"count must be an int >= 1, got {count!r}")
-    if after is not None and not _STREAM_ID.fullmatch(after):
-        raise ValueError(f"after must be a stream id like 1700000000000-0, got {after!r}")
-    if after is not None and any(int(part) >= 1 << 64 for part in after.split("-")):
-        raise ValueError(f"after must be a stream id like 1700000000000-0 (each part below 2**64), got {after!r}")
+    first = stream_id_after(after) if after is not None else "-"
+    if first is None:
+        return []
     key = job_events_key(job_id)
     events = []
-    entries = redis.xrevrange(key, min=f"({after}" if after else "-", count=count)
+    entries = redis.xrevrange(key, min=first, count=count)
     for entry_id, raw in reversed(entries):
         d = {text(k): text(v) for k, v in raw.items()}
         try:

@@ -10,7 +10,7 @@ from scheduler.deps import AppSettings, Auth, Job, Launch, Store
 from scheduler.http_errors import field_error
 from scheduler.paths import job_roots, spec_path_errors
 from scheduler.schemas import JobOut
-from workers.progress import read_events, read_json_list
+from workers.progress import STREAM_ID_RULE, read_events, read_json_list
 from workers.protocol import TERMINAL_JOB_STATES, JobState, job_steps_key
 from workers.spec import JobSpec
 
@@ -89,6 +89,6 @@ def events(_: Auth, job: Job, store: Store, limit: int = 10_000, after: str | No
     fetch each event once). Checked on read; left as dicts, the first load is 100k of them."""
     try:
         return read_events(store.redis, job["job_id"], count=max(1, min(limit, MAX_EVENTS_READ)), after=after)
-    except ValueError as exc:
+    except ValueError:  # its message names the rule, never the value
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
-                            field_error("after", str(exc), where="query")) from None
+                            field_error("after", f"after {STREAM_ID_RULE}", where="query")) from None

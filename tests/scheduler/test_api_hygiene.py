@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 from scheduler.app import Settings, create_app
 from scheduler.deps import token_matches
 from scheduler.jobs import JobStore
-from workers.protocol import jobs_index_key
+from workers.protocol import WorkerState, event_fields, job_events_key, jobs_index_key
 from workers.redis_server import PrivateRedis
 from workers.spec import JobSpec
 
@@ -61,3 +61,49 @@ def test_the_exact_token_passes_in_any_scheme_case(client):
 def test_token_matches_compares_bytes_exactly():
     assert token_matches("Bearer " + "t\u00e9".encode().decode("latin-1"), "t\u00e9")  # a non-ASCII token
     assert not token_matches(None, "t") and not token_matches("Bearer t\u00a0", "t")
+
+
+# ----- cursors and ranges ---------------------------------------------------------------------------
+MAX_ID_PART = 2 ** 64 - 1
+BAD_CURSORS = [f"{MAX_ID_PART + 1}-0", f"0-{MAX_ID_PART + 1}", "99999999999999999999-0", "1", "1-2-3", "-1-0",
+               "a-b", "\uff11-0", "1-0 ", " 1-0", "1.5-0", "..%2F..", "%00", "1" * 5000]
+
+
+@pytest.mark.parametrize("after", BAD_CURSORS)
+def test_malformed_events_cursors_get_422_naming_after_without_the_value(client, after):
+    r = client.get(f"/v1/jobs/{client.job_id}/events", params={"after": after}, headers=AUTH)
+    assert_refused(r, 422, "after", *([after] if len(after) > 3 else []))
+    assert "must be a stream id" in r.text
+
+
+def test_crafted_events_cursors_answer_and_never_fail(client):
+    base = f"/v1/jobs/{client.job_id}/events"
+    key = job_events_key(client.job_id)
+    client.redis.delete(key)
+    for entry_id in ("5-0", "5-1", "6-0"):
+        client.redis.xadd(key, event_fields("w0", None, WorkerState.IDLE, 1.0, 0), id=entry_id)
+    answers = {after: client.get(base, params={"after": after}, headers=AUTH) for after in (
+        f"{MAX_ID_PART}-{MAX_ID_PART}", f"{MAX_ID_PART}-0", f"0-{MAX_ID_PART}", f"5-{MAX_ID_PART}", "0-0", "5-0",
+        "00000000000000000005-00000000000000000001")}
+    assert {a: r.status_code for a, r in answers.items()} == dict.fromkeys(answers, 200)
+    ids = {a: [e["id"] for e in r.json()] for a, r in answers.items()}
+    everything = ["5-0", "5-1", "6-0"]
+    assert ids == {f"{MAX_ID_PART}-{MAX_ID_PART}": [], f"{MAX_ID_PART}-0": [], f"0-{MAX_ID_PART}": everything,
+                   f"5-{MAX_ID_PART}": ["6-0"], "0-0": everything, "5-0": ["5-1", "6-0"],
+                   "00000000000000000005-00000000000000000001": ["6-0"]}
+
+
+@pytest.mark.parametrize(("query", "field"), [
+    ("steps?start=-1", "start"), (f"steps?start={2 ** 63}", "start"), (f"steps?start={2 ** 64}", "start"),
+    ("steps?start=1e400", "start"), ("steps?start=%00", "start"), ("steps?start=0x10", "start"),
+    ("events?limit=many", "limit"), ("events?limit=1.5", "limit")])
+def test_malformed_ranges_get_422_naming_the_parameter(client, query, field):
+    r = client.get(f"/v1/jobs/{client.job_id}/{query}", headers=AUTH)
+    assert_refused(r, 422, field, query.partition("=")[2])
+
+
+@pytest.mark.parametrize("query", [f"/v1/jobs?limit={10 ** 30}", "/v1/jobs?limit=-5", "/v1/jobs?limit=0",
+                                   "{base}/events?limit=-1", f"{{base}}/events?limit={2 ** 70}",
+                                   f"{{base}}/steps?start={2 ** 62}"])
+def test_out_of_range_limits_are_clamped(client, query):
+    assert client.get(query.format(base=f"/v1/jobs/{client.job_id}"), headers=AUTH).status_code == 200
