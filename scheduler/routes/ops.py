@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import ray
 import redis as redis_lib
 from fastapi import APIRouter, HTTPException, Request, status
@@ -9,10 +11,12 @@ from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from scheduler.deps import Redis
+from scheduler.http_errors import RETRY_AFTER_S
 from scheduler.metrics import exposition
 from scheduler.schemas import HealthOut
 
 router = APIRouter(tags=["ops"])
+log = logging.getLogger(__name__)
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
@@ -28,13 +32,17 @@ def healthz() -> HealthOut:
 
 @router.get("/readyz")
 def readyz(redis: Redis) -> HealthOut:
+    """503 with Retry-After naming what is missing, in fixed words: an unauthenticated route, so the Redis
+    error (its address, the exception text) goes to the log only."""
     problems = []
     try:
         redis.ping()
     except redis_lib.RedisError as exc:
-        problems.append(f"redis: {exc}")
+        log.warning("readyz: Redis is unreachable (%s)", exc)
+        problems.append("redis unavailable")
     if not ray.is_initialized():
-        problems.append("ray: not initialised")
+        problems.append("ray not initialised")
     if problems:
-        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "; ".join(problems))
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "; ".join(problems),
+                            headers={"Retry-After": str(RETRY_AFTER_S)})
     return HealthOut(status="ready")

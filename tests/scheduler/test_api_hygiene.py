@@ -8,6 +8,7 @@ from fastapi.testclient import TestClient
 
 from scheduler.app import Settings, create_app
 from scheduler.deps import token_matches
+from scheduler.http_errors import RETRY_AFTER_S
 from scheduler.jobs import JobStore
 from workers.protocol import WorkerState, event_fields, job_events_key, jobs_index_key
 from workers.redis_server import PrivateRedis
@@ -107,3 +108,24 @@ def test_malformed_ranges_get_422_naming_the_parameter(client, query, field):
                                    f"{{base}}/steps?start={2 ** 62}"])
 def test_out_of_range_limits_are_clamped(client, query):
     assert client.get(query.format(base=f"/v1/jobs/{client.job_id}"), headers=AUTH).status_code == 200
+
+
+# ----- readiness ------------------------------------------------------------------------------------
+def test_readyz_says_redis_unavailable_with_retry_after_and_never_where_or_why(tmp_path):
+    redis_server = PrivateRedis().start()
+    try:
+        app = create_app(Settings(redis_url=redis_server.url, store_dir=str(tmp_path), start_ray=False, watch=False))
+        with TestClient(app, raise_server_exceptions=False) as c:
+            r = c.get("/readyz")  # no Ray here: not ready, in fixed words
+            assert r.status_code == 503 and r.json() == {"detail": "ray not initialised"}
+            assert int(r.headers["retry-after"]) == RETRY_AFTER_S
+            redis_server.kill()
+            r = c.get("/readyz")
+            assert r.status_code == 503 and r.json() == {"detail": "redis unavailable; ray not initialised"}
+            assert int(r.headers["retry-after"]) == RETRY_AFTER_S
+            for leak in (str(redis_server.port), "127.0.0.1", "localhost", "Error", "connect", "refused", "redis://"):
+                assert leak not in r.text, (leak, r.text)
+            redis_server.revive()
+            assert c.get("/readyz").json() == {"detail": "ray not initialised"}
+    finally:
+        redis_server.stop()
