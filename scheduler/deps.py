@@ -59,7 +59,7 @@ def _job(job_id: str, store: Annotated[JobStore, Depends(_store)]) -> dict:
     except ValueError:
         record = None
     if record is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {job_id!r} not found")
+        raise HTTPException(status.HTTP_404_NOT_FOUND, "job not found")  # the id is the client's: not echoed
     return record
 
 

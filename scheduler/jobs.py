@@ -31,6 +31,15 @@ IDEMPOTENCY_TTL_S = 24 * 3600  # a client retrying a submit does so within minut
 SCAN_BATCH = 1000  # job ids read per round trip when walking the whole index
 
 
+class IdempotencyKeyError(ValueError):
+    """An idempotency key that cannot answer this submit; `reason` says why without the key (the API answers
+    with it: input is never echoed)."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"{key!r} {reason}")
+        self.reason = reason
+
+
 class JobStore:
     """Job records: one JSON string per job, an index sorted by submission time, the running set."""
 
@@ -39,9 +48,10 @@ class JobStore:
 
     def create(self, spec: JobSpec, idem_key: str | None = None) -> tuple[dict, bool]:
         """Store a new PENDING job; returns (record, created). With an idempotency key already used for the
-        same spec, returns that job and creates nothing; ValueError naming the key if it was used for
-        another spec. The key, the record and the index entry are written in one MULTI/EXEC under WATCH, so
-        concurrent submits with one key create exactly one job, and a reader never sees the key without it."""
+        same spec, returns that job and creates nothing; IdempotencyKeyError (a ValueError) naming the key if
+        it was used for another spec. The key, the record and the index entry are written in one MULTI/EXEC
+        under WATCH, so concurrent submits with one key create exactly one job, and a reader never sees the key
+        without it."""
         job_id = uuid.uuid4().hex[:16]
         now = time.time()
         dumped = spec.model_dump()
@@ -73,13 +83,13 @@ class JobStore:
         try:
             claim = json.loads(claimed)
             job_id, spec_sha = claim["job_id"], claim["spec_sha256"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise ValueError(f"{idem_key!r} holds an unreadable claim") from None
+            earlier = self.get(job_id) if spec_sha == digest else None
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise IdempotencyKeyError(idem_key, "holds an unreadable claim") from None
         if spec_sha != digest:
-            raise ValueError(f"{idem_key!r} was already used for a different job spec")
-        earlier = self.get(job_id)
+            raise IdempotencyKeyError(idem_key, "was already used for a different job spec")
         if earlier is None:  # the job was deleted since: the key stays spent until it expires
-            raise ValueError(f"{idem_key!r} was used for job {job_id}, which no longer exists")
+            raise IdempotencyKeyError(idem_key, f"was used for job {job_id}, which no longer exists")
         return earlier
 
     def get(self, job_id: str) -> dict | None:

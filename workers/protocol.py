@@ -53,7 +53,8 @@ MAX_LEASE_OUTCOMES = 64  # lease outcomes a worker keeps in the leases hash (col
 MAX_COLLAPSE_EVENTS = 256  # collapse events kept per job: each is a draft version rolled back on one worker
 TOTALS_DRAFT_COLLAPSES = "num_draft_collapses"  # job_totals_key field: collapses the workers' swap guards saw
 
-_ID = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
+ID_PATTERN = r"[A-Za-z0-9_.\-]{1,128}"  # job, worker, lease and idempotency ids (the API checks headers with it)
+_ID = re.compile(ID_PATTERN)
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.\-:]{1,200}")
 
 

@@ -134,16 +134,24 @@ class JobSpec(BaseModel):
             raise ValueError(f"{info.field_name} must be printable text (no NUL, control character or lone surrogate)")
         return value
 
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, value: str) -> str:
+        if value not in PRESETS and value != SMOLLM2_SPEC and not value.startswith(("/", ".")):
+            raise ValueError(f"model must be a preset ({', '.join(PRESETS)}), {SMOLLM2_SPEC!r} or a path")
+        return value
+
+    @field_validator("warm_draft")
+    @classmethod
+    def _draft_ref(cls, value: str | None) -> str | None:  # the rule, never the value: errors go back to the client
+        if value is not None and not (value.startswith(("/", ".")) or STORE_REF.match(value)):
+            raise ValueError("warm_draft must be a draft checkpoint path or 'store:JOBID:VERSION'")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
         if self.task == "dataset" and not self.dataset_path:
             raise ValueError("dataset_path is required when task is 'dataset'")
-        if self.model not in PRESETS and self.model != SMOLLM2_SPEC and not self.model.startswith(("/", ".")):
-            raise ValueError(f"model must be a preset ({', '.join(PRESETS)}), {SMOLLM2_SPEC!r} or a path")
-        if self.warm_draft is not None and not (self.warm_draft.startswith(("/", "."))
-                                                or STORE_REF.match(self.warm_draft)):
-            raise ValueError(f"warm_draft must be a draft checkpoint path or 'store:JOBID:VERSION', "
-                             f"got {self.warm_draft!r}")
         if self.engine == "vllm" and self.draft_tree:
             raise ValueError("draft_tree must be '' with engine 'vllm' (vLLM drafts EAGLE-3 chains)")
         if self.engine == "vllm" and self.draft_dtype in ("bfloat16", "int8"):

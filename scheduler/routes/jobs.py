@@ -8,10 +8,11 @@ from fastapi import APIRouter, Header, HTTPException, Query, Response, status
 
 from scheduler.deps import AppSettings, Auth, Job, Launch, Store
 from scheduler.http_errors import field_error
+from scheduler.jobs import IdempotencyKeyError
 from scheduler.paths import job_roots, spec_path_errors
 from scheduler.schemas import JobOut
 from workers.progress import STREAM_ID_RULE, read_events, read_json_list
-from workers.protocol import TERMINAL_JOB_STATES, JobState, job_steps_key
+from workers.protocol import ID_PATTERN, TERMINAL_JOB_STATES, JobState, job_steps_key
 from workers.spec import JobSpec
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -27,23 +28,23 @@ def job_out(record: dict, num_steps: int) -> JobOut:
 @router.post("", status_code=status.HTTP_201_CREATED,
              responses={200: {"description": "a replay: the job an Idempotency-Key was first used for"}})
 def submit(_: Auth, spec: JobSpec, store: Store, launcher: Launch, settings: AppSettings, response: Response,
-           idempotency_key: Annotated[str | None, Header()] = None) -> JobOut:
+           idempotency_key: Annotated[str | None, Header(pattern=f"^{ID_PATTERN}$")] = None) -> JobOut:
     """Validate and start a job. Paths it names must lie under the server's roots (scheduler.paths): checked
     here, before anything is stored, without opening them."""
     model_roots, data_roots = job_roots(settings.model_roots, settings.data_roots, settings.store_dir)
     errors = [(field, msg, "path_not_allowed") for field, msg in spec_path_errors(spec, model_roots, data_roots)]
     gpus = launcher.cluster_gpus()
     if gpus is not None and spec.num_workers > gpus:  # it could never be placed: it would sit RUNNING with 0 steps
-        errors.append(("num_workers", f"num_workers: {spec.num_workers} rollout workers need a GPU each; the Ray "
+        errors.append(("num_workers", f"num_workers: more rollout workers than GPUs (each needs one): the Ray "
                                       f"cluster has {gpus}", "not_placeable"))
     if errors:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
                             [d for field, msg, kind in errors for d in field_error(field, msg, kind)])
     try:
         record, created = store.create(spec, idempotency_key)
-    except ValueError as exc:
+    except IdempotencyKeyError as exc:  # its reason, not the key
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
-                            field_error("idempotency-key", f"idempotency-key: {exc}", where="header")) from None
+                            field_error("idempotency-key", f"idempotency-key {exc.reason}", where="header")) from None
     if created:
         launcher.start(record)
     else:

@@ -129,3 +129,37 @@ def test_readyz_says_redis_unavailable_with_retry_after_and_never_where_or_why(t
             assert c.get("/readyz").json() == {"detail": "ray not initialised"}
     finally:
         redis_server.stop()
+
+
+# ----- nothing echoed -------------------------------------------------------------------------------
+@pytest.mark.parametrize("warm_draft", ["secret-draft-name", "store:job1", "store:../../x:1", "http://evil.example/x",
+                                        "~/my-draft", "C:\\drafts\\d.safetensors"])
+def test_bad_warm_drafts_get_422_naming_the_field_and_the_rule_not_the_value(client, warm_draft):
+    before = client.redis.zcard(jobs_index_key())
+    r = client.post("/v1/jobs", json={"model": "tiny", "warm_draft": warm_draft}, headers=AUTH)
+    assert_refused(r, 422, "warm_draft", warm_draft)
+    assert "store:JOBID:VERSION" in r.text and client.redis.zcard(jobs_index_key()) == before
+
+
+@pytest.mark.parametrize("key", ["has space-secret", "slash/secret", "a" * 129, "semi;colon-secret", "",
+                                 "ünïcode-secret".encode().decode("latin-1")])
+def test_bad_idempotency_keys_get_422_naming_the_header_and_the_rule_not_the_value(client, key):
+    before = client.redis.zcard(jobs_index_key())
+    r = client.post("/v1/jobs", json={"model": "tiny"}, headers=AUTH | {"Idempotency-Key": key.encode("latin-1")})
+    assert_refused(r, 422, "idempotency-key", *([key] if key else []))
+    assert "secret" not in r.text and client.redis.zcard(jobs_index_key()) == before
+
+
+def test_a_reused_idempotency_key_is_refused_without_echoing_it(client):
+    key = {"Idempotency-Key": "my-private-key-4711"}
+    assert client.post("/v1/jobs", json={"model": "tiny"}, headers=AUTH | key).status_code == 201
+    r = client.post("/v1/jobs", json={"model": "tiny", "seed": 1}, headers=AUTH | key)
+    assert_refused(r, 422, "idempotency-key", "my-private-key-4711", "4711")
+    assert "already used for a different job spec" in r.text
+
+
+def test_unknown_job_ids_are_not_echoed(client):
+    for job_id in ("no-such-job-4711", "x" * 128):
+        for path in (f"/v1/jobs/{job_id}", f"/v1/jobs/{job_id}/steps", f"/v1/jobs/{job_id}/events"):
+            r = client.get(path, headers=AUTH)
+            assert r.status_code == 404 and job_id not in r.text and r.json() == {"detail": "job not found"}
