@@ -195,11 +195,19 @@ def summary_markdown(job: dict, t: dict, drafts: dict) -> str:
     return "\n".join(lines)
 
 
+def read_steps(url: str | None, job_id: str, token: str | None = None) -> list[dict]:
+    """Every step record of a job, page by page (the API answers a bounded page from `start`)."""
+    steps: list[dict] = []
+    while page := call("GET", url, f"/v1/jobs/{job_id}/steps?start={len(steps)}", token=token):
+        steps += page
+    return steps
+
+
 def write_report(url: str | None, job_id: str, out_dir: str | Path, token: str | None = None) -> dict[str, str]:
     """Fetch the job over REST and write the plots and summary.md into out_dir; returns the paths."""
     job = call("GET", url, f"/v1/jobs/{job_id}", token=token)
     events = call("GET", url, f"/v1/jobs/{job_id}/events?limit=100000", token=token)  # the API's most
-    steps = call("GET", url, f"/v1/jobs/{job_id}/steps", token=token)
+    steps = read_steps(url, job_id, token)
     drafts = call("GET", url, f"/v1/jobs/{job_id}/drafts", token=token)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

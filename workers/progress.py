@@ -146,11 +146,12 @@ def read_progress(redis: redis_lib.Redis, job_id: str) -> list[ProgressRecord]:
     return records
 
 
-def read_json_list(redis: redis_lib.Redis, key: str, start: int = 0) -> list:
-    """The JSON entries of a Redis list from index `start`; an unreadable entry is logged with its key
-    and skipped (step records, publish decisions)."""
+def read_json_list(redis: redis_lib.Redis, key: str, start: int = 0, count: int | None = None) -> list:
+    """The JSON entries of a Redis list from index `start` (`count` of them, None: to the end); an unreadable
+    entry is logged with its key and skipped (step records, publish decisions)."""
     out = []
-    for raw in redis.lrange(key, max(start, 0), -1):
+    start = max(start, 0)
+    for raw in redis.lrange(key, start, -1 if count is None else start + max(count, 1) - 1):
         try:
             out.append(json.loads(raw))
         except json.JSONDecodeError:
@@ -177,18 +178,20 @@ def stream_id_after(after: str) -> str | None:
 
 
 def read_events(redis: redis_lib.Redis, job_id: str, count: int = 100, after: str | None = None) -> list[dict]:
-    """The newest `count` state transitions of a job, oldest first:
-    {"id", "worker", "from", "to", "ts": float, "rl_step": int}. With `after` (a stream id from an
-    earlier read) only later ones: a poller reads each event once. Malformed entries are logged and skipped."""
+    """State transitions of a job, oldest first: {"id", "worker", "from", "to", "ts": float, "rl_step": int}.
+    Without `after` the newest `count`; with it (a stream id from an earlier read) the first `count` after it,
+    so a poller that continues from the last id it got reads every event once, with no gap. Malformed
+    entries are logged and skipped."""
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"count must be an int >= 1, got {count!r}")
-    first = stream_id_after(after) if after is not None else "-"
-    if first is None:
-        return []
     key = job_events_key(job_id)
+    if after is None:
+        entries = redis.xrevrange(key, count=count)[::-1]
+    else:
+        first = stream_id_after(after)
+        entries = redis.xrange(key, min=first, count=count) if first is not None else []
     events = []
-    entries = redis.xrevrange(key, min=first, count=count)
-    for entry_id, raw in reversed(entries):
+    for entry_id, raw in entries:
         d = {text(k): text(v) for k, v in raw.items()}
         try:
             events.append({"id": text(entry_id), "worker": d["worker"], "from": d["from"],

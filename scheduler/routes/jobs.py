@@ -17,7 +17,8 @@ from workers.spec import JobSpec
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 MAX_JOBS_LISTED = 1000
-MAX_EVENTS_READ = 100_000
+MAX_EVENTS_READ = 100_000  # events per page: ~100 B each, and the stream keeps about EVENTS_MAXLEN anyway
+MAX_STEPS_READ = 1000  # step records per page: ~700 B each (an 800-step job's were 548 KB in one answer)
 MAX_STEP_INDEX = (1 << 62)  # Redis list indexes are signed 64-bit
 
 
@@ -75,19 +76,21 @@ def cancel(_: Auth, job: Job, store: Store, launcher: Launch) -> JobOut:  # 401 
 
 
 @router.get("/{job_id}/steps")
-def steps(_: Auth, job: Job, store: Store,
-          start: Annotated[int, Query(ge=0, le=MAX_STEP_INDEX)] = 0) -> list[dict]:
+def steps(_: Auth, job: Job, store: Store, start: Annotated[int, Query(ge=0, le=MAX_STEP_INDEX)] = 0,
+          limit: int = MAX_STEPS_READ) -> list[dict]:
     """One StepRecord (workers/protocol.py) per finished RL step: timings by phase, per-worker rollout
     seconds, idle worker-seconds, tokens, accepted length, draft versions served, reward, failures.
-    `start`: from that step index on (pollers fetch each record once). Validated when written."""
-    return read_json_list(store.redis, job_steps_key(job["job_id"]), start)
+    A page: `limit` records (at most MAX_STEPS_READ) from step index `start`; the next page starts at `start`
+    plus the records returned (pollers fetch each record once). Validated when written."""
+    return read_json_list(store.redis, job_steps_key(job["job_id"]), start, max(1, min(limit, MAX_STEPS_READ)))
 
 
 @router.get("/{job_id}/events")
 def events(_: Auth, job: Job, store: Store, limit: int = 10_000, after: str | None = None) -> list[dict]:
-    """Worker state transitions, oldest first (the newest `limit`, at most 100000): the per-GPU
-    timeline, {id, worker, from, to, ts, rl_step}. `after`: only those after that event id (pollers
-    fetch each event once). Checked on read; left as dicts, the first load is 100k of them."""
+    """Worker state transitions, oldest first: the per-GPU timeline, {id, worker, from, to, ts, rl_step}.
+    A page of `limit` (at most MAX_EVENTS_READ): without `after` the newest, with it the first ones after that
+    event id, so the last id returned continues with no gap (pollers fetch each event once). Checked on
+    read; left as dicts, the first load is 100k of them."""
     try:
         return read_events(store.redis, job["job_id"], count=max(1, min(limit, MAX_EVENTS_READ)), after=after)
     except ValueError:  # its message names the rule, never the value

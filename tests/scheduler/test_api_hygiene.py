@@ -3,14 +3,18 @@ cursors and ranges refused with a 4xx naming the parameter, nothing the client s
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from fastapi.testclient import TestClient
 
+from scheduler import report
 from scheduler.app import Settings, create_app
 from scheduler.deps import token_matches
 from scheduler.http_errors import RETRY_AFTER_S
 from scheduler.jobs import JobStore
-from workers.protocol import WorkerState, event_fields, job_events_key, jobs_index_key
+from scheduler.routes.jobs import MAX_STEPS_READ
+from workers.protocol import WorkerState, event_fields, job_events_key, job_steps_key, jobs_index_key
 from workers.redis_server import PrivateRedis
 from workers.spec import JobSpec
 
@@ -163,3 +167,40 @@ def test_unknown_job_ids_are_not_echoed(client):
         for path in (f"/v1/jobs/{job_id}", f"/v1/jobs/{job_id}/steps", f"/v1/jobs/{job_id}/events"):
             r = client.get(path, headers=AUTH)
             assert r.status_code == 404 and job_id not in r.text and r.json() == {"detail": "job not found"}
+
+
+# ----- pages ----------------------------------------------------------------------------------------
+def test_steps_come_in_bounded_pages_that_continue_from_start(client, monkeypatch):
+    key = job_steps_key(client.job_id)
+    client.redis.delete(key)
+    client.redis.rpush(key, *(json.dumps({"rl_step": i}) for i in range(MAX_STEPS_READ + 250)))
+    base = f"/v1/jobs/{client.job_id}/steps"
+
+    def rl_steps(query: str) -> list[int]:
+        r = client.get(base + query, headers=AUTH)
+        assert r.status_code == 200, r.text
+        return [s["rl_step"] for s in r.json()]
+
+    assert rl_steps("") == list(range(MAX_STEPS_READ))  # the default page is the largest
+    assert rl_steps(f"?limit={10 ** 30}") == list(range(MAX_STEPS_READ))
+    assert rl_steps("?start=5&limit=3") == [5, 6, 7] and rl_steps("?limit=0") == [0]
+    assert rl_steps(f"?start={MAX_STEPS_READ}") == list(range(MAX_STEPS_READ, MAX_STEPS_READ + 250))
+    assert rl_steps(f"?start={MAX_STEPS_READ + 250}") == []
+    # `tlt report` reads them all, page by page
+    monkeypatch.setattr(report, "call", lambda method, url, path, token=None: client.get(path, headers=AUTH).json())
+    assert [s["rl_step"] for s in report.read_steps("unused", client.job_id)] == list(range(MAX_STEPS_READ + 250))
+    client.redis.delete(key)
+
+
+def test_events_pages_continue_from_the_last_id_without_a_gap(client):
+    key = job_events_key(client.job_id)
+    client.redis.delete(key)
+    ids = [client.redis.xadd(key, event_fields("w0", None, WorkerState.IDLE, 1.0, i)) for i in range(25)]
+    base = f"/v1/jobs/{client.job_id}/events"
+    assert [e["id"] for e in client.get(f"{base}?limit=10", headers=AUTH).json()] == ids[-10:]  # the newest
+    seen, after = [], ids[0]
+    while page := client.get(base, params={"after": after, "limit": 10}, headers=AUTH).json():
+        seen += [e["id"] for e in page]
+        after = page[-1]["id"]
+    assert seen == ids[1:]
+    client.redis.delete(key)
