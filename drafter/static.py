@@ -28,7 +28,7 @@ from drafter.model import CausalLM, draft_features
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # past 128: multiples of 64
 MIN_SLOTS = 64  # slot buckets are powers of two from here (a multiple of 16: SDPA's mask alignment)
-MAX_GRAPH_TOKENS = 16  # forwards of more tokens per row (prefill) run uncaptured
+MAX_GRAPH_TOKENS = 16  # forwards of more tokens per row (a verify of k > 15) run uncaptured, as prefills do
 
 
 def batch_bucket(n: int) -> int:
@@ -270,7 +270,8 @@ class StaticRunner:
         S = slot_bucket(num_slots, self.cache.max_len)
         self.cache.num_used = max(self.cache.num_used, S)
         aux = tuple(aux_layers) if aux_layers is not None else None
-        if not self.cuda_graphs or T > MAX_GRAPH_TOKENS:
+        # prefills (no logits) run once per batch: capturing one would cost more than it saves
+        if not self.cuda_graphs or T > MAX_GRAPH_TOKENS or logits_for == "none":
             logits, hidden = self._forward(input_ids.reshape(-1), positions, S, aux, logits_for)
             return self._shape(logits, hidden, B, T, logits_for)
         Bp = batch_bucket(B)
