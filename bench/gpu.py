@@ -29,7 +29,7 @@ from bench.gpu_decode import ByteTokenizer, batch_sweep, longtail, sweep_b1
 from bench.gpu_physics import aten_ops_per_forward, forward_path, physics, smollm2_layout
 from bench.gpu_tests import cuda_tests
 from bench.gpu_train import device_name, drift, fresh_buffer, training, warm_head
-from bench.record import BENCH_DIR, finite, provenance
+from bench.record import finite, write_result
 from drafter.config import ModelConfig
 from drafter.engine import Engine
 from drafter.loading import LoadedModel, load_model, random_model
@@ -175,25 +175,13 @@ def finish(result: dict, started: float) -> dict:
     return result
 
 
-def write(name: str, result: dict, directory: Path | None) -> Path:
-    """bench.record.write_result's file (commit, machine, date; atomic), with the GPU in the machine on CUDA."""
-    result.update(provenance())
-    if result.get("device_type") == "cuda":
-        result["machine"] = {"gpu": result["device"], **result["machine"]}
-    directory = directory or BENCH_DIR
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{name}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(finite(result), indent=1, allow_nan=False) + "\n")
-    tmp.replace(path)
-    return path
-
-
 def run_args(args: argparse.Namespace) -> int:
     """Run from parsed options (`tlt bench gpu`, `python3 -m bench.gpu`): the JSON object is printed last."""
     settings = settings_from_args(args, torch.cuda.is_available())
     result = bench_gpu(settings)
-    result["path"] = str(write(settings.result_name, result, Path(settings.out_dir) if settings.out_dir else None))
+    gpu = result["device"] if result.get("device_type") == "cuda" else None
+    result["path"] = str(write_result(settings.result_name, result,
+                                      Path(settings.out_dir) if settings.out_dir else None, accelerator=gpu))
     if not args.json:
         for key, ok in result["goals_met"].items():
             print(f"{key:30s} {result[key]!s:>12s}  goal {' '.join(map(str, GOALS[key]))}: "

@@ -75,11 +75,14 @@ def finite(value):
     return value
 
 
-def write_result(name: str, result: dict, directory: Path | None = None) -> Path:
-    """Add the provenance to `result` (in place) and write it to docs/bench/NAME.json."""
+def write_result(name: str, result: dict, directory: Path | None = None, accelerator: str | None = None) -> Path:
+    """Add the provenance to `result` (in place) and write it to docs/bench/NAME.json. accelerator: the GPU (or
+    other card) the run measured, named first in `machine`."""
     if not name or not all(c.isalnum() or c in "-_" for c in name):
         raise ValueError(f"bench name must be letters, digits, '-' or '_', got {name!r}")
     result.update(provenance())
+    if accelerator is not None:
+        result["machine"] = {"gpu": accelerator, **result["machine"]}
     directory = directory or BENCH_DIR
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.json"
