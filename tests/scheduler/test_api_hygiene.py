@@ -12,11 +12,10 @@ from scheduler import report
 from scheduler.app import Settings, create_app
 from scheduler.deps import token_matches
 from scheduler.http_errors import RETRY_AFTER_S
-from scheduler.jobs import JobStore
 from scheduler.routes.jobs import MAX_STEPS_READ
+from tests.scheduler.apps import token_app
 from workers.protocol import WorkerState, event_fields, job_events_key, job_steps_key, jobs_index_key
 from workers.redis_server import PrivateRedis
-from workers.spec import JobSpec
 
 TOKEN = "s3cret-T0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -24,15 +23,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    roots = tmp_path_factory.mktemp("roots")
-    with PrivateRedis() as server:
-        app = create_app(Settings(redis_url=server.url, api_token=TOKEN, store_dir=str(roots / "drafts"),
-                                  model_roots=(str(roots / "models"),), data_roots=(str(roots / "data"),),
-                                  start_ray=False, watch=False))
-        with TestClient(app, raise_server_exceptions=False) as c:
-            c.redis = server.client()
-            c.job_id = JobStore(c.redis).create(JobSpec())[0]["job_id"]  # a record to read (never launched)
-            yield c
+    with token_app(tmp_path_factory.mktemp("roots"), TOKEN) as c:
+        yield c
 
 
 def assert_refused(r, status: int, field: str, *echoes: str) -> None:

@@ -11,8 +11,8 @@ from fastapi.testclient import TestClient
 
 from scheduler.app import Settings, create_app
 from scheduler.http_errors import MAX_BODY_BYTES, safe_text
-from scheduler.jobs import JobStore
 from scheduler.paths import DATA_ROOTS_ENV, is_under, roots_from_env, spec_path_errors
+from tests.scheduler.apps import token_app
 from workers.protocol import jobs_index_key
 from workers.redis_server import PrivateRedis
 from workers.spec import JobSpec
@@ -23,15 +23,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    roots = tmp_path_factory.mktemp("roots")
-    with PrivateRedis() as server:
-        app = create_app(Settings(redis_url=server.url, api_token=TOKEN, store_dir=str(roots / "drafts"),
-                                  model_roots=(str(roots / "models"),), data_roots=(str(roots / "data"),),
-                                  start_ray=False, watch=False))
-        with TestClient(app, raise_server_exceptions=False) as c:
-            c.redis = server.client()
-            c.job_id = JobStore(c.redis).create(JobSpec())[0]["job_id"]  # a record to read (never launched)
-            yield c
+    with token_app(tmp_path_factory.mktemp("roots"), TOKEN) as c:
+        yield c
 
 
 def assert_clean(r, status: int, field: str | None = None) -> None:
