@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler.budget import JobBudget
 from scheduler.policy import PolicySettings
 
 TICK_S = 0.5  # progress arrives at <= 10/s per worker; leases last seconds to minutes
@@ -24,3 +25,4 @@ class Settings:
     policy: PolicySettings = field(default_factory=PolicySettings)
     watch: bool = True  # run the long-tail watcher (grants and preempts drafter-training leases)
     watch_tick_s: float = TICK_S
+    budget: JobBudget = field(default_factory=JobBudget)  # a job's size as a whole (scheduler.budget)

@@ -247,3 +247,27 @@ def get_reward(name: str) -> Callable[[str, str], float]:
     if name not in REWARDS:
         raise ValueError(f"reward must be one of {sorted(REWARDS)}, got {name!r}")
     return REWARDS[name]
+
+
+class StepProblems:
+    """A job's problems, step by step: step k's are problems k*n .. k*n+n-1 of the task's sequence (n =
+    num_prompts_per_step), drawn when the step asks for them, never all the steps' at once (a job of 100,000
+    steps would hold billions before its first step). A dataset's lines are read once and wrap around. Steps
+    are asked for in order; an earlier one (a test, a re-read) replays the task from its seed."""
+
+    def __init__(self, task: str, seed: int, num_per_step: int, dataset_path: str | None = None) -> None:
+        self.task, self.seed, self.num_per_step = task, seed, num_per_step
+        self._dataset = load_jsonl_dataset(dataset_path) if task == "dataset" else None
+        self._source = None if self._dataset is not None else make_task(task, seed)
+        self._num_drawn = 0  # problems of the task's sequence drawn so far
+
+    def step(self, rl_step: int) -> list[Problem]:
+        n, start = self.num_per_step, rl_step * self.num_per_step
+        if self._dataset is not None:
+            return [self._dataset[(start + i) % len(self._dataset)] for i in range(n)]
+        if start < self._num_drawn:
+            self._source, self._num_drawn = make_task(self.task, self.seed), 0
+        for _ in range(start - self._num_drawn):  # a resumed job skips the steps done: drawn, not kept
+            self._source.one()
+        self._num_drawn = start + n
+        return self._source.sample(n)

@@ -6,6 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Query, Response, status
 
+from scheduler.budget import budget_errors
 from scheduler.deps import AppSettings, Auth, Job, Launch, Store
 from scheduler.http_errors import field_error
 from scheduler.jobs import IdempotencyKeyError
@@ -34,6 +35,7 @@ def submit(_: Auth, spec: JobSpec, store: Store, launcher: Launch, settings: App
     here, before anything is stored, without opening them."""
     model_roots, data_roots = job_roots(settings.model_roots, settings.data_roots, settings.store_dir)
     errors = [(field, msg, "path_not_allowed") for field, msg in spec_path_errors(spec, model_roots, data_roots)]
+    errors += [(field, msg, "over_budget") for field, msg in budget_errors(spec, settings.budget)]
     gpus = launcher.cluster_gpus()
     if gpus is not None and spec.num_workers > gpus:  # it could never be placed: it would sit RUNNING with 0 steps
         errors.append(("num_workers", f"num_workers: more rollout workers than GPUs (each needs one): the Ray "
