@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import re
 import shutil
 import sys
 import tempfile
@@ -28,74 +27,23 @@ import time
 from collections import Counter
 from pathlib import Path
 
-TOKEN = "bench-faults-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-NUM_CLUSTER_GPUS = 2  # logical GPUs of the bench's Ray: one per rollout worker of the tiny jobs
-# what a traceback or a server path looks like in an answer; the bench's own files live under /tmp, not here
-LEAK_MARKERS = ("Traceback", 'File "', '.py"', "site-packages", "/work/")
-GOALS = {"fuzz_requests": ">= 1000", "fuzz_server_errors": "== 0", "schema_violations": "== 0",
-         "hostile_inputs_accepted": "== 0", "tracebacks_exposed": "== 0", "redis_outage_jobs_lost": "== 0",
-         "redis_recovery_s": "< 10", "driver_kill_steps_lost": "<= checkpoint_every",
-         "idempotent_duplicates": "== 0"}
-# /readyz answers 503 by design on the scheduler started without Ray: a documented answer, not a failure
-EXPECTED_5XX = {("GET", "/readyz"): 503}
+from bench.faults_count import (
+    AUTH,
+    GOALS,
+    LEAK_MARKERS,
+    NUM_CLUSTER_GPUS,
+    TOKEN,
+    goals_met,
+    is_server_error,
+    leak_markers,
+    server_markers,
+)
+
 MAX_EVIDENCE = 8  # failing cases kept in the JSON per kind
 
 
 def log(msg: str) -> None:
     print(f"[bench faults] {msg}", file=sys.stderr, flush=True)
-
-
-# ----- counting (pure; tests/scheduler/test_bench_faults.py) ---------------------------------------------------------
-def server_markers() -> tuple[str, ...]:
-    """LEAK_MARKERS and this server's own paths: the checkout and the Python environment."""
-    from bench.record import ROOT
-
-    return tuple(dict.fromkeys((*LEAK_MARKERS, str(ROOT), sys.prefix)))
-
-
-def leak_markers(text: str, markers: tuple[str, ...] = LEAK_MARKERS) -> list[str]:
-    """The traceback or server-path markers found in `text` (an answer's body, a job's error)."""
-    return [m for m in markers if m and m in text]
-
-
-def is_accepted(status: int | None, num_created: int) -> bool:
-    """A request that should be refused was accepted: a 2xx answer, or a job created."""
-    return status is not None and 200 <= status < 300 or num_created > 0
-
-
-def is_server_error(method: str, path: str, status: int | None) -> bool:
-    """A 5xx that is not a documented answer of that route (EXPECTED_5XX)."""
-    return status is not None and status >= 500 and EXPECTED_5XX.get((method.upper(), path)) != status
-
-
-def resumed_after_step(warning: str | None) -> int | None:
-    """The step a resumed job's policy checkpoint was taken after, from its warning (workers.driver)."""
-    m = re.search(r"resumed from its policy checkpoint after step (\d+)", warning or "")
-    return int(m.group(1)) if m else None
-
-
-def steps_lost(num_recorded_at_kill: int, checkpoint_step: int, is_mid_step: bool) -> int:
-    """Steps of work a killed driver lost: the finished steps recorded after its checkpoint's step (run again),
-    and the step it was in the middle of."""
-    return max(0, num_recorded_at_kill - (checkpoint_step + 1)) + int(is_mid_step)
-
-
-def duplicates(job_ids: list[str]) -> int:
-    """Jobs created beyond the one that a set of submits with one Idempotency-Key should create."""
-    return max(0, len(set(job_ids)) - 1)
-
-
-def goals_met(figures: dict, checkpoint_every: int) -> dict[str, bool]:
-    def ok(value, test) -> bool:
-        return value is not None and test(value)
-
-    return {"fuzz_requests": ok(figures["fuzz_requests"], lambda v: v >= 1000),
-            **{k: ok(figures[k], lambda v: v == 0) for k in (
-                "fuzz_server_errors", "schema_violations", "hostile_inputs_accepted", "tracebacks_exposed",
-                "redis_outage_jobs_lost", "idempotent_duplicates")},
-            "redis_recovery_s": ok(figures["redis_recovery_s"], lambda v: v < 10.0),
-            "driver_kill_steps_lost": ok(figures["driver_kill_steps_lost"], lambda v: v <= checkpoint_every)}
 
 
 # ----- (1) fuzz ----------------------------------------------------------------------------------------------------

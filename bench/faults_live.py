@@ -15,8 +15,8 @@ from pathlib import Path
 
 import requests
 
-from bench.faults import AUTH, NUM_CLUSTER_GPUS, is_accepted, leak_markers, resumed_after_step, steps_lost
-from bench.faults import duplicates as count_duplicates
+from bench.faults_count import AUTH, NUM_CLUSTER_GPUS, is_accepted, leak_markers, resumed_after_step, steps_lost
+from bench.faults_count import duplicates as count_duplicates
 from workers.protocol import (
     RAY_NAMESPACE,
     TERMINAL_JOB_STATES,

@@ -1,8 +1,8 @@
-"""The counting of `tlt bench faults` (bench/faults.py), on plain values: no server, no Redis, no Ray."""
+"""The counting of `tlt bench faults` (bench/faults_count.py), on plain values: no server, no Redis, no Ray."""
 
 from __future__ import annotations
 
-from bench.faults import (
+from bench.faults_count import (
     duplicates,
     goals_met,
     is_accepted,
