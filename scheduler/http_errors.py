@@ -5,6 +5,7 @@
   Infinity, a lone surrogate) turned the 422 into a 500. Messages are cut to MAX_MESSAGE_CHARS and
   made encodable.
 - Redis unreachable (a connection or timeout error): 503 with Retry-After, never a 500 with a traceback.
+- At most MAX_ERRORS_REPORTED problems are listed, and one entry counts the rest: a 422 stays a few KB.
 - Bodies over MAX_BODY_BYTES are refused with 413 before they are parsed (Content-Length, or counted
   as they arrive when it is absent).
 """
@@ -20,8 +21,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-MAX_BODY_BYTES = 1 << 20  # a JobSpec is about 1 KB; datasets are named by path, never sent inline
+# a JobSpec is about 1 KB (three paths of at most 4 KB each at worst); datasets are named by path, never sent inline
+MAX_BODY_BYTES = 64 << 10
 MAX_MESSAGE_CHARS = 300
+# problems listed in one 422 (a body of 60k unknown keys got a 5.4 MB answer); the rest are counted in one more entry
+MAX_ERRORS_REPORTED = 20
 RETRY_AFTER_S = 5  # what a 503 asks a client to wait while Redis is unreachable
 log = logging.getLogger(__name__)
 
@@ -56,10 +60,16 @@ def safe_text(value: object, max_chars: int = MAX_MESSAGE_CHARS) -> str:
 
 
 def validation_detail(errors) -> list[dict]:
-    """Pydantic/FastAPI errors without their inputs: [{"loc": [...], "msg": ..., "type": ...}]."""
-    return [{"loc": [safe_text(p, 100) if isinstance(p, str) else p for p in e.get("loc", ())],
-             "msg": safe_text(e.get("msg", "invalid")), "type": safe_text(e.get("type", "value_error"), 60)}
-            for e in errors]
+    """Pydantic/FastAPI errors without their inputs: [{"loc": [...], "msg": ..., "type": ...}], the first
+    MAX_ERRORS_REPORTED of them and one entry counting the rest (a 422 stays a few KB whatever the body)."""
+    errors = list(errors)
+    out = [{"loc": [safe_text(p, 100) if isinstance(p, str) else p for p in e.get("loc", ())][:8],
+            "msg": safe_text(e.get("msg", "invalid")), "type": safe_text(e.get("type", "value_error"), 60)}
+           for e in errors[:MAX_ERRORS_REPORTED]]
+    if len(errors) > MAX_ERRORS_REPORTED:
+        out.append({"loc": ["body"], "msg": f"{len(errors) - MAX_ERRORS_REPORTED} more problems not listed",
+                    "type": "too_many_errors"})
+    return out
 
 
 def field_error(field: str, message: str, kind: str = "value_error", where: str = "body") -> list[dict]:

