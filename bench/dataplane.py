@@ -26,7 +26,7 @@ from drafter.loading import load_model
 from workers.actors import get_worker, start_driver
 from workers.driver import encode_text
 from workers.progress import read_json_list
-from workers.protocol import job_steps_key
+from workers.protocol.keys import job_steps_key
 from workers.redis_server import PrivateRedis
 from workers.spec import JobSpec
 from workers.store import job_stores

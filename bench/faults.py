@@ -179,7 +179,7 @@ def bench_faults(num_requests: int = 1200, out_dir: Path | None = None) -> dict:
     from bench.record import write_result
     from scheduler.app import Settings
     from scheduler.demo import start_server
-    from workers.protocol import RAY_NAMESPACE
+    from workers.protocol.keys import RAY_NAMESPACE
     from workers.redis_server import PrivateRedis
 
     t0 = time.perf_counter()

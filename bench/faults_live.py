@@ -17,16 +17,9 @@ import requests
 
 from bench.faults_count import AUTH, NUM_CLUSTER_GPUS, is_accepted, leak_markers, resumed_after_step, steps_lost
 from bench.faults_count import duplicates as count_duplicates
-from workers.protocol import (
-    RAY_NAMESPACE,
-    TERMINAL_JOB_STATES,
-    Phase,
-    PhaseRecord,
-    driver_actor_name,
-    job_phase_key,
-    job_steps_key,
-    jobs_index_key,
-)
+from workers.protocol.keys import RAY_NAMESPACE, driver_actor_name, job_phase_key, job_steps_key, jobs_index_key
+from workers.protocol.messages import PhaseRecord
+from workers.protocol.states import TERMINAL_JOB_STATES, Phase
 
 CONFIG = {"outage_s": 3.0, "checkpoint_every": 2, "num_concurrent_submits": 20}
 TINY = {"model": "tiny", "num_prompts_per_step": 2, "group_size": 2, "max_new_tokens": 24,

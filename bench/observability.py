@@ -44,7 +44,15 @@ def log(msg: str) -> None:
 
 def _populate(redis, job_id: str, num_workers: int, num_steps: int, events_per_worker: int) -> None:
     from workers.progress import ProgressReporter
-    from workers.protocol import ProgressRecord, WorkerState, job_steps_key, job_tlt_key, job_totals_key
+    from workers.protocol.keys import (
+        TltField,
+        TotalsField,
+        job_steps_key,
+        job_tlt_key,
+        job_totals_key,
+    )
+    from workers.protocol.messages import ProgressRecord
+    from workers.protocol.states import WorkerState
 
     now = time.time()
     states = [WorkerState.ROLLING_OUT, WorkerState.IDLE, WorkerState.TRAINING, WorkerState.IDLE]
@@ -60,11 +68,11 @@ def _populate(redis, job_id: str, num_workers: int, num_steps: int, events_per_w
             "worker_rollout_s": {f"w{w}": 28.0 for w in range(num_workers)},
             "draft_versions": {f"w{w}": 3 for w in range(num_workers)}}
     # as the watcher leaves them every tick: its class for each worker, and the reclaimed time
-    redis.hset(job_tlt_key(job_id), mapping={"reclaimed_worker_s": 12.5, "classes": json.dumps(
+    redis.hset(job_tlt_key(job_id), mapping={TltField.RECLAIMED_WORKER_S: 12.5, TltField.CLASSES: json.dumps(
         {f"w{w}": ["ROLLING_OUT", "STRAGGLER", "IDLE", "TRAINING"][w % 4] for w in range(num_workers)})})
     for s in range(num_steps):  # as the driver writes them: the record and the running totals
         redis.rpush(job_steps_key(job_id), json.dumps(step | {"rl_step": s}))
-        redis.hincrbyfloat(job_totals_key(job_id), "idle_worker_s", step["idle_worker_s"])
+        redis.hincrbyfloat(job_totals_key(job_id), TotalsField.IDLE_WORKER_S, step["idle_worker_s"])
 
 
 SERVER = """
@@ -92,7 +100,7 @@ def bench_observability(num_workers: int = 256, num_steps: int = 50, events_per_
     refresh, with a job of `num_workers` live workers in Redis."""
     from scheduler.jobs import JobStore
     from scheduler.policy import CLASSES
-    from workers.protocol import JobState
+    from workers.protocol.states import JobState
     from workers.redis_server import PrivateRedis, free_port
     from workers.spec import JobSpec
 

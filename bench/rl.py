@@ -139,7 +139,8 @@ def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: 
     from scheduler.client import call
     from scheduler.demo import DEMO_POLICY, ensure_warm_draft, run_job, start_server
     from scheduler.paths import default_roots
-    from workers.protocol import RAY_NAMESPACE, JobState
+    from workers.protocol.keys import RAY_NAMESPACE
+    from workers.protocol.states import JobState
     from workers.redis_server import PrivateRedis
 
     if not arms or set(arms) - set(ARMS) or len(set(arms)) != len(arms):

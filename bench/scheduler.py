@@ -31,21 +31,16 @@ from bench.record import pct
 from scheduler.jobs import JobStore
 from scheduler.policy import PolicySettings
 from scheduler.watcher import Watcher
-from workers.protocol import (
+from workers.protocol.keys import (
     MAX_PROGRESS_UPDATES_PER_S,
     PROGRESS_TTL_S,
-    JobState,
-    LeaseOutcome,
-    LeaseState,
-    Phase,
-    PhaseRecord,
-    ProgressRecord,
-    WorkerState,
     job_leases_key,
     job_phase_key,
     job_workers_key,
     progress_key,
 )
+from workers.protocol.messages import LeaseOutcome, PhaseRecord, ProgressRecord
+from workers.protocol.states import JobState, LeaseState, Phase, WorkerState
 from workers.redis_server import PrivateRedis
 from workers.spec import JobSpec
 

@@ -21,7 +21,8 @@ from scheduler.metrics import Latencies, RedisCollector
 from scheduler.routes import drafts, jobs, ops, workers
 from scheduler.settings import Settings
 from scheduler.watcher import Watcher
-from workers.protocol import RAY_NAMESPACE, connect
+from workers.protocol.client import connect
+from workers.protocol.keys import RAY_NAMESPACE
 
 __all__ = ["Settings", "create_app"]
 log = logging.getLogger(__name__)

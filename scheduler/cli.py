@@ -66,7 +66,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"tlt: REDIS_URL is unset: started a private redis-server at {url}", file=sys.stderr)
     import redis as redis_lib
 
-    from workers.protocol import connect
+    from workers.protocol.client import connect
 
     try:
         connect(url).ping()

@@ -9,7 +9,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from workers.protocol import TERMINAL_JOB_STATES
+from workers.protocol.states import TERMINAL_JOB_STATES
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 

@@ -26,7 +26,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError
 
 from workers.actors import get_worker
 from workers.errors import one_line
-from workers.protocol import worker_actor_name
+from workers.protocol.keys import worker_actor_name
 
 log = logging.getLogger(__name__)
 COMMAND_TIMEOUT_S = 10.0  # the commands return at once (the work runs in the worker's background)

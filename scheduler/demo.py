@@ -25,7 +25,7 @@ import time
 from drafter.adaptive import bucket_low_edge
 from scheduler.client import call
 from scheduler.policy import PolicySettings
-from workers.protocol import TERMINAL_JOB_STATES, JobState, WorkerState
+from workers.protocol.states import TERMINAL_JOB_STATES, JobState, WorkerState
 
 NUM_STEPS = 2
 NUM_WORKERS = 2  # one per core of this 2-core box: a lease on an idle worker takes nothing from a straggler
@@ -214,7 +214,7 @@ def run_demo() -> int:
     import ray
 
     from scheduler.app import Settings
-    from workers.protocol import RAY_NAMESPACE
+    from workers.protocol.keys import RAY_NAMESPACE
     from workers.redis_server import PrivateRedis
 
     t0 = time.perf_counter()

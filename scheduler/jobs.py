@@ -16,15 +16,9 @@ from collections.abc import Iterable, Iterator
 
 import redis as redis_lib
 
-from workers.protocol import (
-    JobState,
-    idempotency_key,
-    job_key,
-    job_steps_key,
-    jobs_index_key,
-    running_jobs_key,
-    text,
-)
+from workers.protocol.client import text
+from workers.protocol.keys import idempotency_key, job_key, job_steps_key, jobs_index_key, running_jobs_key
+from workers.protocol.states import JobState
 from workers.spec import JobSpec
 
 IDEMPOTENCY_TTL_S = 24 * 3600  # a client retrying a submit does so within minutes; a day is generous

@@ -22,17 +22,11 @@ from scheduler.jobs import JobStore
 from scheduler.settings import Settings
 from workers.actors import start_driver
 from workers.errors import MAX_ERROR_CHARS, one_line
+from workers.message import ProtocolError
 from workers.policy_checkpoint import has_policy_checkpoint, remove_policy_checkpoints
-from workers.protocol import (
-    RAY_NAMESPACE,
-    JobResult,
-    JobState,
-    PhaseRecord,
-    ProtocolError,
-    driver_actor_name,
-    job_phase_key,
-    job_result_key,
-)
+from workers.protocol.keys import RAY_NAMESPACE, driver_actor_name, job_phase_key, job_result_key
+from workers.protocol.messages import JobResult, PhaseRecord
+from workers.protocol.states import JobState
 from workers.spec import JobSpec
 
 log = logging.getLogger(__name__)

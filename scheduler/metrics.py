@@ -20,17 +20,16 @@ from scheduler.jobs import JobStore
 from scheduler.policy import CLASSES
 from scheduler.state import read_classes
 from workers.progress import read_progress
-from workers.protocol import (
-    REPORTED_STATES,
-    TOTALS_DRAFT_COLLAPSES,
-    JobState,
-    WorkerState,
+from workers.protocol.keys import (
+    TltField,
+    TotalsField,
     draft_namespaces,
     drafts_latest_key,
     job_steps_key,
     job_tlt_key,
     job_totals_key,
 )
+from workers.protocol.states import REPORTED_STATES, JobState, WorkerState
 
 log = logging.getLogger(__name__)
 MAX_JOBS_SCRAPED = 200  # newest jobs only: a scrape must stay cheap however long the history
@@ -101,7 +100,7 @@ class RedisCollector(Collector):
             info.add_metric([jid, job["state"], str(spec.get("model", "")), str(spec.get("tlt", True)).lower(),
                              str(spec.get("num_workers", ""))], 1.0)
             # two fields, not the whole hash: it also holds the watcher's state
-            reclaimed_s, classes_raw = redis.hmget(job_tlt_key(jid), "reclaimed_worker_s", "classes")
+            reclaimed_s, classes_raw = redis.hmget(job_tlt_key(jid), TltField.RECLAIMED_WORKER_S, TltField.CLASSES)
             if reclaimed_s is not None or classes_raw is not None:
                 reclaimed.add_metric([jid], float(reclaimed_s or 0.0))
                 if job["state"] == JobState.RUNNING.value:
@@ -127,7 +126,8 @@ class RedisCollector(Collector):
                 lines["tlt_worker_draft_version"].append(f"tlt_worker_draft_version{{{labels}}} "
                                                          f"{_num(r.draft_version)}\n")
             # one read of the totals; collapses from 0 on, so the alert's increase() sees the first one
-            idle_s, num_collapses = redis.hmget(job_totals_key(jid), "idle_worker_s", TOTALS_DRAFT_COLLAPSES)
+            idle_s, num_collapses = redis.hmget(job_totals_key(jid), TotalsField.IDLE_WORKER_S,
+                                                TotalsField.NUM_DRAFT_COLLAPSES)
             collapses.add_metric([jid], float(num_collapses or 0))
             last = redis.lindex(job_steps_key(jid), -1)
             if last is not None:

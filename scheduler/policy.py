@@ -16,7 +16,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from workers.protocol import GENERATING_STATES, Phase, WorkerState
+from workers.protocol.states import GENERATING_STATES, Phase, WorkerState
 
 # what classify() can say of a worker (SWAPPING is reported, and classified by whether it generates)
 CLASSES = (WorkerState.ROLLING_OUT, WorkerState.STRAGGLER, WorkerState.IDLE, WorkerState.TRAINING,

@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from scheduler.client import call  # noqa: E402
-from workers.protocol import WorkerState  # noqa: E402
+from workers.protocol.states import WorkerState
 
 LEARNER = "LEARNER"  # drawn only: waiting while no worker generates (weight sync, log-probs, update)
 COLORS = {WorkerState.ROLLING_OUT: "#3b82f6", WorkerState.IDLE: "#d1d5db", LEARNER: "#c4b5fd",

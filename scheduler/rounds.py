@@ -19,17 +19,10 @@ from scheduler.policy import CopyView, PolicySettings, choose_scorer, group_copi
 from scheduler.schemas import PublishDecision
 from scheduler.state import JobTLT
 from workers.draft_index import DraftIndex, job_draft_dirs
-from workers.protocol import (
-    Phase,
-    ProgressRecord,
-    ProtocolError,
-    ScoringRequest,
-    ScoringResult,
-    WorkerState,
-    draft_namespaces,
-    job_drafts_key,
-    job_scoring_key,
-)
+from workers.message import ProtocolError
+from workers.protocol.keys import draft_namespaces, job_drafts_key, job_scoring_key
+from workers.protocol.messages import ProgressRecord, ScoringRequest, ScoringResult
+from workers.protocol.states import Phase, WorkerState
 
 log = logging.getLogger(__name__)
 EVAL_TIMEOUT_S = 120.0  # merging a round and scoring two drafts on ~2k recorded tokens: seconds on a CPU

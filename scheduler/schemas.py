@@ -8,7 +8,8 @@ import typing
 
 from pydantic import BaseModel, create_model
 
-from workers.protocol import CollapseEvent, JobState, ProgressRecord, WorkerState
+from workers.protocol.messages import CollapseEvent, ProgressRecord
+from workers.protocol.states import JobState, WorkerState
 
 
 class JobOut(BaseModel):

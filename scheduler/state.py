@@ -8,7 +8,10 @@ import logging
 from dataclasses import dataclass, field, fields
 
 from scheduler.policy import RolloutWindow
-from workers.protocol import job_tlt_key
+from workers.protocol.keys import (
+    TltField,
+    job_tlt_key,
+)
 
 log = logging.getLogger(__name__)
 MAX_STEPS_KEPT = 1000  # per-step reclaimed counters kept (GET /v1/jobs/{id}/drafts: reclaimed_by_step)
@@ -47,14 +50,15 @@ class JobTLT:
 
     def save(self, redis, job_id: str) -> None:
         redis.hset(job_tlt_key(job_id), mapping={
-            "reclaimed_worker_s": self.reclaimed_worker_s, "num_published": self.num_published,
-            "num_rejected": self.num_rejected, "num_leases": self.num_leases, "active_leases": len(self.leases),
-            "state": json.dumps({f.name: getattr(self, f.name) for f in fields(self)})})  # plain JSON already
+            TltField.RECLAIMED_WORKER_S: self.reclaimed_worker_s, TltField.NUM_PUBLISHED: self.num_published,
+            TltField.NUM_REJECTED: self.num_rejected, TltField.NUM_LEASES: self.num_leases,
+            TltField.ACTIVE_LEASES: len(self.leases),
+            TltField.STATE: json.dumps({f.name: getattr(self, f.name) for f in fields(self)})})  # plain JSON already
 
     @staticmethod
     def read_reclaimed_by_step(redis, job_id: str) -> dict[int, float]:
         """rl_step -> reclaimed worker-seconds of that step's rollout, from the saved state ({} if none)."""
-        raw = redis.hget(job_tlt_key(job_id), "state")
+        raw = redis.hget(job_tlt_key(job_id), TltField.STATE)
         try:
             return {int(k): float(v) for k, v in json.loads(raw or "{}").get("reclaimed_by_step", {}).items()}
         except (json.JSONDecodeError, TypeError, ValueError, AttributeError):
@@ -63,7 +67,7 @@ class JobTLT:
 
     @classmethod
     def load(cls, redis, job_id: str) -> JobTLT:
-        raw = redis.hget(job_tlt_key(job_id), "state")
+        raw = redis.hget(job_tlt_key(job_id), TltField.STATE)
         if not raw:
             return cls()
         try:

@@ -45,21 +45,17 @@ from scheduler.rounds import SCORING, Rounds
 from scheduler.settings import TICK_S
 from scheduler.state import JobTLT
 from workers.draft_index import DraftIndex
+from workers.message import ProtocolError
 from workers.progress import read_progress
-from workers.protocol import (
-    JobState,
-    LeaseOffer,
-    LeaseOutcome,
-    LeaseState,
-    PhaseRecord,
-    ProgressRecord,
-    ProtocolError,
-    WorkerState,
+from workers.protocol.keys import (
+    TltField,
     draft_namespaces,
     job_leases_key,
     job_phase_key,
     job_tlt_key,
 )
+from workers.protocol.messages import LeaseOffer, LeaseOutcome, PhaseRecord, ProgressRecord
+from workers.protocol.states import JobState, LeaseState, WorkerState
 from workers.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -186,8 +182,8 @@ class Watcher:
         now = time.time()
         decision = decide(views, now, phase.phase, now - phase.since, serving, self.settings,
                           leased=frozenset(st.leases), busy=frozenset({scorer} - {None}), rl_step=phase.rl_step)
-        redis.hset(job_tlt_key(job_id), mapping={"classes": json.dumps(decision.classes),
-                                                 "long_tail": int(decision.long_tail)})
+        redis.hset(job_tlt_key(job_id), mapping={TltField.CLASSES: json.dumps(decision.classes),
+                                                 TltField.LONG_TAIL: int(decision.long_tail)})
         for worker_id in decision.preempt:
             self._preempt(job_id, worker_id)
         grants = decision.grants

@@ -21,18 +21,17 @@ import time
 import ray
 
 from workers.errors import job_error, where_in_job
-from workers.protocol import (
+from workers.protocol.client import connect
+from workers.protocol.keys import (
     RAY_NAMESPACE,
-    JobResult,
-    Phase,
-    PhaseRecord,
     check_id,
-    connect,
     driver_actor_name,
     job_phase_key,
     job_result_key,
     worker_actor_name,
 )
+from workers.protocol.messages import JobResult, PhaseRecord
+from workers.protocol.states import Phase
 from workers.spec import JobSpec
 
 log = logging.getLogger(__name__)

@@ -22,16 +22,16 @@ from typing import Any, TypeVar
 import redis as redis_lib
 
 from workers.message import ProtocolError
-from workers.protocol import (
-    Announcement,
+from workers.protocol.client import text
+from workers.protocol.keys import (
     check_namespace,
     draft_namespaces,
     drafts_channel,
     drafts_counter_key,
     drafts_index_key,
     drafts_latest_key,
-    text,
 )
+from workers.protocol.messages import Announcement
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,9 @@ from workers.job_records import JobRecords
 from workers.learner_pairs import LearnerPairs, PairShipments, wanted_owners
 from workers.pinning import usable_cores
 from workers.policy_checkpoint import commit_policy, load_policy, policy_checkpoint_path, stage_policy
-from workers.protocol import Phase, PhaseRecord, StepRecord, job_steps_key
+from workers.protocol.keys import job_steps_key
+from workers.protocol.messages import PhaseRecord, StepRecord
+from workers.protocol.states import Phase
 from workers.rollout import BUFFER_BYTES, BUFFER_DTYPE, engine_unavailable_reason
 from workers.spec import JobSpec
 from workers.step_data import assign, encode_text, length_percentiles, rollout_seed, shareable_state, sum_buckets

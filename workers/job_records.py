@@ -18,10 +18,9 @@ import time
 
 import redis as redis_lib
 
-from workers.protocol import (
-    JobState,
-    PhaseRecord,
-    StepRecord,
+from workers.protocol.client import text
+from workers.protocol.keys import (
+    TotalsField,
     drafts_latest_key,
     job_key,
     job_phase_key,
@@ -29,8 +28,9 @@ from workers.protocol import (
     job_totals_key,
     jobs_index_key,
     running_jobs_key,
-    text,
 )
+from workers.protocol.messages import PhaseRecord, StepRecord
+from workers.protocol.states import JobState
 from workers.store import job_stores
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class JobRecords:
         line = record.to_json()
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.rpush(job_steps_key(self.job_id), line)
-            pipe.hincrbyfloat(job_totals_key(self.job_id), "idle_worker_s", record.idle_worker_s)
+            pipe.hincrbyfloat(job_totals_key(self.job_id), TotalsField.IDLE_WORKER_S, record.idle_worker_s)
             pipe.execute()
         self.steps.append(line)
 
@@ -93,7 +93,7 @@ class JobRecords:
                 pipe.delete(job_steps_key(self.job_id))
                 if self.steps:
                     pipe.rpush(job_steps_key(self.job_id), *self.steps)
-                pipe.hset(job_totals_key(self.job_id), "idle_worker_s", idle)
+                pipe.hset(job_totals_key(self.job_id), TotalsField.IDLE_WORKER_S, idle)
                 pipe.execute()
             except redis_lib.WatchError:
                 return False  # the scheduler wrote it in between: it is there

@@ -24,7 +24,9 @@ from drafter.model import CausalLM
 from drafter.train import DraftTrainer
 from workers.errors import one_line
 from workers.message import Message
-from workers.protocol import MAX_LEASE_OUTCOMES, LeaseOffer, LeaseOutcome, LeaseState, WorkerState, job_leases_key
+from workers.protocol.keys import MAX_LEASE_OUTCOMES, job_leases_key
+from workers.protocol.messages import LeaseOffer, LeaseOutcome
+from workers.protocol.states import LeaseState, WorkerState
 from workers.spec import JobSpec
 from workers.status import WorkerStatus
 from workers.store import DraftStore, merge_key

@@ -21,7 +21,7 @@ import os
 import shutil
 from pathlib import Path
 
-from workers.protocol import check_id
+from workers.protocol.keys import check_id
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
 STAGED_FILE = "checkpoint.next.safetensors"  # written, not yet the resume point (commit_policy makes it that)

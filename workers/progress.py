@@ -12,20 +12,20 @@ from collections.abc import Callable
 
 import redis as redis_lib
 
-from workers.protocol import (
+from workers.message import ProtocolError
+from workers.protocol.client import text
+from workers.protocol.keys import (
     EVENTS_MAXLEN,
     MAX_PROGRESS_UPDATES_PER_S,
     PROGRESS_TTL_S,
-    ProgressRecord,
-    ProtocolError,
-    WorkerState,
     check_id,
     event_fields,
     job_events_key,
     job_workers_key,
     progress_key,
-    text,
 )
+from workers.protocol.messages import ProgressRecord
+from workers.protocol.states import WorkerState
 
 log = logging.getLogger(__name__)
 

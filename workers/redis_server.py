@@ -21,7 +21,7 @@ import redis as redis_lib
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from workers.protocol import connect
+from workers.protocol.client import connect
 
 START_TIMEOUT_S = 10.0  # a cold redis-server answers PING in well under a second; CI boxes can be slow
 STOP_TIMEOUT_S = 5.0  # SIGTERM with no persistence exits at once; after this, SIGKILL

@@ -29,7 +29,7 @@ from workers.builtin_engine import BuiltinEngine, as_tensors
 from workers.engine import RolloutEngine
 from workers.learner_pairs import add_pairs
 from workers.leases import LeaseRunner
-from workers.protocol import WorkerState
+from workers.protocol.states import WorkerState
 from workers.scoring import Scorer
 from workers.spec import JobSpec
 from workers.status import WorkerStatus

@@ -21,7 +21,8 @@ from drafter.evaluate import calibrate_draft_temperature, expected_accepted_leng
 from drafter.model import CausalLM
 from workers.errors import one_line
 from workers.message import Message
-from workers.protocol import ScoringRequest, ScoringResult, job_scoring_key
+from workers.protocol.keys import job_scoring_key
+from workers.protocol.messages import ScoringRequest, ScoringResult
 from workers.status import WorkerStatus
 from workers.store import DraftStore
 

@@ -15,7 +15,8 @@ from collections.abc import Callable
 import redis as redis_lib
 
 from workers.progress import ProgressReporter
-from workers.protocol import ProgressRecord, WorkerState
+from workers.protocol.messages import ProgressRecord
+from workers.protocol.states import WorkerState
 
 log = logging.getLogger(__name__)
 

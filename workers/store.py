@@ -28,7 +28,8 @@ from safetensors import safe_open
 from drafter.checkpoint import CheckpointError, DraftMeta, draft_path, load_draft, merge_drafts, save_draft
 from drafter.head import EagleHead, head_from_state
 from workers.draft_index import DraftIndex, check_version, job_draft_dirs, parse_entry
-from workers.protocol import draft_namespaces, drafts_counter_key, drafts_index_key, text
+from workers.protocol.client import text
+from workers.protocol.keys import draft_namespaces, drafts_counter_key, drafts_index_key
 
 STALE_TEMP_S = 3600.0  # a temp file untouched this long belongs to a crashed writer (writes take seconds)
 

@@ -27,14 +27,9 @@ from workers.engine import EngineStats, RolloutEngine
 from workers.errors import one_line
 from workers.guard import Acceptance, Judgement, Verdict, judge
 from workers.progress import read_json_list
-from workers.protocol import (
-    MAX_COLLAPSE_EVENTS,
-    TOTALS_DRAFT_COLLAPSES,
-    CollapseEvent,
-    WorkerState,
-    job_collapses_key,
-    job_totals_key,
-)
+from workers.protocol.keys import MAX_COLLAPSE_EVENTS, TotalsField, job_collapses_key, job_totals_key
+from workers.protocol.messages import CollapseEvent
+from workers.protocol.states import WorkerState
 from workers.spec import JobSpec
 from workers.status import WorkerStatus
 from workers.store import DraftStore
@@ -171,7 +166,7 @@ class Swapper:
             with self.served.redis.pipeline(transaction=True) as pipe:
                 pipe.rpush(job_collapses_key(job_id), event.to_json())
                 pipe.ltrim(job_collapses_key(job_id), -MAX_COLLAPSE_EVENTS, -1)
-                pipe.hincrby(job_totals_key(job_id), TOTALS_DRAFT_COLLAPSES, 1)
+                pipe.hincrby(job_totals_key(job_id), TotalsField.NUM_DRAFT_COLLAPSES, 1)
                 pipe.execute()
         except redis_lib.RedisError:  # the rollback stands; only its record is lost
             log.exception("job %s: worker %s: recording the collapse of v%d failed", job_id, self.status.worker_id,

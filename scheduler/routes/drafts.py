@@ -11,17 +11,18 @@ from scheduler.deps import Job, Redis, require_token
 from scheduler.schemas import CollapseOut, DraftsOut, DraftVersionOut, PublishDecision
 from scheduler.state import JobTLT
 from workers.draft_index import DraftIndex
+from workers.message import ProtocolError
 from workers.progress import read_json_list
-from workers.protocol import (
-    TOTALS_DRAFT_COLLAPSES,
-    CollapseEvent,
-    ProtocolError,
+from workers.protocol.keys import (
+    TltField,
+    TotalsField,
     draft_namespaces,
     job_collapses_key,
     job_drafts_key,
     job_tlt_key,
     job_totals_key,
 )
+from workers.protocol.messages import CollapseEvent
 
 router = APIRouter(prefix="/v1/jobs", tags=["drafts"],
                    dependencies=[Depends(require_token)])  # job details: the token when one is set
@@ -60,8 +61,10 @@ def drafts(job: Job, redis: Redis) -> DraftsOut:
                                                                   "draft_temperature")})
                 for e in served.versions()]
     reclaimed, leases, published, rejected = redis.hmget(
-        job_tlt_key(job_id), "reclaimed_worker_s", "num_leases", "num_published", "num_rejected")
-    idle, num_collapses = redis.hmget(job_totals_key(job_id), "idle_worker_s", TOTALS_DRAFT_COLLAPSES)
+        job_tlt_key(job_id), TltField.RECLAIMED_WORKER_S, TltField.NUM_LEASES, TltField.NUM_PUBLISHED,
+        TltField.NUM_REJECTED)
+    idle, num_collapses = redis.hmget(job_totals_key(job_id), TotalsField.IDLE_WORKER_S,
+                                      TotalsField.NUM_DRAFT_COLLAPSES)
     return DraftsOut(job_id=job_id, serving_version=served.latest_version(), versions=versions,
                      decisions=_decisions(redis, job_id), reclaimed_worker_s=float(reclaimed or 0.0),
                      num_leases=int(leases or 0), num_published=int(published or 0), num_rejected=int(rejected or 0),

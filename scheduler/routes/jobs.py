@@ -13,7 +13,8 @@ from scheduler.jobs import IdempotencyKeyError
 from scheduler.paths import job_roots, spec_path_errors
 from scheduler.schemas import JobOut
 from workers.progress import STREAM_ID_RULE, read_events, read_json_list
-from workers.protocol import ID_PATTERN, TERMINAL_JOB_STATES, JobState, job_steps_key
+from workers.protocol.keys import ID_PATTERN, job_steps_key
+from workers.protocol.states import TERMINAL_JOB_STATES, JobState
 from workers.spec import JobSpec
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])

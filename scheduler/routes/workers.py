@@ -10,7 +10,10 @@ from scheduler.deps import Job, Redis, require_token
 from scheduler.schemas import WorkerOut
 from scheduler.state import read_classes
 from workers.progress import read_progress
-from workers.protocol import job_tlt_key
+from workers.protocol.keys import (
+    TltField,
+    job_tlt_key,
+)
 
 router = APIRouter(prefix="/v1/jobs", tags=["workers"],
                    dependencies=[Depends(require_token)])  # job details: the token when one is set
@@ -21,7 +24,7 @@ def workers(job: Job, redis: Redis) -> Response:
     """Serialized here, in WorkerOut's shape, not through it: the records are validated on read, and
     256 response models per status-page refresh were most of this route's cost (bench observability)."""
     job_id = job["job_id"]
-    classes = read_classes(redis.hget(job_tlt_key(job_id), "classes"))
+    classes = read_classes(redis.hget(job_tlt_key(job_id), TltField.CLASSES))
     body = [{k: v for k, v in r.to_dict().items() if k != "job_id"} | {"scheduler_class": classes.get(r.worker_id)}
             for r in read_progress(redis, job_id)]
     return Response(json.dumps(body, allow_nan=False), media_type="application/json")

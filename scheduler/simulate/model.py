@@ -20,7 +20,7 @@ from scheduler.simulate.profiles import Profile
 from scheduler.simulate.records import DraftBook, SimResult, StepStats
 from scheduler.simulate.service import SimWatcher
 from scheduler.simulate.worker import SimWorker, Timeline
-from workers.protocol import LeaseState, Phase, WorkerState
+from workers.protocol.states import LeaseState, Phase, WorkerState
 
 ARMS = ("plain", "frozen", "tlt")
 BUFFER_MAX_TOKENS = 1 << 22  # the rollout buffer is bounded (drafter/buffer.py); only the min matters here

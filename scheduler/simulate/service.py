@@ -24,7 +24,7 @@ from scheduler.policy import (
     should_publish,
     track_rollouts,
 )
-from workers.protocol import LeaseState, Phase, WorkerState
+from workers.protocol.states import LeaseState, Phase, WorkerState
 
 if TYPE_CHECKING:
     from scheduler.simulate.model import Simulation

@@ -19,7 +19,7 @@ import simpy
 
 from scheduler.policy import WorkerView
 from scheduler.simulate.cost import StepCost, accepted_length, choose_k
-from workers.protocol import WorkerState
+from workers.protocol.states import WorkerState
 
 CHUNK_TOKENS = 512  # re-evaluate the context-dependent step cost at least this often (tokens per row)
 

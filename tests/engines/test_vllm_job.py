@@ -10,7 +10,8 @@ import ray
 
 from workers.actors import get_worker, start_driver
 from workers.progress import read_json_list
-from workers.protocol import StepRecord, job_steps_key
+from workers.protocol.keys import job_steps_key
+from workers.protocol.messages import StepRecord
 from workers.redis_server import PrivateRedis
 from workers.spec import JobSpec
 

@@ -7,17 +7,9 @@ import time
 from scheduler.jobs import JobStore
 from scheduler.state import JobTLT
 from workers.progress import ProgressReporter
-from workers.protocol import (
-    JobState,
-    LeaseOutcome,
-    LeaseState,
-    Phase,
-    PhaseRecord,
-    ProgressRecord,
-    WorkerState,
-    job_leases_key,
-    job_phase_key,
-)
+from workers.protocol.keys import job_leases_key, job_phase_key
+from workers.protocol.messages import LeaseOutcome, PhaseRecord, ProgressRecord
+from workers.protocol.states import JobState, LeaseState, Phase, WorkerState
 from workers.spec import JobSpec
 
 

@@ -13,16 +13,16 @@ from fastapi.testclient import TestClient
 
 from scheduler.app import Settings, create_app
 from workers.policy_checkpoint import has_policy_checkpoint
-from workers.protocol import (
+from workers.protocol.keys import (
     RAY_NAMESPACE,
-    JobResult,
-    JobState,
     driver_actor_name,
     job_phase_key,
     job_result_key,
     job_steps_key,
     jobs_index_key,
 )
+from workers.protocol.messages import JobResult
+from workers.protocol.states import JobState
 from workers.redis_server import PrivateRedis
 
 TOKEN = "s3cret"

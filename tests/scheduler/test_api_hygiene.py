@@ -14,7 +14,8 @@ from scheduler.deps import token_matches
 from scheduler.http_errors import RETRY_AFTER_S
 from scheduler.routes.jobs import MAX_STEPS_READ
 from tests.scheduler.apps import token_app
-from workers.protocol import WorkerState, event_fields, job_events_key, job_steps_key, jobs_index_key
+from workers.protocol.keys import event_fields, job_events_key, job_steps_key, jobs_index_key
+from workers.protocol.states import WorkerState
 from workers.redis_server import PrivateRedis
 
 TOKEN = "s3cret-T0ken"

@@ -7,7 +7,7 @@ import pytest
 
 from scheduler.budget import JobBudget, budget_errors, step_memory_bytes, step_tokens
 from tests.scheduler.apps import token_app
-from workers.protocol import jobs_index_key
+from workers.protocol.keys import jobs_index_key
 from workers.spec import JobSpec
 from workers.tasks import StepProblems, make_task
 

@@ -17,7 +17,8 @@ from scheduler.policy import PolicySettings
 from scheduler.state import JobTLT, read_classes
 from scheduler.watcher import Watcher
 from tests.scheduler.running import running_job
-from workers.protocol import RAY_NAMESPACE, Phase, WorkerState, job_tlt_key, worker_actor_name
+from workers.protocol.keys import RAY_NAMESPACE, job_tlt_key, worker_actor_name
+from workers.protocol.states import Phase, WorkerState
 from workers.redis_server import PrivateRedis
 
 JOB = "job1"

@@ -33,7 +33,7 @@ from workers.driver import Driver
 from workers.errors import job_error
 from workers.policy_checkpoint import has_policy_checkpoint, load_policy, policy_checkpoint_path
 from workers.progress import read_json_list
-from workers.protocol import RAY_NAMESPACE, job_steps_key, jobs_index_key, worker_actor_name
+from workers.protocol.keys import RAY_NAMESPACE, job_steps_key, jobs_index_key, worker_actor_name
 from workers.redis_server import PrivateRedis
 from workers.spec import JobSpec
 from workers.store import job_stores

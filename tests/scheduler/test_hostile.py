@@ -13,7 +13,7 @@ from scheduler.app import Settings, create_app
 from scheduler.http_errors import MAX_BODY_BYTES, safe_text
 from scheduler.paths import DATA_ROOTS_ENV, is_under, roots_from_env, spec_path_errors
 from tests.scheduler.apps import token_app
-from workers.protocol import jobs_index_key
+from workers.protocol.keys import jobs_index_key
 from workers.redis_server import PrivateRedis
 from workers.spec import JobSpec
 

@@ -12,19 +12,9 @@ from scheduler.policy import PolicySettings
 from scheduler.state import JobTLT, read_classes
 from scheduler.watcher import Watcher
 from tests.scheduler.running import running_job
-from workers.protocol import (
-    JobState,
-    LeaseOutcome,
-    LeaseState,
-    Phase,
-    WorkerState,
-    job_key,
-    job_leases_key,
-    job_steps_key,
-    job_tlt_key,
-    jobs_index_key,
-    running_jobs_key,
-)
+from workers.protocol.keys import job_key, job_leases_key, job_steps_key, job_tlt_key, jobs_index_key, running_jobs_key
+from workers.protocol.messages import LeaseOutcome
+from workers.protocol.states import JobState, LeaseState, Phase, WorkerState
 from workers.redis_server import PrivateRedis
 from workers.spec import JobSpec
 
@@ -129,7 +119,8 @@ def test_an_idempotency_key_reused_for_another_spec_is_refused_and_creates_nothi
 def test_a_degraded_run_succeeds_with_its_warning_on_the_job(redis):
     from scheduler.launcher import Launcher
     from scheduler.settings import Settings
-    from workers.protocol import JobResult, job_result_key
+    from workers.protocol.keys import job_result_key
+    from workers.protocol.messages import JobResult
 
     store = JobStore(redis)
     job_id = store.create(JobSpec(model="tiny"))[0]["job_id"]

@@ -15,7 +15,9 @@ from scheduler.jobs import JobStore
 from scheduler.metrics import STATES, WORKER_FAMILIES, RedisCollector, exposition
 from scheduler.policy import CLASSES
 from workers.progress import ProgressReporter
-from workers.protocol import JobState, ProgressRecord, WorkerState, job_tlt_key
+from workers.protocol.keys import job_tlt_key
+from workers.protocol.messages import ProgressRecord
+from workers.protocol.states import JobState, WorkerState
 from workers.redis_server import PrivateRedis
 from workers.spec import JobSpec
 

@@ -31,7 +31,9 @@ from ray.util.state import list_actors, list_nodes
 from scheduler.launcher import MAX_UNPLACEABLE_S, Launcher
 from scheduler.settings import Settings
 from tests.scheduler.test_restart import get, post, serve
-from workers.protocol import JobResult, JobState, Phase, PhaseRecord, job_phase_key, job_result_key
+from workers.protocol.keys import job_phase_key, job_result_key
+from workers.protocol.messages import JobResult, PhaseRecord
+from workers.protocol.states import JobState, Phase
 from workers.redis_server import PrivateRedis, free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))

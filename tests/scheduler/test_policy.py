@@ -23,7 +23,7 @@ from scheduler.policy import (
     should_publish,
     track_rollouts,
 )
-from workers.protocol import Phase, WorkerState
+from workers.protocol.states import Phase, WorkerState
 
 NOW = 1000.0
 S = PolicySettings()

@@ -12,16 +12,9 @@ from scheduler.policy import PolicySettings
 from scheduler.state import JobTLT
 from scheduler.watcher import Watcher
 from tests.scheduler.running import running_job
-from workers.protocol import (
-    LeaseOutcome,
-    LeaseState,
-    Phase,
-    PhaseRecord,
-    WorkerState,
-    job_leases_key,
-    job_phase_key,
-    job_tlt_key,
-)
+from workers.protocol.keys import job_leases_key, job_phase_key, job_tlt_key
+from workers.protocol.messages import LeaseOutcome, PhaseRecord
+from workers.protocol.states import LeaseState, Phase, WorkerState
 from workers.redis_server import PrivateRedis
 
 

@@ -10,7 +10,7 @@ import ray
 from fastapi.testclient import TestClient
 
 from scheduler.app import Settings, create_app
-from workers.protocol import job_steps_key
+from workers.protocol.keys import job_steps_key
 from workers.redis_server import PrivateRedis
 
 TOKEN = "t"

@@ -16,7 +16,9 @@ from scheduler.demo import start_server
 from scheduler.jobs import JobStore
 from scheduler.report import LEARNER, generating, spans, split_waits, totals
 from workers.progress import ProgressReporter
-from workers.protocol import JobState, ProgressRecord, WorkerState, job_drafts_key, job_steps_key, job_tlt_key
+from workers.protocol.keys import job_drafts_key, job_steps_key, job_tlt_key
+from workers.protocol.messages import ProgressRecord
+from workers.protocol.states import JobState, WorkerState
 from workers.redis_server import PrivateRedis
 from workers.spec import JobSpec
 

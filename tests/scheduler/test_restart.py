@@ -24,7 +24,7 @@ import pytest
 
 from drafter.config import PRESETS
 from drafter.loading import random_model, save_hf_dir
-from workers.protocol import drafts_index_key, job_steps_key, job_tlt_key
+from workers.protocol.keys import drafts_index_key, job_steps_key, job_tlt_key
 from workers.redis_server import PrivateRedis, free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))

@@ -23,18 +23,10 @@ from scheduler.policy import PolicySettings
 from scheduler.state import JobTLT
 from scheduler.watcher import Watcher
 from tests.conftest import tiny_model
-from workers.protocol import (
-    RAY_NAMESPACE,
-    Phase,
-    ProgressRecord,
-    ScoringRequest,
-    ScoringResult,
-    WorkerState,
-    connect,
-    job_drafts_key,
-    job_scoring_key,
-    worker_actor_name,
-)
+from workers.protocol.client import connect
+from workers.protocol.keys import RAY_NAMESPACE, job_drafts_key, job_scoring_key, worker_actor_name
+from workers.protocol.messages import ProgressRecord, ScoringRequest, ScoringResult
+from workers.protocol.states import Phase, WorkerState
 from workers.redis_server import PrivateRedis
 from workers.scoring import Scorer
 from workers.store import job_stores

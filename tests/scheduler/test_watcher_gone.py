@@ -18,7 +18,9 @@ from scheduler.state import JobTLT, read_classes
 from scheduler.watcher import Watcher, without_gone
 from tests.scheduler.running import running_job
 from workers.progress import ProgressReporter
-from workers.protocol import RAY_NAMESPACE, Phase, ProgressRecord, WorkerState, job_tlt_key, worker_actor_name
+from workers.protocol.keys import RAY_NAMESPACE, job_tlt_key, worker_actor_name
+from workers.protocol.messages import ProgressRecord
+from workers.protocol.states import Phase, WorkerState
 from workers.redis_server import PrivateRedis
 
 

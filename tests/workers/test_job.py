@@ -14,15 +14,7 @@ import ray
 from tests.waiting import until
 from workers.actors import get_worker, start_driver
 from workers.progress import read_events, read_json_list, read_progress
-from workers.protocol import (
-    JobResult,
-    LeaseOutcome,
-    LeaseState,
-    Phase,
-    PhaseRecord,
-    ScoringResult,
-    StepRecord,
-    WorkerState,
+from workers.protocol.keys import (
     job_leases_key,
     job_phase_key,
     job_result_key,
@@ -30,6 +22,8 @@ from workers.protocol import (
     job_steps_key,
     job_totals_key,
 )
+from workers.protocol.messages import JobResult, LeaseOutcome, PhaseRecord, ScoringResult, StepRecord
+from workers.protocol.states import LeaseState, Phase, WorkerState
 from workers.spec import JobSpec
 from workers.store import job_stores
 

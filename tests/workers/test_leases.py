@@ -9,14 +9,9 @@ import time
 import pytest
 
 from drafter.evaluate import DRAFT_TEMPERATURES, calibrate_draft_temperature
-from workers.protocol import (
-    LeaseOutcome,
-    LeaseState,
-    ScoringResult,
-    WorkerState,
-    job_leases_key,
-    job_scoring_key,
-)
+from workers.protocol.keys import job_leases_key, job_scoring_key
+from workers.protocol.messages import LeaseOutcome, ScoringResult
+from workers.protocol.states import LeaseState, WorkerState
 from workers.rollout import RolloutRunner
 from workers.scoring import recent_rollouts
 from workers.spec import JobSpec

@@ -9,7 +9,8 @@ import redis as redis_lib
 
 from tests.workers.test_protocol import record
 from workers.progress import ProgressReporter, read_events, read_progress
-from workers.protocol import EVENTS_MAXLEN, PROGRESS_TTL_S, WorkerState, job_events_key
+from workers.protocol.keys import EVENTS_MAXLEN, PROGRESS_TTL_S, job_events_key
+from workers.protocol.states import WorkerState
 
 
 class FakeClock:

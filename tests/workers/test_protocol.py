@@ -10,33 +10,37 @@ from pathlib import Path
 
 import pytest
 
+from workers.message import ProtocolError
 from workers.progress import read_events, read_progress
-from workers.protocol import (
+from workers.protocol.keys import (
     PREFIX,
-    Announcement,
-    JobResult,
-    LeaseOffer,
-    LeaseOutcome,
-    LeaseState,
-    Phase,
-    PhaseRecord,
-    ProgressRecord,
-    ProtocolError,
-    ScoringRequest,
-    ScoringResult,
-    StepRecord,
-    WorkerState,
     draft_namespaces,
     drafts_index_key,
     driver_actor_name,
     event_fields,
     job_events_key,
     job_key,
-    job_scan_pattern,
+    job_phase_key,
+    job_result_key,
+    job_steps_key,
+    job_tlt_key,
+    job_totals_key,
     job_workers_key,
     progress_key,
     worker_actor_name,
 )
+from workers.protocol.messages import (
+    Announcement,
+    JobResult,
+    LeaseOffer,
+    LeaseOutcome,
+    PhaseRecord,
+    ProgressRecord,
+    ScoringRequest,
+    ScoringResult,
+    StepRecord,
+)
+from workers.protocol.states import LeaseState, Phase, WorkerState
 from workers.redis_server import PrivateRedis
 
 
@@ -55,7 +59,9 @@ def put(redis, rec: ProgressRecord | str, worker: str) -> None:
 def test_keys_share_one_prefix_and_reject_bad_ids():
     assert progress_key("j1", "w0") == "tlt:job:j1:worker:w0:progress"
     assert drafts_index_key("j1:copies") == "tlt:drafts:j1:copies:index"
-    assert job_scan_pattern("j1") == f"{job_key('j1')}:*" and job_key("j1").startswith(PREFIX)
+    assert job_key("j1").startswith(PREFIX)
+    for key in (job_phase_key, job_result_key, job_steps_key, job_totals_key, job_tlt_key, job_events_key):
+        assert key("j1").startswith(job_key("j1") + ":")  # every key of a job lies under its record's
     for bad in ("", "a:b", "a*", "a b", 7):
         with pytest.raises(ProtocolError, match="job_id"):
             job_key(bad)

@@ -13,7 +13,7 @@ from drafter.engine import Request
 from drafter.head import head_config, new_head
 from drafter.sampling import SamplingParams
 from workers.progress import read_events, read_progress
-from workers.protocol import WorkerState
+from workers.protocol.states import WorkerState
 from workers.rollout import RolloutRunner
 from workers.spec import JobSpec
 from workers.swap import MAX_SWAP_LOG

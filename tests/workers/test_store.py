@@ -16,14 +16,9 @@ from drafter.checkpoint import CheckpointError, DraftMeta, draft_path, save_draf
 from drafter.config import ModelConfig
 from drafter.head import EagleHead, head_config
 from workers.draft_index import DraftIndex
-from workers.protocol import (
-    Announcement,
-    ProtocolError,
-    drafts_channel,
-    drafts_counter_key,
-    drafts_index_key,
-    drafts_latest_key,
-)
+from workers.message import ProtocolError
+from workers.protocol.keys import drafts_channel, drafts_counter_key, drafts_index_key, drafts_latest_key
+from workers.protocol.messages import Announcement
 from workers.store import DraftStore, job_stores, merge_key
 
 CFG = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -19,7 +19,9 @@ from scheduler.metrics import RedisCollector, exposition
 from tests.waiting import until
 from workers.guard import Verdict
 from workers.progress import read_json_list, read_progress
-from workers.protocol import TOTALS_DRAFT_COLLAPSES, CollapseEvent, JobState, job_collapses_key, job_totals_key
+from workers.protocol.keys import TotalsField, job_collapses_key, job_totals_key
+from workers.protocol.messages import CollapseEvent
+from workers.protocol.states import JobState
 from workers.rollout import RolloutRunner
 from workers.spec import JobSpec
 from workers.swap import LISTEN_TIMEOUT_S
@@ -106,7 +108,7 @@ def test_a_zeroed_draft_is_rolled_back_and_a_trained_one_kept(redis_client, tmp_
     assert e.published_accepted_length == pytest.approx(score)
     assert e.num_verify_steps >= spec.swap_guard.num_verify_steps
     assert e.measured_accepted_length - 1 < spec.swap_guard.collapse_fraction * (e.expected_accepted_length - 1)
-    assert int(redis_client.hget(job_totals_key(job_id), TOTALS_DRAFT_COLLAPSES)) == 1
+    assert int(redis_client.hget(job_totals_key(job_id), TotalsField.NUM_DRAFT_COLLAPSES)) == 1
     # the progress record names the version serving again; a catch-up never reinstalls the collapsed one
     assert next(p for p in read_progress(redis_client, job_id) if p.worker_id == "w0").draft_version == good
     r.swapper.catch_up()

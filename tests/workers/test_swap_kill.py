@@ -31,15 +31,9 @@ from tests.waiting import until
 from tests.workers.test_job import job
 from workers.actors import get_worker
 from workers.progress import read_events, read_json_list, read_progress
-from workers.protocol import (
-    Phase,
-    PhaseRecord,
-    StepRecord,
-    WorkerState,
-    drafts_counter_key,
-    job_phase_key,
-    job_steps_key,
-)
+from workers.protocol.keys import drafts_counter_key, job_phase_key, job_steps_key
+from workers.protocol.messages import PhaseRecord, StepRecord
+from workers.protocol.states import Phase, WorkerState
 from workers.rollout import RolloutRunner
 from workers.spec import JobSpec
 from workers.store import DraftStore, job_stores

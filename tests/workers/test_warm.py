@@ -14,7 +14,8 @@ from drafter.config import PRESETS
 from drafter.head import EagleConfig, EagleHead, head_config
 from workers.actors import start_driver
 from workers.progress import read_json_list, read_progress
-from workers.protocol import JobResult, StepRecord, job_result_key, job_steps_key
+from workers.protocol.keys import job_result_key, job_steps_key
+from workers.protocol.messages import JobResult, StepRecord
 from workers.spec import JobSpec
 from workers.store import job_stores
 from workers.warm import check_fits, parse_store_ref, publish_warm_draft, task_prompts
