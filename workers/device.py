@@ -1,0 +1,41 @@
+"""Where a job's tensors live: JobSpec.device resolved in the process that holds them.
+
+Each process resolves the job's setting for itself, so one spec serves a mixed cluster:
+    auto  CUDA where this process sees a CUDA device, else the CPU. A rollout worker sees the GPU Ray assigned
+          it (`num_gpus` sets CUDA_VISIBLE_DEVICES: its GPU is cuda:0; on a CPU box with logical GPUs declared,
+          torch sees none and it runs on the CPU). The driver asks Ray for no GPU and, on Ray >= 2.49, sees its
+          node's GPUs: the learner runs on the first, beside the rollout workers whose phases it alternates
+          with (docs/architecture.md, "The RL job on a GPU")
+    cuda  CUDA, or a ValueError saying this process sees none (a job that asked for the GPU never runs on the CPU
+          by mistake)
+    cpu   the CPU, even where a GPU is visible
+Torch-only, and torch only when called: workers.spec takes DEVICES from here without importing torch, and a bare
+GPU node (the CUDA test set) runs it without pydantic.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+DEVICES = ("auto", "cuda", "cpu")  # JobSpec.device's values
+
+
+def job_device(setting: str) -> torch.device:
+    """The device `setting` (JobSpec.device) means in this process. ValueError for "cuda" where no CUDA device
+    is visible (naming what CUDA_VISIBLE_DEVICES holds), and for anything not in DEVICES."""
+    if setting not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {setting!r}")
+    import torch
+
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise ValueError("device 'cuda': this process sees no CUDA device (torch "
+                         f"{torch.__version__}, CUDA_VISIBLE_DEVICES={visible!r}); a Ray worker sees the GPU Ray "
+                         "assigned it, and a CPU build of torch sees none")
+    return torch.device("cuda", torch.cuda.current_device())
