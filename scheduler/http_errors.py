@@ -59,10 +59,16 @@ def safe_text(value: object, max_chars: int = MAX_MESSAGE_CHARS) -> str:
     return s if len(s) <= max_chars else s[: max_chars - 3] + "..."
 
 
+def _unknown_field(error: dict) -> dict:
+    """An unknown field's error located at its parent: its name is the client's, and is not echoed."""
+    return {"loc": list(error.get("loc", ()))[:-1], "type": "extra_forbidden",
+            "msg": "an unknown field (its name is not echoed; docs/api.md lists the fields)"}
+
+
 def validation_detail(errors) -> list[dict]:
     """Pydantic/FastAPI errors without their inputs: [{"loc": [...], "msg": ..., "type": ...}], the first
     MAX_ERRORS_REPORTED of them and one entry counting the rest (a 422 stays a few KB whatever the body)."""
-    errors = list(errors)
+    errors = [_unknown_field(e) if e.get("type") == "extra_forbidden" else e for e in errors]
     out = [{"loc": [safe_text(p, 100) if isinstance(p, str) else p for p in e.get("loc", ())][:8],
             "msg": safe_text(e.get("msg", "invalid")), "type": safe_text(e.get("type", "value_error"), 60)}
            for e in errors[:MAX_ERRORS_REPORTED]]

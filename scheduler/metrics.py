@@ -8,6 +8,7 @@ joins the two; tests/scheduler/test_metrics.py checks the text against the libra
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
@@ -16,6 +17,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from drafter.config import PRESETS, SMOLLM2_SPEC
 from scheduler.jobs import JobStore
 from scheduler.policy import CLASSES
 from scheduler.state import read_classes
@@ -62,6 +64,14 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
+def model_label(model: str) -> str:
+    """A job's model as a public label: a preset's name (or the packaged SmolLM2's), a path as "sha256:" and its
+    digest's first 12 hex digits: /metrics needs no token, and a path says where the server keeps its files."""
+    if model in PRESETS or model == SMOLLM2_SPEC:
+        return model
+    return "sha256:" + hashlib.sha256(model.encode("utf-8", "backslashreplace")).hexdigest()[:12]
+
+
 def _num(value: float) -> str:
     return repr(float(value))  # finite, validated on read; same digits as the library's floatToGoString
 
@@ -97,8 +107,8 @@ class RedisCollector(Collector):
         for job in jobs:
             jid = job["job_id"]
             spec = job.get("spec", {})
-            info.add_metric([jid, job["state"], str(spec.get("model", "")), str(spec.get("tlt", True)).lower(),
-                             str(spec.get("num_workers", ""))], 1.0)
+            info.add_metric([jid, job["state"], model_label(str(spec.get("model", ""))),
+                             str(spec.get("tlt", True)).lower(), str(spec.get("num_workers", ""))], 1.0)
             # two fields, not the whole hash: it also holds the watcher's state
             reclaimed_s, classes_raw = redis.hmget(job_tlt_key(jid), TltField.RECLAIMED_WORKER_S, TltField.CLASSES)
             if reclaimed_s is not None or classes_raw is not None:
