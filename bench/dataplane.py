@@ -124,3 +124,19 @@ def bench_dataplane(model: str = SMOLLM2_SPEC, num_workers: int = 4, num_steps: 
     finally:
         ray.shutdown()
     return result
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default=SMOLLM2_SPEC)
+    p.add_argument("--workers", type=int, default=4, help="rollout workers (logical GPUs)")
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--swap-trials", type=int, default=3)
+
+
+def run(args) -> dict:
+    return bench_dataplane(model=args.model, num_workers=args.workers, num_steps=args.steps,
+                           prompts_per_step=args.prompts, group_size=args.group_size,
+                           max_new_tokens=args.new_tokens, swap_trials=args.swap_trials)

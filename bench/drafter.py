@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.prompts import PROMPTS, synthetic_prompts
+from bench.record import pct
 from drafter.buffer import RolloutBuffer
 from drafter.checkpoint import load_draft
 from drafter.config import DRAFT_FORMAT, TrainConfig
@@ -234,7 +235,7 @@ def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_p
         result.update(train_tokens_per_s=round(rep.tokens_per_s, 1),
                       train_steps_per_s=round(rep.num_steps / max(rep.seconds, 1e-9), 3),
                       stop_p50_s=round(statistics.median(latencies), 3),
-                      stop_p99_s=round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 3),
+                      stop_p99_s=round(pct(latencies, 0.99), 3),
                       stop_trials=len(latencies))
     return result
 
@@ -308,3 +309,37 @@ def _drift_part(result, policy, tok, engine, eval_prompts, head, best_k, new_tok
     log(f"drift: before {before:.2f}, frozen {frozen.mean_accepted_length:.2f}, "
         f"adapted {adapted.mean_accepted_length:.2f}")
     return new_policy, adapted_head, buffer
+
+
+def add_arguments(p) -> None:
+    from drafter.config import SMOLLM2_SPEC
+
+    p.add_argument("--model", default=SMOLLM2_SPEC)
+    p.add_argument("--prompts", type=int, default=6, help="held-out evaluation prompts (of the 16 fixed ones)")
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--k", default="2,3,4,6")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--warm-prompts", type=int, default=1536)
+    p.add_argument("--warm-steps", type=int, default=2000)
+    p.add_argument("--warm-unroll", type=int, default=4, help="draft positions the warm start trains")
+    p.add_argument("--parts", default="abc", help="a: acceptance sweep, b: drift, c: training throughput and stops")
+    p.add_argument("--adapt-seconds", type=float, default=60.0, help="online training budget after the drift")
+    p.add_argument("--adapt-lr", type=float, default=3e-4, help="peak learning rate of the online adaptation")
+    p.add_argument("--adapt-prompts", type=int, default=256, help="new-policy rollouts the adaptation trains on")
+    p.add_argument("--stop-trials", type=int, default=20)
+    p.add_argument("--draft-dtype", default="auto", choices=("auto", "policy", "float32", "bfloat16", "int8"),
+                   help="precision the heads draft in; auto: bf16 where the device has bf16 units; int8: "
+                        "int8 weights on a CPU")
+    p.add_argument("--tree", default="",
+                   help="draft tree served: candidates at the first depths, e.g. 3,2 ('': a chain)")
+    p.add_argument("--tree-side-depth", type=int, default=1, help="depth of the chain under each extra candidate")
+
+
+def run(args) -> dict:
+    ks = tuple(int(k) for k in args.k.split(",") if k.strip())
+    return bench_drafter(model_spec=args.model, threads=args.threads, num_eval_prompts=args.prompts,
+                         new_tokens=args.new_tokens, ks=ks, warm_prompts=args.warm_prompts,
+                         warm_steps=args.warm_steps, warm_unroll=args.warm_unroll, adapt_seconds=args.adapt_seconds,
+                         adapt_lr=args.adapt_lr, adapt_prompts=args.adapt_prompts, stop_trials=args.stop_trials,
+                         parts=args.parts, draft_dtype=None if args.draft_dtype == "policy" else args.draft_dtype,
+                         tree=args.tree, tree_side_depth=args.tree_side_depth)

@@ -8,7 +8,7 @@ configurations run interleaved chunk by chunk, in turned-round order, so machine
 alike: the ratios of one run are the figures to quote. Then draft swaps in the live vLLM engine (its in-place
 reload between two steps of a running batch) are timed, and greedy outputs are compared across swaps.
 
-vLLM runs only where it is installed (.venv-engines: `make venv-engines`); the CLI runs this there.
+vLLM runs only where it is installed (.venv-engines: `make venv-engines`); `run` re-runs the bench there.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def greedy_params(n: int, new_tokens: int) -> list[dict]:
     return [{"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True, "seed": i} for i in range(n)]
 
 
-def run(engine, prompts: list[list[int]], new_tokens: int, speculation: str, tally: Tally) -> None:
+def generate_into(engine, prompts: list[list[int]], new_tokens: int, speculation: str, tally: Tally) -> None:
     t0 = time.perf_counter()
     outs = engine.generate(prompts, greedy_params(len(prompts), new_tokens), speculation=speculation)
     tally.seconds += time.perf_counter() - t0
@@ -86,7 +86,7 @@ def run_phase(engines: dict, prompts: list[list[int]], new_tokens: int, batches=
             chunk = prompts[start:start + batch]
             for name in (configs if i % 2 == 0 else tuple(reversed(configs))):
                 engine, speculation = engines[name]
-                run(engine, chunk, new_tokens, speculation, tallies[name])
+                generate_into(engine, chunk, new_tokens, speculation, tallies[name])
             log(f"  batch {batch}: prompts {start}..{start + len(chunk) - 1} done")
         reps = {name: t.report() for name, t in tallies.items()}
         for eng in ("ours", "vllm"):
@@ -138,9 +138,10 @@ def time_swaps(engine, state: dict, head_config: dict, prompts: list[list[int]],
 def bench_engine(model_spec: str = "smollm2-135m", draft: str | None = None, num_prompts: int = 8,
                  new_tokens: int = 96, draft_k: int = DRAFT_K, threads: tuple[int, ...] = (1, 2),
                  num_swaps: int = 20) -> dict:
-    from workers.vllm_engine import VllmEngine, vllm_missing_reason
+    from workers.engines import unavailable_reason
+    from workers.vllm_engine import VllmEngine
 
-    reason = vllm_missing_reason()
+    reason = unavailable_reason("vllm")
     if reason is not None:
         raise ValueError(reason)
     if not threads or min(threads) < 1:
@@ -224,3 +225,44 @@ def summarize(result: dict, threads: tuple[int, ...]) -> dict:
         result[f"ours_best_vs_vllm_best_spec_{b}"] = ratio(best[f"ours_spec_{b}"]["tokens_per_s"],
                                                            best[f"vllm_spec_{b}"]["tokens_per_s"])
     return result
+
+
+def add_arguments(p) -> None:
+    from drafter.config import SMOLLM2_SPEC
+
+    p.add_argument("--model", default=SMOLLM2_SPEC, help="smollm2-135m, a .gguf file or an HF directory")
+    p.add_argument("--draft", default=None, help="a draft checkpoint (default: the longtail warm draft that "
+                   "`make warm-draft` caches)")
+    p.add_argument("--prompts", type=int, default=8, help="held-out longtail prompts")
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--k", type=int, default=DRAFT_K, help="draft length, the same in both engines")
+    p.add_argument("--threads", default="1,2", help="thread settings, one phase each; the first is the equal-"
+                   "threads comparison")
+    p.add_argument("--swaps", type=int, default=20, help="draft swaps timed in the live vLLM engine")
+
+
+def run(args) -> dict:
+    import importlib.util
+    import os
+
+    from bench.record import ROOT
+
+    engines_venv = ROOT / ".venv-engines"
+    engines_python = engines_venv / "bin" / "python"
+    if (importlib.util.find_spec("vllm") is None and engines_python.is_file()
+            and Path(sys.prefix).resolve() != engines_venv.resolve()):  # vLLM lives in the engines venv: run there
+        log(f"vllm is not installed here; running in {engines_venv}")
+        os.execv(str(engines_python), [str(engines_python), "-m", "bench.cli", "engine", *args.bench_argv])
+    threads = tuple(int(n) for n in args.threads.split(",") if n.strip())
+    return bench_engine(model_spec=args.model, draft=args.draft, num_prompts=args.prompts, new_tokens=args.new_tokens,
+                        draft_k=args.k, threads=threads, num_swaps=args.swaps)
+
+
+def summary(result: dict) -> list[str]:
+    lines = []
+    for n, phase in result["phases"].items():
+        for batch, configs in phase.items():
+            lines.append(f"{n} thread(s), {batch}:")
+            lines += [f"  {name:12s} {rep['tokens_per_s']:8.2f} tok/s  accepted length "
+                      f"{rep['mean_accepted_length']:.2f}" for name, rep in configs.items()]
+    return lines

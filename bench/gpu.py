@@ -6,7 +6,7 @@ forward, verify cost); (b) the warm start on the device; (c) the batch-1 sweep a
 (f) drift and online adaptation; (e) drafter training in fp32 and bf16, and stop latency. Speculative
 and plain arms run interleaved in the same run and are reported as ratios.
 
-Writes docs/bench/gpu.json on CUDA and docs/bench/gpu_cpu.json with --device cpu (small sizes: the CPU
+The registry (bench/cli.py) writes docs/bench/gpu.json on CUDA and gpu_cpu.json with --device cpu (small sizes: the CPU
 form keeps the path from rotting; a CPU run never overwrites the GPU's file). Imports nothing a bare GPU
 node lacks (no Ray, Redis, FastAPI, pydantic...): torch, transformers (GGUF only), safetensors, numpy.
 """
@@ -15,21 +15,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from bench.gpu_args import SHAPE_ONLY, Settings, add_arguments, settings_from_args
+from bench.gpu_args import SHAPE_ONLY, Settings, settings_from_args
+from bench.gpu_args import add_arguments as add_arguments  # this bench's options, for the registry (bench/cli.py)
 from bench.gpu_decode import ByteTokenizer, batch_sweep, longtail, sweep_b1
 from bench.gpu_physics import aten_ops_per_forward, forward_path, physics, smollm2_layout
 from bench.gpu_tests import cuda_tests
 from bench.gpu_train import device_name, drift, fresh_buffer, training, warm_head
-from bench.record import finite, write_result
 from drafter.config import ModelConfig
 from drafter.engine import Engine
 from drafter.loading import LoadedModel, load_model, random_model
@@ -175,32 +173,28 @@ def finish(result: dict, started: float) -> dict:
     return result
 
 
-def run_args(args: argparse.Namespace) -> int:
-    """Run from parsed options (`tlt bench gpu`, `python3 -m bench.gpu`): the JSON object is printed last."""
-    settings = settings_from_args(args, torch.cuda.is_available())
-    result = bench_gpu(settings)
-    gpu = result["device"] if result.get("device_type") == "cuda" else None
-    result["path"] = str(write_result(settings.result_name, result,
-                                      Path(settings.out_dir) if settings.out_dir else None, accelerator=gpu))
-    if not args.json:
-        for key, ok in result["goals_met"].items():
-            print(f"{key:30s} {result[key]!s:>12s}  goal {' '.join(map(str, GOALS[key]))}: "
-                  f"{'-' if ok is None else 'met' if ok else 'NOT met'}")
+def run(args: argparse.Namespace) -> dict:
+    """Run from parsed options (`tlt bench gpu`, `python3 -m bench.gpu`); the registry writes and prints."""
+    result = bench_gpu(settings_from_args(args, torch.cuda.is_available()))
     if result["errors"]:
         log(f"parts failed: {result['errors']}")
-    print(json.dumps(finite(result)))
-    return 1 if result["errors"] else 0
+    return result
+
+
+def record_as(result: dict) -> tuple[str, str | None]:
+    """docs/bench/gpu.json, naming the GPU, on CUDA; gpu_cpu.json on a CPU: a CPU run never overwrites the GPU's."""
+    return ("gpu", result["device"]) if result.get("device_type") == "cuda" else ("gpu_cpu", None)
+
+
+def summary(result: dict) -> list[str]:
+    return [f"{key:30s} {result[key]!s:>12s}  goal {' '.join(map(str, GOALS[key]))}: "
+            f"{'-' if ok is None else 'met' if ok else 'NOT met'}" for key, ok in result["goals_met"].items()]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m bench.gpu", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run_args(args)
-    except ValueError as exc:
-        print(f"bench gpu: error: {exc}", file=sys.stderr)
-        return 2
+    from bench.cli import main as bench_main
+
+    return bench_main(["gpu", *(sys.argv[1:] if argv is None else argv)], prog="python3 -m bench.cli")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,4 @@
-"""`tlt bench gpu`'s settings and command line: sizes per device, validated. Torch-free, so the `tlt` parser
-(scheduler/cli_tools.py) can register the command without loading torch.
+"""`tlt bench gpu`'s settings and command line: sizes per device, validated. Torch-free.
 
 Defaults for CUDA aim at about 4-5 minutes on one H100 for the bench itself (docs/benchmarks.md, "GPU");
 the CPU's are small enough for a 2-core box in a few minutes (a CPU run checks the path, not the GPU's
@@ -84,17 +83,11 @@ class Settings:
     model: str
     sizes: Sizes
     parts: str = PARTS
-    out_dir: str | None = None
     threads: int | None = None  # torch CPU threads (None: torch's default)
     draft_dtype: str = "auto"
     fresh_warm: bool = False  # train the warm draft even when one is cached
     tests_junit: str | None = None  # read the CUDA tests' results from this junit file instead of running them
     tests_timeout: float = 600.0
-
-    @property
-    def result_name(self) -> str:
-        """docs/bench/NAME.json: a CPU run never overwrites the GPU's file."""
-        return "gpu" if self.device == "cuda" else "gpu_cpu"
 
 
 def _ints(text: str, name: str) -> tuple[int, ...]:
@@ -108,7 +101,8 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `tlt bench gpu` and `python3 -m bench.gpu`."""
+    """The options of `tlt bench gpu` and `python3 -m bench.gpu` (the registry, bench/cli.py, adds --json and
+    --out-dir)."""
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
                    help="auto: cuda, which must be present; cpu: the small CPU form (writes gpu_cpu.json)")
     p.add_argument("--model", default=SMOLLM2_SPEC, help="a .gguf file (default: the SmolLM2-135M-Instruct GGUF of "
@@ -120,12 +114,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tests-junit", default=None, help="the CUDA tests' junit XML of a run already made "
                    "(`make gpu-check` runs them first): read instead of running them again")
     p.add_argument("--tests-timeout", type=float, default=600.0, help="seconds the CUDA test run may take")
-    p.add_argument("--out-dir", default=None, help="where gpu.json (gpu_cpu.json) goes (default docs/bench)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--draft-dtype", default="auto", choices=("auto", "policy", "float32", "bfloat16"),
                    help="precision the draft heads draft in; auto: bf16 where the device has bf16 units")
     p.add_argument("--fresh-warm", action="store_true", help="train the warm draft even if one is cached")
-    p.add_argument("--json", action="store_true", help="print only the JSON object on stdout")
     sizes = p.add_argument_group("sizes (default: per device; see bench/gpu_args.py)")
     for f in fields(Sizes):
         flag = "--" + f.name.replace("_", "-")
@@ -183,5 +175,5 @@ def settings_from_args(args: argparse.Namespace, cuda_available: bool) -> Settin
         raise ValueError(f"--model {SHAPE_ONLY} has random weights: it serves the physics (a) and the tests (h) only, "
                          f"got --parts {args.parts!r}")
     return Settings(device=device, model=args.model, sizes=sizes, parts="".join(sorted(set(parts))),
-                    out_dir=args.out_dir, threads=args.threads, draft_dtype=args.draft_dtype,
+                    threads=args.threads, draft_dtype=args.draft_dtype,
                     fresh_warm=args.fresh_warm, tests_junit=args.tests_junit, tests_timeout=args.tests_timeout)

@@ -87,7 +87,7 @@ def device_name(device: str) -> str:
     """The GPU's name on CUDA; "cpu: <model>" otherwise."""
     if torch.device(device).type == "cuda":
         return torch.cuda.get_device_name(torch.device(device))
-    from bench.record import cpu_model
+    from workers.results import cpu_model
 
     return f"cpu: {cpu_model()}"
 

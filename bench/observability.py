@@ -164,3 +164,15 @@ def bench_observability(num_workers: int = 256, num_steps: int = 50, events_per_
         f"+ {slow_s * 1e3:.1f} ms every {refresh_every_s * slow_every:g} s (first load of the event history "
         f"{first_s * 1e3:.0f} ms) -> {overhead:.2%} of a core")
     return result
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--workers", type=int, default=256)
+    p.add_argument("--steps", type=int, default=50, help="step records of the job")
+    p.add_argument("--events", type=int, default=40, help="state transitions per worker")
+    p.add_argument("--repeats", type=int, default=20)
+
+
+def run(args) -> dict:
+    return bench_observability(num_workers=args.workers, num_steps=args.steps, events_per_worker=args.events,
+                               repeats=args.repeats)

@@ -11,7 +11,7 @@ all three alike, and a repeat draws its prompts with its own seed. Nothing else 
 Per step and arm it records rollout, tail and step seconds, response-length percentiles, the accepted
 length, the draft version served, idle and reclaimed worker-seconds and the mean reward; the figures
 (JSON keys) are ratios of sums over every step and repeat, and the last step's means. The JSON object
-is printed last and written to docs/bench/rl.json (bench.record).
+is printed last and written to docs/bench/rl.json by the registry (bench/cli.py).
 """
 
 from __future__ import annotations
@@ -131,10 +131,9 @@ def figures(runs: dict[str, list[dict]]) -> dict:
 def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: int = 10, group_size: int = 4,
              max_new_tokens: int = 512, num_workers: int = 2, draft_k: int = 4, task: str = "longtail",
              model: str = "smollm2-135m", warm_draft: str | None = None, seed: int = 0,
-             arms: str = "abc", out_dir: Path | None = None) -> dict:
+             arms: str = "abc") -> dict:
     import ray
 
-    from bench.record import write_result
     from scheduler.app import Settings
     from scheduler.client import call
     from scheduler.demo import DEMO_POLICY, ensure_warm_draft, run_job, start_server
@@ -194,7 +193,6 @@ def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: 
               "steps": {ARMS[arm]: [[step_row(s, reclaimed_of(r, s["rl_step"])) for s in r["steps"]] for r in rs]
                         for arm, rs in runs.items()},
               "seconds": time.perf_counter() - t0}
-    result["path"] = str(write_result("rl", result, out_dir))
     return result
 
 
@@ -214,3 +212,28 @@ def partial_figures(runs: dict[str, list[dict]]) -> dict:
             out[f"{prefix}step_speedup"] = sum(map(step_seconds, steps["a"])) / sum(map(step_seconds, steps[arm]))
             out[f"{prefix}bucket_ratio_vs_plain"] = bucket_ratios(steps[arm], steps["a"])
     return out
+
+
+def add_arguments(p) -> None:
+    from workers.tasks import TASKS
+
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--task", default="longtail", choices=sorted(TASKS))
+    p.add_argument("--steps", type=int, default=3, help="RL steps per job")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each arm; the order turns round each time")
+    p.add_argument("--prompts", type=int, default=10, help="prompts per step (longtail: 1 in 10 asks for detail)")
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=512)
+    p.add_argument("--workers", type=int, default=2, help="rollout workers, each pinned to its own core here")
+    p.add_argument("--k", type=int, default=4, help="draft_k: the longest draft the adaptive choice may use")
+    p.add_argument("--warm-draft", default=None, help="the draft b and c start from (default: the cached one "
+                   "`make warm-draft` builds for the task)")
+    p.add_argument("--arms", default="abc", help="a plain, b frozen warm draft, c TLT (a and b or c)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args) -> dict:
+    return bench_rl(num_steps=args.steps, num_repeats=args.repeats, num_prompts_per_step=args.prompts,
+                    group_size=args.group_size, max_new_tokens=args.new_tokens, num_workers=args.workers,
+                    draft_k=args.k, task=args.task, model=args.model, warm_draft=args.warm_draft, seed=args.seed,
+                    arms=args.arms)

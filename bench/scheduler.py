@@ -265,10 +265,8 @@ def bench_policy_pass(num_workers: int = 2048, num_ticks: int = 300, tick_s: flo
 
 
 def bench_scheduler(num_trials: int = 60, num_workers: int = 2048, num_ticks: int = 300, tick_s: float = TICK_S,
-                    short_s: float = 0.8, long_s: float = 1.4, out_dir: Path | None = None) -> dict:
-    """Both parts; writes the result (with its provenance) to out_dir/scheduler.json (docs/bench by default)."""
-    from bench.record import write_result
-
+                    short_s: float = 0.8, long_s: float = 1.4) -> dict:
+    """Both parts."""
     log(f"(2) policy pass: {num_workers} simulated workers writing progress, {num_ticks} ticks")
     result = {"policy_pass": bench_policy_pass(num_workers, num_ticks, tick_s)}
     log(f"    {result['policy_pass']}")
@@ -279,6 +277,18 @@ def bench_scheduler(num_trials: int = 60, num_workers: int = 2048, num_ticks: in
     result["met"] = {"dispatch_p99_s": w["dispatch_p99_s"] is not None and w["dispatch_p99_s"] < 0.25,
                      "preemption_p99_s": w["preemption_p99_s"] is not None and w["preemption_p99_s"] < 1.0,
                      "policy_pass_p99_s": p["policy_pass_p99_s"] < 0.1}
-    path = write_result("scheduler", result, out_dir)
-    log(f"wrote {path}")
     return result
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--trials", type=int, default=60, help="leases dispatched and preempted on the real workers")
+    p.add_argument("--workers", type=int, default=2048, help="simulated workers of the policy pass")
+    p.add_argument("--ticks", type=int, default=300, help="policy passes timed")
+    p.add_argument("--tick-s", type=float, default=TICK_S, help="the watcher's tick")
+    p.add_argument("--short-s", type=float, default=0.8, help="the rollout of the worker that goes idle first")
+    p.add_argument("--long-s", type=float, default=1.4, help="the straggler's rollout")
+
+
+def run(args) -> dict:
+    return bench_scheduler(num_trials=args.trials, num_workers=args.workers, num_ticks=args.ticks,
+                           tick_s=args.tick_s, short_s=args.short_s, long_s=args.long_s)

@@ -6,10 +6,15 @@ import argparse
 import dataclasses
 import json
 import sys
+from importlib.metadata import entry_points
 
 from scheduler.cli_tools import add_tool_commands
 from scheduler.policy import PolicySettings
 from scheduler.simulate.command import add_simulate_command
+
+# entry points (pyproject.toml) whose `add(sub)` adds a command to `tlt`, imported only by name here: `bench`
+# (bench/cli.py, the bench registry), so that the scheduler imports no bench module
+COMMAND_GROUP = "tlt.commands"
 
 
 def api_token_from_env(environ) -> str | None:
@@ -135,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tlt", description="tlt-scheduler: idle-time drafter training for RL")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    for command in entry_points(group=COMMAND_GROUP):
+        command.load()(sub)
     add_tool_commands(sub)
     add_simulate_command(sub)
 

@@ -20,8 +20,8 @@ def _ints(option: str, text: str) -> tuple[int, ...]:
 def _simulate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from bench.record import write_result
     from scheduler.simulate.run import run_all, summary_lines
+    from workers.results import write_result
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

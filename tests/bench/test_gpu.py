@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.gpu import GOALS, main, met
+from bench.gpu import GOALS, main, met, record_as
 from bench.gpu_args import CPU_SIZES, CUDA_SIZES, add_arguments, settings_from_args
 from bench.gpu_physics import headline, kernel_times
 from bench.gpu_tests import junit_counts, read_test_paths, run_cuda_tests
@@ -145,12 +145,17 @@ def parse(*argv: str, cuda: bool = True):
 
 def test_sizes_default_per_device_and_options_override_them():
     gpu = parse()
-    assert gpu.device == "cuda" and gpu.result_name == "gpu" and gpu.sizes == CUDA_SIZES
+    assert gpu.device == "cuda" and gpu.sizes == CUDA_SIZES
     assert {1, 8, 32, 64, 128} <= set(gpu.sizes.physics_batches) and gpu.sizes.physics_tokens == tuple(range(1, 10))
     assert gpu.sizes.harvest_batch == 128 and gpu.sizes.batch_sizes == (1, 4, 16, 64)
     cpu = parse("--device", "cpu", "--ks", "3,5", "--skip-tests", cuda=False)
-    assert cpu.result_name == "gpu_cpu" and cpu.sizes.ks == (3, 5) and "h" not in cpu.parts
+    assert cpu.sizes.ks == (3, 5) and "h" not in cpu.parts
     assert cpu.sizes.physics_dtypes == ("fp32",) and cpu.sizes.warm_steps == CPU_SIZES.warm_steps
+
+
+def test_a_cpu_run_is_recorded_apart_from_the_gpus():
+    assert record_as({"device_type": "cuda", "device": "NVIDIA H100 80GB HBM3"}) == ("gpu", "NVIDIA H100 80GB HBM3")
+    assert record_as({"device_type": "cpu", "device": "cpu: Intel Xeon"}) == ("gpu_cpu", None)
 
 
 def test_headline_keys_come_from_the_physics_table():

@@ -1,5 +1,6 @@
 """`tlt bench scheduler` end to end at tiny sizes: real local Ray, two real rollout workers, a private
-Redis and the real Watcher; it prints its JSON last and writes it where it is told (not docs/)."""
+Redis and the real Watcher, through `tlt bench` (the registry's entry point); it prints its JSON last and
+writes it where it is told (not docs/)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ def test_bench_scheduler_runs_and_writes_its_json(tmp_path, capsys):
     assert rc == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     written = json.loads((tmp_path / "scheduler.json").read_text())
+    assert printed.pop("path") == str(tmp_path / "scheduler.json")  # the registry's write, named in what it prints
     assert written == printed and written["commit"] and written["machine"]["num_cores"] >= 1
     p, w = written["policy_pass"], written["workers"]
     assert p["num_workers"] == 64 and p["num_ticks"] == 5 and 0 < p["policy_pass_p50_s"] <= p["policy_pass_p99_s"]
