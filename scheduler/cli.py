@@ -12,8 +12,8 @@ from scheduler.cli_tools import add_tool_commands
 from scheduler.policy import PolicySettings
 from scheduler.simulate.command import add_simulate_command
 
-# entry points (pyproject.toml) whose `add(sub)` adds a command to `tlt`, imported only by name here: `bench`
-# (bench/cli.py, the bench registry), so that the scheduler imports no bench module
+# entry points (pyproject.toml) whose `add(sub)` adds a command to `tlt`: `bench` (the registry in bench/cli.py)
+# comes this way, so that scheduler/ names no module of bench/
 COMMAND_GROUP = "tlt.commands"
 
 
