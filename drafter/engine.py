@@ -54,17 +54,30 @@ class GenerationOutput:
 
 @dataclass
 class EngineStats:
+    """An engine's counters since it started (cumulative: callers take differences). The decode loop below fills
+    the token counts; a rollout engine (workers.engine) adds its wall time and draft swaps."""
+
     num_forwards: int = 0  # batched policy forwards (prefill excluded)
     num_seq_steps: int = 0  # sum over forwards of the sequences in them
-    num_generated: int = 0
-    num_draft_tokens: int = 0
-    num_accepted: int = 0
-    num_verify_steps: int = 0  # sequence-steps that verified at least one drafted token
+    num_generated: int = 0  # tokens generated
+    num_draft_tokens: int = 0  # drafted tokens proposed
+    num_accepted: int = 0  # drafted tokens accepted
+    # sequence-steps that verified at least one drafted token: the swap guard's unit (workers.guard); an engine
+    # that cannot count them leaves 0, and the guard then never judges its swaps
+    num_verify_steps: int = 0
     accept_hist: Counter = field(default_factory=Counter)  # accepted drafts per sequence-step
+    generate_seconds: float = 0.0  # wall time inside generate
+    num_swaps: int = 0  # draft versions installed
+    swap_seconds: float = 0.0  # time the decode loop spent switching drafts
 
     @property
     def mean_accepted_length(self) -> float:
-        return self.num_generated / max(self.num_seq_steps, 1)
+        """Tokens per sequence per policy forward; 1.0 before any forward (an empty count reads as plain decoding)."""
+        return self.num_generated / self.num_seq_steps if self.num_seq_steps else 1.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_generated / self.generate_seconds if self.generate_seconds > 0 else 0.0
 
 
 class DraftLengthChooser(Protocol):

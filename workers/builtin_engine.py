@@ -9,37 +9,22 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
+from collections import Counter
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
-import torch
 
 from drafter.adaptive import DraftLengthTuner, FixedDraftLength
 from drafter.buffer import RolloutBuffer
 from drafter.eagle import EagleDrafter
-from drafter.engine import Engine, Request
+from drafter.engine import Engine, EngineStats, Request
 from drafter.head import head_from_state, new_head
 from drafter.model import CausalLM
 from drafter.sampling import SamplingParams
-from workers.engine import (
-    Completion,
-    EngineStats,
-    ProgressCallback,
-    RolloutEngine,
-    Speculation,
-    check_batch,
-)
+from workers.engine import Completion, ProgressCallback, RolloutEngine, as_tensors, bucket_deltas, check_batch
+from workers.engines import Speculation
 
 if TYPE_CHECKING:  # the engine reads a few of its fields: it runs where pydantic is not installed (a bare GPU node)
     from workers.spec import JobSpec
-
-
-def as_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Tensors as they are; numpy arrays (read-only, mapped from Ray's object store) wrapped without a copy."""
-    with warnings.catch_warnings():  # from_numpy on a read-only array: it is only read
-        warnings.simplefilter("ignore", UserWarning)
-        return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in state.items()}
 
 
 class BuiltinEngine(RolloutEngine):
@@ -56,7 +41,8 @@ class BuiltinEngine(RolloutEngine):
         # one chooser per speculation mode, kept across batches and RL steps; each measures tokens/s per
         # live-batch bucket (the adaptive one learns from it; the fixed ones are its baselines)
         self.tuner = DraftLengthTuner(spec.draft_k)
-        self.choosers = {"adaptive": self.tuner, "always": FixedDraftLength(spec.draft_k), "off": FixedDraftLength(0)}
+        self.choosers = {Speculation.ADAPTIVE: self.tuner, Speculation.ALWAYS: FixedDraftLength(spec.draft_k),
+                         Speculation.OFF: FixedDraftLength(0)}
         self._lock = threading.Lock()  # guards the counters below
         self._generate_seconds = 0.0
         self._num_installs = 0
@@ -69,13 +55,13 @@ class BuiltinEngine(RolloutEngine):
         # arrived meanwhile and is waiting for the next decode step)
         self.drafter.refresh()
 
-    def generate(self, prompts: list[list[int]], params: list[dict], *, speculation: Speculation = "off",
+    def generate(self, prompts: list[list[int]], params: list[dict], *, speculation: Speculation = Speculation.OFF,
                  harvest_into: RolloutBuffer | None = None,
                  on_progress: ProgressCallback | None = None) -> list[Completion]:
-        check_batch(prompts, params, speculation)
+        speculation = check_batch(prompts, params, speculation)
         reqs = [Request(list(p), SamplingParams(**kw)) for p, kw in zip(prompts, params)]
         chooser = self.choosers[speculation]
-        k = 0 if speculation == "off" else self.draft_k
+        k = 0 if speculation == Speculation.OFF else self.draft_k
         if not k:  # not drafting: a version installed meanwhile starts serving now, between batches
             self.drafter.apply_pending_swap()
         before = chooser.bucket_totals()
@@ -90,10 +76,7 @@ class BuiltinEngine(RolloutEngine):
                 self._generate_seconds += time.perf_counter() - start
         if harvest_into is not None:
             harvest_into.add_outputs(outs, self.policy_version)
-        version, chosen = self.draft_version, chooser.summary()
-        buckets = {name: [tokens - before.get(name, (0.0, 0.0))[0], seconds - before.get(name, (0.0, 0.0))[1]]
-                   for name, (tokens, seconds) in chooser.bucket_totals().items()}
-        buckets = {name: ts for name, ts in buckets.items() if ts[1] > 0}
+        version, chosen, buckets = self.draft_version, chooser.summary(), bucket_deltas(chooser, before)
         return [Completion(o.prompt_ids, o.token_ids, o.text, o.finish_reason, o.num_steps, o.num_accepted, version,
                            dict(chosen), buckets) for o in outs]
 
@@ -111,10 +94,7 @@ class BuiltinEngine(RolloutEngine):
         return int(self.drafter.version or 0)
 
     def stats(self) -> EngineStats:
-        s = self.engine.stats
+        s = self.engine.stats  # the decode loop's own, filled as it goes: a copy, with this engine's time and swaps
         with self._lock:
-            return EngineStats(num_generated=s.num_generated, num_seq_steps=s.num_seq_steps,
-                               num_draft_tokens=s.num_draft_tokens, num_accepted=s.num_accepted,
-                               num_verify_steps=s.num_verify_steps,
-                               generate_seconds=self._generate_seconds, num_swaps=self._num_installs,
-                               swap_seconds=self.drafter.swaps.seconds)
+            return replace(s, accept_hist=Counter(s.accept_hist), generate_seconds=self._generate_seconds,
+                           num_swaps=self._num_installs, swap_seconds=self.drafter.swaps.seconds)

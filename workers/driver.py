@@ -20,6 +20,7 @@ from ray.exceptions import RayError
 
 from drafter.loading import load_model
 from workers.actors import start_worker
+from workers.engines import unavailable_reason
 from workers.errors import WorkerError, one_line
 from workers.grpo import group_advantages, grpo_update, response_mask, sequence_logprobs, update_rows
 from workers.job_records import JobRecords
@@ -29,7 +30,7 @@ from workers.policy_checkpoint import commit_policy, load_policy, policy_checkpo
 from workers.protocol.keys import job_steps_key
 from workers.protocol.messages import PhaseRecord, StepRecord
 from workers.protocol.states import Phase
-from workers.rollout import BUFFER_BYTES, BUFFER_DTYPE, engine_unavailable_reason
+from workers.rollout import BUFFER_BYTES, BUFFER_DTYPE
 from workers.spec import JobSpec
 from workers.step_data import assign, encode_text, length_percentiles, rollout_seed, shareable_state, sum_buckets
 from workers.store import job_stores
@@ -49,7 +50,8 @@ MAX_WORKER_START_S = 300.0
 class Driver:
     def __init__(self, job_id: str, spec: JobSpec, redis: redis_lib.Redis, redis_url: str, store_dir: str) -> None:
         self.job_id, self.spec, self.redis = job_id, spec, redis
-        reason = engine_unavailable_reason(spec.engine)  # one clear line now, not a worker's traceback later
+        # one clear line now, not a worker's traceback later; the driver holds no GPU: each worker checks its own
+        reason = unavailable_reason(spec.engine, needs_gpu=False)
         if reason is not None:
             raise ValueError(reason)
         torch.manual_seed(spec.seed)

@@ -14,20 +14,38 @@ Per-request sampling settings are plain dicts (they cross Ray from the driver):
 
 from __future__ import annotations
 
+import importlib
+import threading
+import time
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import torch
+
+from drafter.adaptive import FixedDraftLength
 from drafter.buffer import RolloutBuffer
+from drafter.engine import EngineStats
+from drafter.sampling import SamplingParams
+from workers.engines import ENGINES, Speculation, unavailable_reason
+
+if TYPE_CHECKING:  # engines read a few of its fields: they run where pydantic is not installed (a bare GPU node)
+    from drafter.loading import LoadedModel
+    from workers.spec import JobSpec
 
 # on_progress(num_finished, num_generated): called by the engine as its batch advances (it may be often;
 # the caller rate-limits what it does with it)
 ProgressCallback = Callable[[int, int], None]
-# how a batch drafts: adaptive (k per live-batch-size bucket from measured tokens/s, drafter.adaptive),
-# always (the engine's draft_k every step) or off (plain decoding); JobSpec.speculation
-Speculation = Literal["adaptive", "always", "off"]
-SPECULATION_MODES = ("adaptive", "always", "off")
+
+
+def as_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Tensors as they are; numpy arrays (read-only, mapped from Ray's object store) wrapped without a copy."""
+    with warnings.catch_warnings():  # from_numpy on a read-only array: it is only read
+        warnings.simplefilter("ignore", UserWarning)
+        return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in state.items()}
 
 
 @dataclass(frozen=True)
@@ -52,45 +70,21 @@ class Completion:
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    """An engine's counters since it started (cumulative: callers take differences)."""
-
-    num_generated: int = 0  # tokens generated
-    num_seq_steps: int = 0  # sum over policy forwards of the sequences in them
-    num_draft_tokens: int = 0  # drafted tokens proposed
-    num_accepted: int = 0  # drafted tokens accepted
-    # sequence-steps that verified at least one drafted token: the swap guard's unit (workers.guard); an engine
-    # that cannot count them leaves 0, and the guard then never judges its swaps
-    num_verify_steps: int = 0
-    generate_seconds: float = 0.0  # wall time inside generate
-    num_swaps: int = 0  # draft versions installed
-    swap_seconds: float = 0.0  # time the decode loop spent switching drafts
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens per sequence per policy forward (1.0: plain decoding)."""
-        return self.num_generated / self.num_seq_steps if self.num_seq_steps else 1.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.num_generated / self.generate_seconds if self.generate_seconds > 0 else 0.0
-
-
-def check_batch(prompts: list, params: list, speculation: str) -> None:
+def check_batch(prompts: list, params: list, speculation: str) -> Speculation:
     """What every engine's generate checks first: one settings dict per prompt, a known speculation mode."""
     if len(params) != len(prompts):
         raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts")
-    if speculation not in SPECULATION_MODES:
-        raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
+    if speculation not in set(Speculation):
+        raise ValueError(f"speculation must be one of {', '.join(Speculation)}, got {speculation!r}")
+    return Speculation(speculation)
 
 
-def check_fixed_speculation(engine: str, draft_k: int, speculation: str) -> None:
-    """For an engine that fixes speculation at start (vLLM, SGLang): ValueError unless `speculation` is what
-    it was started with (off without a draft, drafting with one)."""
-    if (speculation == "off") != (draft_k == 0):
-        raise ValueError(f"this {engine} engine was started {'without' if not draft_k else 'with'} speculation "
-                         f"and cannot serve speculation={speculation!r}: {engine} fixes it at start")
+def bucket_deltas(meter, before: dict[str, tuple[float, float]]) -> dict[str, list[float]]:
+    """Completion.bucket_throughput: what `meter` (a draft-length chooser) measured per live-batch bucket since
+    its bucket_totals() were `before`, buckets with no time left out."""
+    deltas = {name: [t - before.get(name, (0.0, 0.0))[0], s - before.get(name, (0.0, 0.0))[1]]
+              for name, (t, s) in meter.bucket_totals().items()}
+    return {name: ts for name, ts in deltas.items() if ts[1] > 0}
 
 
 class RolloutEngine(ABC):
@@ -102,12 +96,18 @@ class RolloutEngine(ABC):
     # (workers.learner_pairs). Each engine states its own.
     harvests_pairs: bool = False
 
+    @classmethod
+    def build(cls, loaded: LoadedModel, spec: JobSpec, num_threads: int) -> RolloutEngine:
+        """The engine a rollout worker runs (workers.rollout): serving `loaded`, the worker's own policy copy,
+        which it shares; `num_threads` the cores it may use."""
+        return cls(loaded.model, loaded.tokenizer, spec)
+
     @abstractmethod
     def load_policy(self, state: dict[str, Any], policy_version: int) -> None:
         """Serve the policy weights `state` (name -> tensor) from the next batch on."""
 
     @abstractmethod
-    def generate(self, prompts: list[list[int]], params: list[dict], *, speculation: Speculation = "off",
+    def generate(self, prompts: list[list[int]], params: list[dict], *, speculation: Speculation = Speculation.OFF,
                  harvest_into: RolloutBuffer | None = None,
                  on_progress: ProgressCallback | None = None) -> list[Completion]:
         """One rollout per prompt, as one batch. `speculation`: how to draft with the installed version
@@ -128,3 +128,90 @@ class RolloutEngine(ABC):
     @abstractmethod
     def stats(self) -> EngineStats:
         """Acceptance and throughput so far."""
+
+
+def request_settings(params: dict, eos_token_ids: tuple[int, ...], has_tokenizer: bool) -> tuple[SamplingParams, list]:
+    """One request's settings (the dict above) checked as the built-in engine checks them (ValueError naming the
+    setting), and its stop token ids: its own, then the model's EOS ids unless it ignores EOS (an external engine
+    knows only its tokenizer's EOS, and a tokenizer-less model has none)."""
+    p = SamplingParams(**{k: tuple(v) if k.startswith("stop_") else v for k, v in params.items()})
+    if p.stop_strings and not has_tokenizer:
+        raise ValueError("stop_strings need a tokenizer; this model has none")
+    return p, list(dict.fromkeys([*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]))
+
+
+class ExternalEngine(RolloutEngine):
+    """The bookkeeping every engine that drives another project's inference engine (vLLM, SGLang) shares: its
+    counters and their lock, stats(), the draft version, the policy copy load_policy updates, and the generate
+    preamble. Speculation is fixed when such an engine starts: with tlt on and speculation other than "off" it
+    drafts draft_k tokens every step ("adaptive" included), otherwise none."""
+
+    name = ""  # its key in workers.engines.ENGINES
+
+    def __init__(self, policy, tokenizer, spec: JobSpec) -> None:
+        self.policy, self.tokenizer, self.spec = policy, tokenizer, spec
+        self.k = spec.draft_k if spec.tlt and spec.speculation != Speculation.OFF else 0
+        self.meter = FixedDraftLength(self.k)
+        self._lock = threading.Lock()  # the counters below (never held while the engine works)
+        self._counts = dict.fromkeys(("num_generated", "num_seq_steps", "num_draft_tokens", "num_accepted",
+                                      "num_verify_steps", "num_swaps"), 0)
+        self._seconds = {"generate": 0.0, "swap": 0.0}
+        self._version = 0
+
+    @classmethod
+    def import_package(cls) -> Any:
+        """The engine's package, imported now; ValueError saying what is missing where it cannot run here."""
+        reason = unavailable_reason(cls.name)
+        if reason is not None:
+            raise ValueError(reason)
+        return importlib.import_module(ENGINES[cls.name].package)
+
+    def _load_policy_copy(self, state: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The worker's policy copy takes `state` (the drafter trains and is scored against it); returns it as
+        tensors, for the engine's own reload."""
+        state = as_tensors(state)
+        self.policy.load_state_dict(state)
+        self.policy.requires_grad_(False)
+        return state
+
+    def _begin_batch(self, prompts: list, params: list, speculation: str) -> tuple[tuple[int, ...], bool]:
+        """The generate preamble: the batch checked (ValueError) against what the engine was started with;
+        returns (the model's EOS ids, whether it has a tokenizer)."""
+        check_batch(prompts, params, speculation)
+        label = ENGINES[self.name].label
+        if (speculation == Speculation.OFF) != (self.k == 0):
+            raise ValueError(f"this {label} engine was started {'without' if not self.k else 'with'} speculation "
+                             f"and cannot serve speculation={speculation!r}: {label} fixes it at start")
+        return tuple(self.policy.cfg.eos_token_ids), self.tokenizer is not None
+
+    def _count(self, num_tokens: int, counts: tuple[int, int, int, int]) -> None:
+        """Add one finished response: its tokens and (num_steps, num_accepted, num_draft_tokens, num_verify_steps)."""
+        num_steps, num_accepted, num_drafted, num_verify = counts
+        with self._lock:
+            for key, n in (("num_generated", num_tokens), ("num_seq_steps", num_steps), ("num_accepted", num_accepted),
+                           ("num_draft_tokens", num_drafted), ("num_verify_steps", num_verify)):
+                self._counts[key] += n
+
+    def _add_seconds(self, key: str, start: float) -> float:
+        """Add the time since perf_counter() `start` to the `key` total ("generate" or "swap"); returns it."""
+        seconds = time.perf_counter() - start
+        with self._lock:
+            self._seconds[key] += seconds
+        return seconds
+
+    def _installed(self, version: int, start: float) -> float:
+        """Draft `version` serves now, its install begun at perf_counter() `start`; returns the seconds it took."""
+        seconds = self._add_seconds("swap", start)
+        with self._lock:
+            self._version = version
+            self._counts["num_swaps"] += 1
+        return seconds
+
+    @property
+    def draft_version(self) -> int:
+        return self._version
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            c, s = dict(self._counts), dict(self._seconds)
+        return EngineStats(**c, generate_seconds=s["generate"], swap_seconds=s["swap"])

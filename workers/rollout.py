@@ -25,8 +25,8 @@ import torch
 from drafter.buffer import RolloutBuffer
 from drafter.config import NUM_AUX_LAYERS
 from drafter.loading import LoadedModel, load_model
-from workers.builtin_engine import BuiltinEngine, as_tensors
-from workers.engine import RolloutEngine
+from workers.engine import RolloutEngine, as_tensors
+from workers.engines import Speculation, engine_class
 from workers.learner_pairs import add_pairs
 from workers.leases import LeaseRunner
 from workers.protocol.states import WorkerState
@@ -42,34 +42,10 @@ BUFFER_BYTES = 256 << 20  # harvested pairs kept per worker: ~2 steps of SmolLM2
 BUFFER_DTYPE = torch.bfloat16  # the features' dtype in the buffer: half float32's bytes, what the trainer reads
 
 
-def engine_unavailable_reason(engine: str) -> str | None:
-    """Why JobSpec.engine `engine` cannot run in this Python environment (None: it can); the driver asks before
-    it starts workers, so a job fails with this one line rather than with a worker's traceback."""
-    if engine == "vllm":
-        from workers.vllm_engine import vllm_missing_reason
-
-        return vllm_missing_reason()
-    if engine == "sglang":
-        from workers.sglang_engine import sglang_missing_reason
-
-        return sglang_missing_reason(needs_gpu=False)  # the driver sees no GPU; each worker checks its own
-    return None
-
-
 def build_engine(spec: JobSpec, loaded: LoadedModel, num_threads: int) -> RolloutEngine:
-    """The RolloutEngine JobSpec.engine names, serving `loaded` (the worker's own policy copy, shared with it)."""
-    reason = engine_unavailable_reason(spec.engine)
-    if reason is not None:
-        raise ValueError(reason)
-    if spec.engine == "vllm":
-        from workers.vllm_engine import VllmEngine  # needs vllm: imported only when chosen
-
-        return VllmEngine(loaded.model, loaded.tokenizer, spec, model_dir=loaded.path, num_threads=num_threads)
-    if spec.engine == "sglang":
-        from workers.sglang_engine import SglangEngine  # needs sglang and a CUDA GPU: imported only when chosen
-
-        return SglangEngine(loaded.model, loaded.tokenizer, spec, model_dir=loaded.path)
-    return BuiltinEngine(loaded.model, loaded.tokenizer, spec)
+    """The RolloutEngine JobSpec.engine names (workers.engines.ENGINES, its class imported only when chosen),
+    serving `loaded` (the worker's own policy copy, shared with it); ValueError if it cannot run here."""
+    return engine_class(spec.engine).build(loaded, spec, num_threads)
 
 
 class RolloutRunner:
@@ -111,10 +87,10 @@ class RolloutRunner:
 
     # ----- rollouts -----------------------------------------------------------------------
     @property
-    def speculation(self) -> str:
+    def speculation(self) -> Speculation:
         """How the next rollouts draft (workers.engine.Speculation): JobSpec.speculation with TLT on,
         else plain. Adaptive by default: the engine measures what drafting gains per live-batch bucket."""
-        return self.spec.speculation if self.spec.tlt else "off"
+        return self.spec.speculation if self.spec.tlt else Speculation.OFF
 
     @property
     def takes_learner_pairs(self) -> bool:

@@ -1,8 +1,9 @@
 """The SGLang RolloutEngine: upstream SGLang 0.5.x's offline engine (`sglang.Engine`) with EAGLE-3
 speculation, on one CUDA GPU, behind the same seam as the built-in engine (workers.engine).
 
-Written against sglang 0.5.23 (names checked by tests/engines/test_sglang_contract.py against the installed
-package); it needs a CUDA GPU (SGLang's kernels have no CPU build that is published).
+Written against sglang 0.5.23 (workers.engines.SGLANG_VERSION; names checked by
+tests/engines/test_sglang_contract.py against the installed package); it needs a CUDA GPU (SGLang's kernels have
+no CPU build that is published).
 
 - Drafts: our head exported as a `LlamaForCausalLMEagle3` directory (drafter.eagle3) for the engine's start;
   every later version is loaded into the live engine in a weight-update session on the DRAFT runner only:
@@ -36,8 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import importlib
-import importlib.util
 import logging
 import random
 import shutil
@@ -46,45 +45,29 @@ import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from drafter.adaptive import FixedDraftLength
 from drafter.buffer import RolloutBuffer
 from drafter.config import NUM_AUX_LAYERS
 from drafter.model import CausalLM
-from drafter.sampling import SamplingParams
-from workers.builtin_engine import as_tensors
 from workers.engine import (
     Completion,
-    EngineStats,
+    ExternalEngine,
     ProgressCallback,
-    RolloutEngine,
-    Speculation,
-    check_batch,
-    check_fixed_speculation,
+    as_tensors,
+    bucket_deltas,
+    request_settings,
 )
+from workers.engines import Speculation
+from workers.learner_pairs import DTYPE_NAMES
 from workers.spec import JobSpec
 
+if TYPE_CHECKING:
+    from drafter.loading import LoadedModel
+
 log = logging.getLogger(__name__)
-SGLANG_VERSION = "0.5.23"
-INSTALL_HINT = (f"on a GPU node: `pip install sglang=={SGLANG_VERSION}` into the workers' environment "
-                "(docs/operations.md, \"Engines\")")
 SELECTORS = ("target", "draft")  # the weight-update runners this engine names; never SGLang's default "all"
 DRAFT_SELECTOR = "draft"
-_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
-
-
-def sglang_missing_reason(needs_gpu: bool = True) -> str | None:
-    """Why the SGLang engine (JobSpec.engine 'sglang') cannot run in this process (None: it can); `needs_gpu`
-    False asks about the package only (a job's driver, which holds no GPU)."""
-    if importlib.util.find_spec("sglang") is None:
-        return f"the SGLang engine needs the sglang package, which is not installed here; {INSTALL_HINT}"
-    import torch
-
-    if needs_gpu and not torch.cuda.is_available():
-        return ("the SGLang engine needs a CUDA GPU and this machine has none: SGLang's kernels (sglang-kernel) "
-                "are published for CUDA only. Use the 'vllm' or 'builtin' engine on CPU")
-    return None
 
 
 def server_kwargs(model_dir: str | Path, draft_dir: str | Path | None, k: int, spec: JobSpec, *,
@@ -107,12 +90,9 @@ def server_kwargs(model_dir: str | Path, draft_dir: str | Path | None, k: int, s
 def sampling_params(params: dict, eos_token_ids: tuple[int, ...], has_tokenizer: bool,
                     rng: random.Random) -> dict[str, Any]:
     """SGLang sampling parameters for one request's settings (workers.engine's dict), checked as the built-in
-    engine checks them (ValueError naming the setting). The model's EOS ids join stop_token_ids, as the
-    built-in engine adds them; an unseeded request gets a seed drawn from `rng`."""
-    p = SamplingParams(**{k: tuple(v) if k.startswith("stop_") else v for k, v in params.items()})
-    if p.stop_strings and not has_tokenizer:
-        raise ValueError("stop_strings need a tokenizer; this model has none")
-    stops = list(dict.fromkeys([*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]))
+    engine checks them (workers.engine.request_settings, EOS ids among the stops); an unseeded request gets a
+    seed drawn from `rng`."""
+    p, stops = request_settings(params, eos_token_ids, has_tokenizer)
     return {"temperature": float(p.temperature), "top_p": float(p.top_p), "top_k": int(p.top_k) or -1,
             "max_new_tokens": p.max_new_tokens, "stop": list(p.stop_strings) or None,
             "stop_token_ids": stops or None, "ignore_eos": p.ignore_eos,
@@ -147,30 +127,22 @@ def weight_update_requests(io: Any, selector: str, payloads: list[bytes], *, flu
             io.EndWeightUpdateReqInput())
 
 
-def _import_sglang():
-    reason = sglang_missing_reason()
-    if reason is not None:
-        raise ValueError(reason)
-    return importlib.import_module("sglang")
-
-
-class SglangEngine(RolloutEngine):
+class SglangEngine(ExternalEngine):
     """`policy` is the worker's own copy (the drafter trains and is scored against it; load_policy updates it
     too); `model_dir` the HF directory it came from (None: written from `policy`). SGLang starts at the first
     batch, with the draft installed by then (a job's warm draft is installed before its first rollout)."""
 
     # SGLang's return_hidden_states does not return the rows the drafter trains on (the three aux layers' states
     # and the final one, 4D per position): the learner's forward records them, and requests do not pay for it
+    name = "sglang"
     harvests_pairs = False
 
     def __init__(self, policy: CausalLM, tokenizer, spec: JobSpec, *, model_dir: str | Path | None = None,
                  engine_options: dict | None = None) -> None:
-        self.sgl = _import_sglang()
+        self.sgl = self.import_package()
         from drafter.head import new_head
 
-        self.policy, self.tokenizer, self.spec = policy, tokenizer, spec
-        self.k = spec.draft_k if spec.tlt and spec.speculation != "off" else 0
-        self.meter = FixedDraftLength(self.k)
+        super().__init__(policy, tokenizer, spec)
         self.engine_options = dict(engine_options or {})
         self._model_dir = None if model_dir is None else Path(model_dir)  # None once the policy changed
         self._dir = Path(tempfile.mkdtemp(prefix="tlt-sglang-"))  # private: what SGLang starts from
@@ -179,12 +151,8 @@ class SglangEngine(RolloutEngine):
         self.engine = self._loop = None
         self.device = "cuda"  # where tensors go before a weight update: SGLang reads them as CUDA IPC handles
         self._engine_lock = threading.Lock()  # a batch, or an engine (re)start
-        self._lock = threading.Lock()  # the counters
         self._rng = random.Random(spec.seed)
-        self._counts = dict.fromkeys(("num_generated", "num_seq_steps", "num_draft_tokens", "num_accepted",
-                                      "num_verify_steps", "num_swaps"), 0)
-        self._seconds = {"generate": 0.0, "swap": 0.0}
-        self._version, self._num_launches = 0, 0
+        self._num_launches = 0
         self.policy_version, self._warned_width = 0, False
 
     # ----- the engine's life ---------------------------------------------------------------------------
@@ -202,7 +170,7 @@ class SglangEngine(RolloutEngine):
             save_hf_dir(self.policy, self.tokenizer, model_dir)
         draft_dir = export_eagle3(self._head, self.policy, run / "draft") if self.k else None
         kwargs = server_kwargs(model_dir, draft_dir, self.k, self.spec, has_tokenizer=self.tokenizer is not None,
-                               dtype=_DTYPES[str(self.policy.dtype)], context_length=self.policy.cfg.max_position)
+                               dtype=DTYPE_NAMES[self.policy.dtype], context_length=self.policy.cfg.max_position)
         engine = self.sgl.Engine(**{**kwargs, **self.engine_options})
         self._vocab = self._head.vocab_ids.clone() if self.k else None  # target id of each draft id
         self._loop = engine.loop  # SGLang's own loop, run by one thread; every call is submitted to it
@@ -247,13 +215,15 @@ class SglangEngine(RolloutEngine):
         if not success:
             raise RuntimeError(f"SGLang {call}(selector={selector!r}) failed: {message}")
 
+    @classmethod
+    def build(cls, loaded: LoadedModel, spec: JobSpec, num_threads: int) -> SglangEngine:
+        return cls(loaded.model, loaded.tokenizer, spec, model_dir=loaded.path)
+
     # ----- weights ---------------------------------------------------------------------------------------
     def load_policy(self, state: dict[str, Any], policy_version: int) -> None:
         from drafter.loading import hf_tensors
 
-        state = as_tensors(state)
-        self.policy.load_state_dict(state)
-        self.policy.requires_grad_(False)
+        state = self._load_policy_copy(state)
         self.policy_version, self._model_dir = policy_version, None  # a restart writes the current weights
         with self._engine_lock:
             if self.engine is not None:
@@ -279,22 +249,13 @@ class SglangEngine(RolloutEngine):
                     if self.engine is not None:
                         log.info("SGLang: draft v%d has another draft vocabulary; restarting the engine", version)
                         self._launch()
-        with self._lock:
-            self._version = version
-            self._counts["num_swaps"] += 1
-            self._seconds["swap"] += time.perf_counter() - start
-
-    @property
-    def draft_version(self) -> int:
-        return self._version
+        self._installed(version, start)
 
     # ----- generation ------------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: list[dict], *, speculation: Speculation = "off",
+    def generate(self, prompts: list[list[int]], params: list[dict], *, speculation: Speculation = Speculation.OFF,
                  harvest_into: RolloutBuffer | None = None,
                  on_progress: ProgressCallback | None = None) -> list[Completion]:
-        check_batch(prompts, params, speculation)
-        check_fixed_speculation("SGLang", self.k, speculation)
-        eos, has_tok = tuple(self.policy.cfg.eos_token_ids), self.tokenizer is not None
+        eos, has_tok = self._begin_batch(prompts, params, speculation)
         sps = [sampling_params(p, eos, has_tok, self._rng) for p in params]
         hidden = harvest_into is not None and self.spec.trains_drafter  # what the engine was started to allow
         with self._engine_lock:
@@ -318,9 +279,7 @@ class SglangEngine(RolloutEngine):
                     f.cancel()  # SGLang aborts a request whose task is cancelled
                 raise
             finally:
-                seconds = time.perf_counter() - start
-                with self._lock:
-                    self._seconds["generate"] += seconds
+                seconds = self._add_seconds("generate", start)
         self.meter.record(len(prompts), self.k, num_generated, seconds)
         completions = self._completions(prompts, outs, before)
         if hidden:
@@ -328,10 +287,7 @@ class SglangEngine(RolloutEngine):
         return completions
 
     def _completions(self, prompts, outs, before) -> list[Completion]:
-        chosen = self.meter.summary()
-        buckets = {name: [t - before.get(name, (0.0, 0.0))[0], s - before.get(name, (0.0, 0.0))[1]]
-                   for name, (t, s) in self.meter.bucket_totals().items()}
-        buckets = {name: ts for name, ts in buckets.items() if ts[1] > 0}
+        chosen, buckets = self.meter.summary(), bucket_deltas(self.meter, before)
         completions = []
         for prompt, out in zip(prompts, outs):
             meta, ids = out["meta_info"], list(out["output_ids"])
@@ -339,14 +295,10 @@ class SglangEngine(RolloutEngine):
             reason = finish.get("type") if isinstance(finish, dict) else finish
             if reason not in ("stop", "length"):
                 raise RuntimeError(f"SGLang ended a request with finish_reason {finish!r}")
-            num_steps, num_accepted, num_drafted, num_verify = spec_counts(meta, len(ids), self.k)
-            with self._lock:
-                for key, n in (("num_generated", len(ids)), ("num_seq_steps", num_steps),
-                               ("num_accepted", num_accepted), ("num_draft_tokens", num_drafted),
-                               ("num_verify_steps", num_verify)):
-                    self._counts[key] += n
+            counts = spec_counts(meta, len(ids), self.k)
+            self._count(len(ids), counts)
             completions.append(Completion(list(prompt), ids, out.get("text") if self.tokenizer is not None else None,
-                                          reason, num_steps, num_accepted, self._version, dict(chosen), buckets))
+                                          reason, counts[0], counts[1], self._version, dict(chosen), buckets))
         return completions
 
     def _harvest(self, prompts, completions, outs, buffer: RolloutBuffer) -> None:
@@ -371,11 +323,3 @@ class SglangEngine(RolloutEngine):
             made.append(SimpleNamespace(prompt_ids=list(prompt), token_ids=c.token_ids,
                                         prompt_hidden_states=h[: len(prompt) - 1], hidden_states=h[len(prompt) - 1:]))
         buffer.add_outputs(made, self.policy_version)
-
-    def stats(self) -> EngineStats:
-        with self._lock:
-            c, s = dict(self._counts), dict(self._seconds)
-        return EngineStats(num_generated=c["num_generated"], num_seq_steps=c["num_seq_steps"],
-                           num_draft_tokens=c["num_draft_tokens"], num_accepted=c["num_accepted"],
-                           num_verify_steps=c["num_verify_steps"], generate_seconds=s["generate"],
-                           num_swaps=c["num_swaps"], swap_seconds=s["swap"])

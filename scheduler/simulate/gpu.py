@@ -25,6 +25,7 @@ from scheduler.simulate.cost import Forward, StepCost, rate_for_length
 from scheduler.simulate.lengths import LengthKind, LengthModel, fit
 from scheduler.simulate.profiles import Acceptance, Phases, Profile, Workload
 from scheduler.simulate.worker import Timeline
+from workers.engines import Speculation
 
 GB200_BANDWIDTH = 8.0e12  # bytes/s HBM3e per B200 GPU (GB200 NVL72 datasheet)
 GB200_BF16 = 2.5e15  # dense BF16 flop/s per B200 GPU (GB200 NVL72 datasheet)
@@ -73,7 +74,7 @@ def request_seconds(profile: Profile, num_requests: int, seed: int = 0) -> np.nd
     out = []
     for w in range(num_workers):
         share = [n for g in groups[w::num_workers] for n in g]
-        tl = Timeline(share, wl.prompt_tokens, profile.cost, wl.draft_k, "off")
+        tl = Timeline(share, wl.prompt_tokens, profile.cost, wl.draft_k, Speculation.OFF)
         tl.build(tl.prefill_s(), 0.0, 0.0)
         out.append(tl.finish)
     return np.concatenate(out)
@@ -154,5 +155,5 @@ def nemo_8b_profile(base: Profile) -> Profile:
     """NeMo RL's measured run: EAGLE-3 at k=3 every step (vLLM fixes it), its measured acceptance throughout."""
     rate = rate_for_length(NEMO_8B["k"], NEMO_8B["accepted_length"])
     return replace(base, name="nemo-rl-8b",
-                   workload=replace(base.workload, draft_k=NEMO_8B["k"], speculation="always"),
+                   workload=replace(base.workload, draft_k=NEMO_8B["k"], speculation=Speculation.ALWAYS),
                    acceptance=replace(base.acceptance, min_rate=rate, warm_rate=rate, max_rate=rate, drift_retain=1.0))

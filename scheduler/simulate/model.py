@@ -20,6 +20,7 @@ from scheduler.simulate.profiles import Profile
 from scheduler.simulate.records import DraftBook, SimResult, StepStats
 from scheduler.simulate.service import SimWatcher
 from scheduler.simulate.worker import SimWorker, Timeline
+from workers.engines import Speculation
 from workers.protocol.states import LeaseState, Phase, WorkerState
 
 ARMS = ("plain", "frozen", "tlt")
@@ -48,7 +49,7 @@ class Simulation:
         self.copies: dict[int, dict] = {}  # copies store: version -> parent, seconds, num_steps, merge_key
         self.scores: dict[str, dict] = {}  # round id -> its ScoringResult
         self.watcher = SimWatcher(self, snapshot_every) if arm == "tlt" else None
-        self.speculation = "off" if arm == "plain" else profile.workload.speculation
+        self.speculation = Speculation.OFF if arm == "plain" else profile.workload.speculation
         self.result = SimResult(arm, num_workers, [])
 
     def worker(self, worker_id: str) -> SimWorker:
@@ -115,7 +116,7 @@ class Simulation:
 
     def served_rate(self) -> float:
         """The workers' mean acceptance rate of the drafts they serve (0 without speculation)."""
-        if self.speculation == "off":
+        if self.speculation == Speculation.OFF:
             return 0.0
         return float(np.mean([self.book.rate(w.served_version, self.policy_version) for w in self.workers]))
 
@@ -127,7 +128,7 @@ class Simulation:
             yield w.lease["released"]
         w.num_total = len(lengths)
         w.timeline = tl = Timeline(lengths, p.workload.prompt_tokens, p.cost, p.workload.draft_k, self.speculation)
-        w.rate = 0.0 if self.speculation == "off" else self.book.rate(w.served_version, self.policy_version)
+        w.rate = 0.0 if self.speculation == Speculation.OFF else self.book.rate(w.served_version, self.policy_version)
         w.set_state(WorkerState.ROLLING_OUT)
         t0 = env.now + tl.prefill_s() * self.slowdown()
         tl.build(t0, 0.0, w.rate, self.slowdown())

@@ -10,8 +10,7 @@ from dataclasses import dataclass, field, fields
 from scheduler.policy import PolicySettings
 from scheduler.simulate.cost import StepCost
 from scheduler.simulate.lengths import LengthModel
-
-SPECULATION = ("adaptive", "always", "off")
+from workers.engines import Speculation
 
 
 def _check(obj, positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = (),
@@ -106,7 +105,7 @@ class Workload:
     group_size: int
     prompt_tokens: float  # mean prompt length, chat template included
     draft_k: int  # the longest draft (JobSpec.draft_k)
-    speculation: str = "adaptive"  # JobSpec.speculation: adaptive, always (draft_k every step) or off
+    speculation: Speculation = Speculation.ADAPTIVE  # JobSpec.speculation
     gpus_per_worker: int = 1  # an engine instance spans this many GPUs (tensor or expert parallel)
 
     def __post_init__(self) -> None:
@@ -115,8 +114,9 @@ class Workload:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         _check(self, non_negative=("prompt_tokens",))
-        if self.speculation not in SPECULATION:
-            raise ValueError(f"speculation must be one of {', '.join(SPECULATION)}, got {self.speculation!r}")
+        if self.speculation not in set(Speculation):
+            raise ValueError(f"speculation must be one of {', '.join(Speculation)}, got {self.speculation!r}")
+        object.__setattr__(self, "speculation", Speculation(self.speculation))  # a name given: the mode
 
 
 @dataclass(frozen=True)

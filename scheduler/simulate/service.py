@@ -11,7 +11,7 @@ each tick (views, decide and the round functions) is kept: what the real policy 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from scheduler.policy import (
     CopyView,
@@ -27,13 +27,40 @@ from scheduler.policy import (
 from workers.protocol.states import LeaseState, Phase, WorkerState
 
 if TYPE_CHECKING:
-    from scheduler.simulate.model import Simulation
+    import simpy
+
+    from scheduler.simulate.profiles import Profile
+    from scheduler.simulate.records import DraftBook
+    from scheduler.simulate.worker import SimWorker
 
 SCORING, PUBLISHING = "scoring", "publishing"
 
 
+class SimulationPort(Protocol):
+    """What the watcher reads of the simulation it runs in (scheduler.simulate.model.Simulation), and the commands
+    it sends its workers: the watcher knows the simulation by this alone."""
+
+    env: simpy.Environment
+    profile: Profile
+    phase: tuple[Phase, int, float]  # (phase, rl_step, since), as the driver's PhaseRecord
+    workers: list[SimWorker]
+    book: DraftBook
+    copies: dict[int, dict]  # the copies store: version -> parent, seconds, num_steps, merge_key
+    scores: dict[str, dict]  # round id -> its ScoringResult
+
+    def worker(self, worker_id: str) -> SimWorker: ...
+
+    def start_lease(self, w: SimWorker, lease_id: str, deadline_s: float, parent: int) -> None: ...
+
+    def stop_training(self, w: SimWorker) -> None: ...
+
+    def start_scoring(self, w: SimWorker, round_id: str, merged: list[int]) -> None: ...
+
+    def start_publish(self, round_id: str, seconds: float) -> None: ...
+
+
 class SimWatcher:
-    def __init__(self, sim: Simulation, snapshot_every: int = 0) -> None:
+    def __init__(self, sim: SimulationPort, snapshot_every: int = 0) -> None:
         self.sim, self.snapshot_every = sim, snapshot_every
         self.snapshots: list[dict] = []
         self.windows: list[RolloutWindow] = []

@@ -19,6 +19,7 @@ import simpy
 
 from scheduler.policy import WorkerView
 from scheduler.simulate.cost import StepCost, accepted_length, choose_k
+from workers.engines import Speculation
 from workers.protocol.states import WorkerState
 
 CHUNK_TOKENS = 512  # re-evaluate the context-dependent step cost at least this often (tokens per row)
@@ -27,7 +28,8 @@ CHUNK_TOKENS = 512  # re-evaluate the context-dependent step cost at least this 
 class Timeline:
     """One worker's share: rows of `lengths` tokens, all admitted at the start (one engine batch)."""
 
-    def __init__(self, lengths: list[int], prompt_tokens: float, cost: StepCost, k_max: int, speculation: str) -> None:
+    def __init__(self, lengths: list[int], prompt_tokens: float, cost: StepCost, k_max: int,
+                 speculation: Speculation) -> None:
         self.lengths = np.sort(np.asarray(lengths, dtype=float))
         self.prompt_tokens, self.cost, self.k_max, self.speculation = prompt_tokens, cost, k_max, speculation
         self.finish = np.zeros(len(self.lengths))

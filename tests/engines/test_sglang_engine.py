@@ -10,15 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from drafter.loading import load_model
-from workers.sglang_engine import (
-    INSTALL_HINT,
-    SGLANG_VERSION,
-    SglangEngine,
-    sampling_params,
-    sglang_missing_reason,
-    spec_counts,
-    weight_update_requests,
-)
+from workers.engines import ENGINES, SGLANG_VERSION, unavailable_reason
+from workers.sglang_engine import SglangEngine, sampling_params, spec_counts, weight_update_requests
 from workers.spec import JobSpec
 
 
@@ -68,20 +61,18 @@ def test_without_sglang_or_a_gpu_the_engine_says_what_is_missing():
 
     if importlib.util.find_spec("sglang") is not None and torch.cuda.is_available():
         pytest.skip("sglang and a GPU are both here: the engine runs (tests/engines/test_sglang_contract.py)")
-    reason = sglang_missing_reason()
-    assert reason is not None and "SGLang engine" in reason
+    reason = unavailable_reason("sglang")
+    assert reason is not None and "SGLang engine" in reason and "JobSpec.engine is 'sglang'" in reason
     assert (f"pip install sglang=={SGLANG_VERSION}" in reason) or "CUDA GPU" in reason
     with pytest.raises(ValueError, match="SGLang engine"):
         SglangEngine(load_model("tiny").model, None, JobSpec(model="tiny"))
-    assert SGLANG_VERSION in INSTALL_HINT
+    assert SGLANG_VERSION in ENGINES["sglang"].install_hint
 
 
 def test_a_jobs_driver_asks_for_the_package_only():
     """The driver holds no GPU (workers do): it refuses an 'sglang' job only where sglang is not installed."""
     import importlib.util
 
-    from workers.rollout import engine_unavailable_reason
-
-    reason = engine_unavailable_reason("sglang")
+    reason = unavailable_reason("sglang", needs_gpu=False)
     assert (reason is None) == (importlib.util.find_spec("sglang") is not None)
     assert reason is None or f"sglang=={SGLANG_VERSION}" in reason

@@ -14,8 +14,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from workers.engines import unavailable_reason
 from workers.errors import one_line
-from workers.rollout import engine_unavailable_reason
 from workers.spec import JobSpec
 from workers.vllm_engine import FairLock, accepted_counts, cpu_threads_env, sampling_kwargs, vllm_draft_tensors
 from workers.vllm_extension import _expand
@@ -99,8 +99,8 @@ def test_a_vllm_job_without_vllm_fails_at_start_with_one_line_naming_the_field()
     from workers.driver import Driver
     from workers.vllm_engine import VllmEngine
 
-    assert engine_unavailable_reason("builtin") is None
-    reason = engine_unavailable_reason("vllm")
+    assert unavailable_reason("builtin") is None
+    reason = unavailable_reason("vllm")
     assert "JobSpec.engine" in reason and "make venv-engines" in reason
     spec = JobSpec(engine="vllm")
     with pytest.raises(ValueError) as caught:  # the driver checks before it loads the model or starts workers
