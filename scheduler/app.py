@@ -51,7 +51,9 @@ def join_hint(address: str, env: dict[str, str] | None = None, timeout_s: float 
             f"{AUTH_HINT}")
 
 
-def _init_ray(settings: Settings) -> None:
+def init_ray(settings: Settings) -> None:
+    """Join settings.ray_address, or start a private local Ray advertising settings.ray_node_ip (the address the
+    API serves on: loopback by default) with no dashboard; nothing if Ray is up already."""
     if ray.is_initialized():
         return
     if settings.ray_address:
@@ -64,14 +66,14 @@ def _init_ray(settings: Settings) -> None:
             raise RuntimeError(f"cannot join the Ray cluster at {settings.ray_address!r}: {exc}") from None
     elif settings.start_ray:
         ray.init(num_gpus=settings.ray_num_gpus, namespace=RAY_NAMESPACE, include_dashboard=False,
-                 log_to_driver=False)
+                 log_to_driver=False, _node_ip_address=settings.ray_node_ip)
 
 
 @asynccontextmanager
 async def lifespan(app: FastAPI):
     settings: Settings = app.state.settings
     app.state.redis = connect(settings.redis_url)
-    _init_ray(settings)
+    init_ray(settings)
     app.state.store = store = JobStore(app.state.redis)
     app.state.registry = CollectorRegistry()
     app.state.collector = RedisCollector(store)
@@ -87,6 +89,7 @@ async def lifespan(app: FastAPI):
     if settings.watch:
         watcher.start()
     yield
+    app.state.launcher.stop()  # before Ray goes: a driver call failing now is no job's end
     watcher.stop(join_s=10.0)
     app.state.redis.close()
 

@@ -17,6 +17,13 @@ from scheduler.simulate.command import add_simulate_command
 COMMAND_GROUP = "tlt.commands"
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# Ray's switch for its single-node mode (ray_constants.ENABLE_RAY_CLUSTER, read at import): off, a node's address
+# is loopback and every Ray server (GCS, raylet, workers, agents) listens there alone; `_node_ip_address` alone is
+# turned back into the NIC's address by Ray, and its gRPC servers then listen on every interface (measured, Ray 2.60)
+RAY_SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
 def api_token_from_env(environ) -> str | None:
     """TLT_API_TOKEN, or the first line of the file TLT_API_TOKEN_FILE names (a mounted secret)."""
     if environ.get("TLT_API_TOKEN"):
@@ -56,9 +63,10 @@ def _serve(args: argparse.Namespace) -> int:
     import logging
     import os
 
-    import uvicorn
-
-    from scheduler.app import Settings, create_app
+    ray_address = args.ray_address or os.environ.get("RAY_ADDRESS") or None
+    if ray_address is None and args.host in LOOPBACK_HOSTS:  # read when ray is imported, so before it is
+        os.environ.setdefault(RAY_SINGLE_NODE_ENV, "0")  # the private Ray's node address: loopback, not the NIC's
+    from scheduler.app import Settings
     from workers.redis_server import redis_url_from_env
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -84,9 +92,10 @@ def _serve(args: argparse.Namespace) -> int:
                         model_roots=roots_from_env(os.environ, MODEL_ROOTS_ENV),
                         data_roots=roots_from_env(os.environ, DATA_ROOTS_ENV),
                         **({"store_dir": args.store_dir} if args.store_dir else {}),
-                        ray_address=args.ray_address or os.environ.get("RAY_ADDRESS") or None)
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
-    return 0
+                        ray_address=ray_address, ray_node_ip=args.host if args.host in LOOPBACK_HOSTS else None)
+    from scheduler.serve import serve
+
+    return serve(settings, args.host, args.port)  # graceful on SIGTERM/SIGINT, slow clients dropped
 
 
 def _submit(args: argparse.Namespace) -> int:

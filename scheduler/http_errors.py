@@ -6,6 +6,8 @@
   made encodable.
 - Redis unreachable (a connection or timeout error): 503 with Retry-After, never a 500 with a traceback.
 - At most MAX_ERRORS_REPORTED problems are listed, and one entry counts the rest: a 422 stays a few KB.
+- A request with both Content-Length and Transfer-Encoding gets a 400 and its connection closed (RFC 9112
+  6.1), so a request smuggled after it on the connection is never read.
 - Bodies over MAX_BODY_BYTES are refused with 413 before they are parsed (Content-Length, or counted
   as they arrive when it is absent).
 """
@@ -95,7 +97,8 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
 
 
 class BodyLimit:
-    """ASGI middleware: 413 for a request body over max_bytes (declared or counted)."""
+    """ASGI middleware: 413 for a request body over max_bytes (declared or counted); 400, closing the connection,
+    for a body framed both ways."""
 
     def __init__(self, app, max_bytes: int = MAX_BODY_BYTES) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -104,7 +107,12 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        headers = dict(scope.get("headers") or ())
+        if b"transfer-encoding" in headers and b"content-length" in headers:  # RFC 9112 6.1: a smuggling vector
+            await self._refuse(send, status.HTTP_400_BAD_REQUEST, "both content-length and transfer-encoding: "
+                               "the body's framing is ambiguous", close=True)
+            return
+        declared = headers.get(b"content-length")
         if declared is not None:
             try:
                 too_large = int(declared) > self.max_bytes
@@ -140,10 +148,12 @@ class BodyLimit:
         return f"request body over {self.max_bytes} bytes"
 
     @staticmethod
-    async def _refuse(send, code: int, detail: str) -> None:
+    async def _refuse(send, code: int, detail: str, close: bool = False) -> None:
+        """Answer `code` with `detail`; `close`: and close the connection after it (what follows on it is unread)."""
         body = json.dumps({"detail": detail}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": code,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                    "headers": headers + ([(b"connection", b"close")] if close else [])})
         await send({"type": "http.response.body", "body": body})
 
 

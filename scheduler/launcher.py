@@ -48,6 +48,12 @@ class Launcher:
         # a driver is registered and its job's state read under this lock, and a cancel looks for the driver
         # under it: a cancel that lands while a driver is being created kills it either way
         self._lock = threading.Lock()
+        self.is_stopping = False  # the scheduler is shutting down: a driver call failing now ends no job
+
+    def stop(self) -> None:
+        """Stop recording jobs' ends: the scheduler is going, and Ray with it (a private one) or without it. A
+        job whose driver call fails from now on stays as it is: the next scheduler reattaches or resumes it."""
+        self.is_stopping = True
 
     @staticmethod
     def cluster_gpus() -> int | None:
@@ -136,6 +142,8 @@ class Launcher:
             cause = exc
             log.info("job %s: its driver's call ended with %s", job_id, one_line(exc))
         self.drivers.pop(job_id, None)
+        if self.is_stopping and self.result(job_id) is None:  # Ray is going with the scheduler: left as it is
+            return
         if unplaceable is not None:
             self._fail(job_id, unplaceable)
         else:

@@ -21,6 +21,8 @@ class Settings:
     data_roots: tuple[str, ...] | None = None
     ray_num_gpus: int = 4  # logical GPUs declared when this process starts a local Ray
     start_ray: bool = True
+    # the address a private Ray advertises (tlt serve: the host it serves on); None: the node's own address
+    ray_node_ip: str | None = "127.0.0.1"
     ray_address: str | None = None  # join this Ray cluster ("auto", "host:port"); jobs then outlive a restart
     policy: PolicySettings = field(default_factory=PolicySettings)
     watch: bool = True  # run the long-tail watcher (grants and preempts drafter-training leases)
