@@ -1,6 +1,6 @@
 """Starts each job's driver on Ray and records how the job ended.
 
-A driver is a detached, named Ray actor (workers.actors.JobDriver, torch-free at import): it outlives
+A driver is a detached, named Ray actor (workers.job_actor.JobDriver, torch-free at import): it outlives
 the scheduler process, and a restarted scheduler finds it again by name. How a job ended has ONE
 record: the JobResult the driver writes to job_result_key before its run returns or raises. The
 launcher reads it once the driver's `run` (or, after a restart, `wait`) call resolves or fails; a
@@ -20,8 +20,8 @@ import ray
 
 from scheduler.jobs import JobStore
 from scheduler.settings import Settings
-from workers.actors import start_driver
 from workers.errors import MAX_ERROR_CHARS, one_line
+from workers.job_actor import start_driver
 from workers.message import ProtocolError
 from workers.policy_checkpoint import has_policy_checkpoint, remove_policy_checkpoints
 from workers.protocol.keys import RAY_NAMESPACE, driver_actor_name, job_phase_key, job_result_key

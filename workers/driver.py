@@ -4,7 +4,7 @@ Per step: push the policy weights (once per version, through the Ray object stor
 prompt groups among the workers, gather responses (a failed worker's share is lost, the others'
 are kept), score them, recompute log-probabilities with the POLICY, update it, record timings. Workers
 whose engine harvests no drafter-training pairs get them from those forwards (workers.learner_pairs).
-The Ray actor around it is workers.actors.JobDriver, which also records how the run ended.
+The Ray actor around it is workers.job_actor.JobDriver, which also records how the run ended.
 """
 
 from __future__ import annotations

@@ -50,14 +50,7 @@ from typing import TYPE_CHECKING, Any
 from drafter.buffer import RolloutBuffer
 from drafter.config import NUM_AUX_LAYERS
 from drafter.model import CausalLM
-from workers.engine import (
-    Completion,
-    ExternalEngine,
-    ProgressCallback,
-    as_tensors,
-    bucket_deltas,
-    request_settings,
-)
+from workers.engine import Completion, ExternalEngine, ProgressCallback, as_tensors, bucket_deltas, request_settings
 from workers.engines import Speculation
 from workers.learner_pairs import DTYPE_NAMES
 from workers.spec import JobSpec

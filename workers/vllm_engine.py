@@ -41,14 +41,7 @@ from drafter.eagle3 import eagle3_config, eagle3_tensors, read_eagle3_dir, write
 from drafter.head import head_from_state, new_head
 from drafter.loading import LoadedModel, hf_tensors, save_hf_dir
 from drafter.model import CausalLM
-from workers.engine import (
-    Completion,
-    ExternalEngine,
-    ProgressCallback,
-    as_tensors,
-    bucket_deltas,
-    request_settings,
-)
+from workers.engine import Completion, ExternalEngine, ProgressCallback, as_tensors, bucket_deltas, request_settings
 from workers.engines import Speculation
 from workers.learner_pairs import DTYPE_NAMES
 from workers.spec import JobSpec

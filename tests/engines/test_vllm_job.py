@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import ray
 
-from workers.actors import get_worker, start_driver
+from workers.actors import get_worker
+from workers.job_actor import start_driver
 from workers.progress import read_json_list
 from workers.protocol.keys import job_steps_key
 from workers.protocol.messages import StepRecord

@@ -12,7 +12,8 @@ import pytest
 import ray
 
 from tests.waiting import until
-from workers.actors import get_worker, start_driver
+from workers.actors import get_worker
+from workers.job_actor import start_driver
 from workers.progress import read_events, read_json_list, read_progress
 from workers.protocol.keys import (
     job_leases_key,

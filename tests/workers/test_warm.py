@@ -12,7 +12,7 @@ import ray
 from drafter.checkpoint import DraftMeta, save_draft
 from drafter.config import PRESETS
 from drafter.head import EagleConfig, EagleHead, head_config
-from workers.actors import start_driver
+from workers.job_actor import start_driver
 from workers.progress import read_json_list, read_progress
 from workers.protocol.keys import job_result_key, job_steps_key
 from workers.protocol.messages import JobResult, StepRecord
