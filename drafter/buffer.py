@@ -153,11 +153,6 @@ class RolloutBuffer:
                 self._insert(r)
         return len(made)
 
-    def drop_policy_versions_below(self, version: int) -> None:
-        with self._lock:
-            for v in [v for v in self._by_version if v < version]:
-                self._drop_version(v)
-
     def clear(self) -> None:
         with self._lock:
             self._by_order.clear()
@@ -322,15 +317,3 @@ def _pack(rows: list[_Row], hidden_size: int) -> PackedBatch:
             seg_start[b, t : t + n] = s
             num_segments, num_tokens, t = num_segments + 1, num_tokens + n, t + n
     return PackedBatch(feats, tokens, positions, seq_ids, target_mask, seg_start, num_tokens, num_segments)
-
-
-def block_diagonal_causal_mask(seq_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """(R, T), (R, T) -> (R, 1, T, T) bool for SDPA's attn_mask: True where query t may attend key u, i.e. same
-    segment and positions[u] <= positions[t]. A padding slot attends only to itself, so that no query row is
-    fully masked (SDPA would return NaN there); its output is garbage to be ignored."""
-    R, T = seq_ids.shape
-    same = (seq_ids[:, :, None] == seq_ids[:, None, :]) & (seq_ids[:, :, None] >= 0)  # (R, Tq, Tk)
-    causal = positions[:, None, :] <= positions[:, :, None]  # (R, Tq, Tk)
-    eye = torch.eye(T, dtype=torch.bool, device=seq_ids.device)  # (Tq, Tk)
-    padding_self = eye & (seq_ids < 0)[:, :, None]  # (R, Tq, Tk)
-    return ((same & causal) | padding_self).unsqueeze(1)  # (R, 1, Tq, Tk)

@@ -14,7 +14,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -271,18 +270,3 @@ def merge_drafts(copies: list[tuple[dict[str, torch.Tensor], DraftMeta]],
         extra={"merged_versions": [m.version for m in metas], "merge_weights": weights,
                "policy_versions": [m.policy_version for m in metas]})
     return merged, meta
-
-
-def latest_valid(directory: str | Path, pattern: str = "draft-v*.safetensors") -> tuple[Path, DraftMeta] | None:
-    """The newest draft in `directory` that loads cleanly; corrupt ones are logged and skipped."""
-    def order(p: Path) -> tuple[list[int], str]:  # by the numbers in the name, so v10 sorts after v9
-        return [int(n) for n in re.findall(r"\d+", p.name)], p.name
-
-    for path in sorted(Path(directory).glob(pattern), key=order, reverse=True):
-        try:
-            _, _, meta = _read(path, DRAFT)
-        except CheckpointError as e:
-            log.warning("skipping unusable draft checkpoint: %s", e)
-            continue
-        return path, meta
-    return None

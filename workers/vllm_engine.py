@@ -37,7 +37,7 @@ import torch
 from safetensors.torch import save_file
 
 from drafter.buffer import RolloutBuffer
-from drafter.eagle3 import eagle3_config, eagle3_tensors, read_eagle3_dir, write_eagle3_dir
+from drafter.eagle3 import eagle3_config, eagle3_tensors, import_eagle3, read_eagle3_dir, write_eagle3_dir
 from drafter.head import head_from_state, new_head
 from drafter.loading import LoadedModel, hf_tensors, save_hf_dir
 from drafter.model import CausalLM
@@ -199,6 +199,7 @@ class VllmEngine(ExternalEngine):
         the target's at load (a full draft vocabulary initialised from the policy's rows), and every reload of
         the draft would then write into the policy."""
         if draft_dir is not None:
+            import_eagle3(draft_dir, self.policy.cfg)  # ValueError naming what does not fit the policy, before vLLM
             tensors, config = read_eagle3_dir(draft_dir)
             lm = self.policy.lm_head.weight
             if config["draft_vocab_size"] == config["vocab_size"] and torch.equal(tensors["lm_head.weight"], lm):

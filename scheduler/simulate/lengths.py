@@ -90,9 +90,6 @@ class LengthModel:
     def mean(self) -> float:
         return sum(k.weight * k.capped_mean(self.max_tokens) for k in self.kinds)
 
-    def cap_fraction(self) -> float:
-        return sum(k.weight * k.cap_probability(self.max_tokens) for k in self.kinds)
-
     # ----- drawing a step ---------------------------------------------------------------------------
     def prompt_kinds(self, rng: random.Random, num_prompts: int) -> list[int]:
         """The kind of each prompt: independent draws, or an exact mix per block of MIX_BLOCK prompts."""

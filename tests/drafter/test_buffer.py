@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drafter.buffer import RolloutBuffer, block_diagonal_causal_mask, iter_batches
+from drafter.buffer import RolloutBuffer, iter_batches
 
 D = 4
 PER = 10 * 4 + 9 * D * 2  # bytes of a 10-token rollout: int32 tokens, bf16 hidden
@@ -74,8 +74,8 @@ def test_max_policy_versions_drop_and_clear():
     for v in [0, 1, 3, 2, 1]:
         buf.add(*rollout(5), policy_version=v)
     assert buf.policy_versions == [2, 3] and len(buf) == 2
-    buf.drop_policy_versions_below(3)
-    assert buf.policy_versions == [3] and buf.num_tokens == 4 and buf.num_bytes == 5 * 4 + 4 * D * 2
+    buf.add(*rollout(5), policy_version=4)  # a newer version evicts the oldest held, with its bytes and tokens
+    assert buf.policy_versions == [3, 4] and buf.num_tokens == 8 and buf.num_bytes == 2 * (5 * 4 + 4 * D * 2)
     buf.clear()
     assert len(buf) == 0 and buf.num_bytes == 0 and buf.num_tokens == 0 and buf.policy_versions == []
     buf.add(list(range(3)), torch.zeros(2, D + 1), policy_version=0)  # empty again: a new D is accepted
@@ -232,6 +232,17 @@ def test_empty_buffer_and_bad_arguments():
         next(iter_batches(buf, 0, 2))
     with pytest.raises(ValueError, match="num_rows"):
         next(iter_batches(buf, 8, 0))
+
+
+def block_diagonal_causal_mask(seq_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The attention a packed row allows, as SDPA's attn_mask (drafter.unroll builds it, step 0, inline): (R, T),
+    (R, T) -> (R, 1, T, T) bool, True where query t may attend key u, i.e. same segment and positions[u] <=
+    positions[t]. A padding slot attends only to itself, so that no query row is fully masked."""
+    R, T = seq_ids.shape
+    same = (seq_ids[:, :, None] == seq_ids[:, None, :]) & (seq_ids[:, :, None] >= 0)  # (R, Tq, Tk)
+    causal = positions[:, None, :] <= positions[:, :, None]  # (R, Tq, Tk)
+    padding_self = torch.eye(T, dtype=torch.bool) & (seq_ids < 0)[:, :, None]  # (R, Tq, Tk)
+    return ((same & causal) | padding_self).unsqueeze(1)  # (R, 1, Tq, Tk)
 
 
 def test_block_diagonal_causal_mask():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
@@ -16,7 +15,6 @@ from drafter.checkpoint import (
     DraftMeta,
     _write,
     draft_path,
-    latest_valid,
     load_draft,
     load_trainer_state,
     merge_drafts,
@@ -133,20 +131,6 @@ def test_wrong_kind(tmp_path: Path) -> None:
     save_draft(path, model.state_dict(), meta())
     with pytest.raises(CheckpointError, match="expected 'trainer'"):
         load_trainer_state(path, model, opt)
-
-
-def test_latest_valid_skips_corrupt_newest(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    assert latest_valid(tmp_path) is None
-    for v in (1, 2, 10):
-        save_draft(draft_path(tmp_path, v), mixed_state(v), meta(version=v, parent=v - 1))
-    path, m = latest_valid(tmp_path)
-    assert (path, m.version) == (draft_path(tmp_path, 10), 10)
-    newest = draft_path(tmp_path, 10)
-    newest.write_bytes(newest.read_bytes()[:-7])
-    with caplog.at_level(logging.WARNING, logger="drafter.checkpoint"):
-        path, m = latest_valid(tmp_path)
-    assert (path, m.version) == (draft_path(tmp_path, 2), 2)
-    assert str(newest) in caplog.text
 
 
 def test_failed_save_leaves_old_file_and_no_temp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

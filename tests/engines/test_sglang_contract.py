@@ -31,8 +31,9 @@ from drafter.config import PRESETS
 from drafter.eagle3 import eagle3_tensors, export_eagle3
 from drafter.head import head_config, new_head
 from drafter.loading import load_model, random_model, save_hf_dir
+from workers.engines import SGLANG_VERSION
 from workers.guard import Acceptance, Verdict, judge
-from workers.sglang_engine import SGLANG_VERSION, SglangEngine, sampling_params, server_kwargs, weight_update_requests
+from workers.sglang_engine import SglangEngine, sampling_params, server_kwargs, weight_update_requests
 from workers.spec import JobSpec
 
 pytestmark = pytest.mark.sglang

@@ -6,6 +6,7 @@ speculative engine for the module (each vLLM engine takes seconds to start)."""
 from __future__ import annotations
 
 import copy
+import json
 import threading
 
 import pytest
@@ -223,3 +224,13 @@ def test_stops_finish_reasons_and_progress(plain):
     assert seen == sorted(seen) and seen[-1] == (2, cut + 7)
     with pytest.raises(ValueError, match="stop_strings need a tokenizer"):
         plain.generate(prompts[:1], [{"stop_strings": ["x"]}])
+
+
+def test_a_draft_directory_for_another_policy_is_refused_before_vllm_starts(policy, head, tmp_path):
+    """drafter.eagle3.import_eagle3 checks the directory against the policy: one line naming the key."""
+    draft_dir = export_eagle3(head, policy, tmp_path / "draft")
+    config = json.loads((draft_dir / "config.json").read_text())
+    config["rope_theta"] = float(config["rope_theta"]) * 2  # a draft trained for another policy's positions
+    (draft_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="config.json: rope_theta is"):
+        make_engine(policy, "always", draft_dir)
