@@ -11,7 +11,10 @@ all three alike, and a repeat draws its prompts with its own seed. Nothing else 
 Per step and arm it records rollout, tail and step seconds, response-length percentiles, the accepted
 length, the draft version served, idle and reclaimed worker-seconds and the mean reward; the figures
 (JSON keys) are ratios of sums over every step and repeat, and the last step's means. The JSON object
-is printed last and written to docs/bench/rl.json by the registry (bench/cli.py).
+is printed last and written to docs/bench/rl.json by the registry (bench/cli.py); with --device cuda the jobs
+run on the machine's GPUs (JobSpec.device; workers share a GPU when they outnumber them) and the result, with
+`device` and the GPU's name, goes to docs/bench/rl_gpu.json instead. --size smallest proves the path in about
+a minute (the tiny preset, one step, its own small warm draft built first).
 """
 
 from __future__ import annotations
@@ -131,12 +134,15 @@ def figures(runs: dict[str, list[dict]]) -> dict:
 def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: int = 10, group_size: int = 4,
              max_new_tokens: int = 512, num_workers: int = 2, draft_k: int = 4, task: str = "longtail",
              model: str = "smollm2-135m", warm_draft: str | None = None, seed: int = 0,
-             arms: str = "abc") -> dict:
+             arms: str = "abc", device: str = "cpu", warm_recipe=None) -> dict:
+    """device "cuda": every job on this machine's GPUs (JobSpec.device), its workers sharing them when they
+    outnumber them (JobSpec.gpus_per_worker), the warm draft built there if none is cached; "cpu": each worker
+    pinned to its own cores. warm_recipe: the workers.warm.WarmRecipe of the warm draft (None: its defaults)."""
     import ray
 
     from scheduler.app import Settings
     from scheduler.client import call
-    from scheduler.demo import DEMO_POLICY, ensure_warm_draft, run_job, start_server
+    from scheduler.demo import DEMO_POLICY, run_job, start_server
     from scheduler.paths import default_roots
     from workers.protocol.keys import RAY_NAMESPACE
     from workers.protocol.states import JobState
@@ -146,18 +152,20 @@ def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: 
         raise ValueError(f"arms must name some of a, b, c once each, got {arms!r}")
     if "a" not in arms or not set(arms) & {"b", "c"}:
         raise ValueError(f"arms must hold a (plain: every ratio is against it) and b or c, got {arms!r}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {device!r}")
     t0 = time.perf_counter()
-    with contextlib.redirect_stdout(sys.stderr):  # progress on stderr; the JSON object alone on stdout
-        warm_draft = warm_draft or ensure_warm_draft(model, task)
     if warm_draft is None and set(arms) & {"b", "c"}:
-        raise ValueError("arms b and c start from a warm draft: build one with `make warm-draft` or pass --warm-draft")
+        warm_draft = warm_draft_for(model, task, device, warm_recipe)
     base = {"model": model, "task": task, "num_steps": num_steps, "num_prompts_per_step": num_prompts_per_step,
             "group_size": group_size, "max_new_tokens": max_new_tokens, "num_workers": num_workers,
-            "draft_k": draft_k, "temperature": 1.0}
+            "draft_k": draft_k, "temperature": 1.0, "device": device}
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
-    ray.init(num_cpus=num_workers, num_gpus=num_workers, namespace=RAY_NAMESPACE, include_dashboard=False,
-             log_to_driver=False, ignore_reinit_error=True)
+    # on CUDA, Ray counts the machine's GPUs; on a CPU, a logical one per worker (each pinned to its own cores)
+    ray.init(num_cpus=num_workers, num_gpus=num_workers if device == "cpu" else None, namespace=RAY_NAMESPACE,
+             include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     try:
+        base["gpus_per_worker"] = gpu_share(int(ray.cluster_resources().get("GPU", 0)), num_workers, device)
         with PrivateRedis() as redis_server:
             store_dir = tempfile.mkdtemp(prefix="tlt-bench-rl-")
             # the warm draft named on the command line is allowed wherever it is (the server's roots bound REST)
@@ -187,12 +195,16 @@ def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: 
     finally:
         ray.shutdown()
     full = set(arms) == set(ARMS)
-    result = {"bench": "rl", "config": base | {"num_repeats": num_repeats, "arms": arms, "seed": seed,
-                                               "warm_draft": warm_draft},
+    result = {"bench": "rl", "device": device, "config": base | {"num_repeats": num_repeats, "arms": arms,
+                                                                 "seed": seed, "warm_draft": warm_draft},
               **(figures(runs) if full else partial_figures(runs)),
               "steps": {ARMS[arm]: [[step_row(s, reclaimed_of(r, s["rl_step"])) for s in r["steps"]] for r in rs]
                         for arm, rs in runs.items()},
               "seconds": time.perf_counter() - t0}
+    if device == "cuda":
+        import torch
+
+        result["gpu"] = torch.cuda.get_device_name(0)
     return result
 
 
@@ -214,26 +226,88 @@ def partial_figures(runs: dict[str, list[dict]]) -> dict:
     return out
 
 
+def gpu_share(num_gpus: int, num_workers: int, device: str) -> float:
+    """JobSpec.gpus_per_worker for `num_workers` workers on `num_gpus` GPUs: a GPU each where there are enough,
+    else an equal share of them, at Ray's resolution (4 decimals). 1.0 on the CPU (logical GPUs, one each)."""
+    if device == "cpu":
+        return 1.0
+    if num_gpus < 1:
+        raise ValueError("--device cuda: Ray finds no GPU on this machine")
+    return min(1.0, math.floor(num_gpus / num_workers * 10_000) / 10_000)
+
+
+def warm_draft_for(model: str, task: str, device: str, recipe) -> str:
+    """The warm draft arms b and c start from: the one cached for `recipe` (workers.warm.WarmRecipe; None: its
+    defaults), else built now on `device` when that is quick (a GPU, about 2 minutes; or a recipe other than the
+    default, such as the smallest size's). ValueError when the default recipe would take 15 minutes on the CPU."""
+    from workers.warm import WarmRecipe, ensure_warm_draft, warm_cache_dir
+
+    recipe = recipe or WarmRecipe()
+    path = ensure_warm_draft(model, task, device, recipe, is_build_allowed=False)
+    if path is not None:
+        log(f"warm draft: reusing the cached {path}")
+        return path
+    if device == "cpu" and recipe == WarmRecipe():
+        raise ValueError("arms b and c start from a warm draft: build one with `make warm-draft` (about 15 minutes "
+                         "on a 2-core CPU), pass --warm-draft, or run with --device cuda (built there)")
+    log(f"warm draft: building it on {device} ({recipe.num_prompts} prompts, {recipe.num_steps} steps), cached in "
+        f"{warm_cache_dir(model, task, recipe)}")
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(sys.stderr):
+        path = ensure_warm_draft(model, task, device, recipe)
+    log(f"warm draft: built in {time.perf_counter() - t0:.0f} s")
+    return path
+
+
+FULL = {"model": "smollm2-135m", "task": "longtail", "steps": 3, "repeats": 2, "prompts": 10, "group_size": 4,
+        "new_tokens": 512, "workers": 2, "k": 4}
+# --size: "full" measures (on one GPU, with the warm draft cached, about 6 minutes: unmeasured yet); "smallest"
+# proves the path in about a minute on a 2-core CPU: the tiny preset, one step, its own small warm draft
+SIZES = {"full": FULL, "smallest": FULL | {"model": "tiny", "task": "arithmetic", "steps": 1, "repeats": 1,
+                                             "prompts": 2, "group_size": 2, "new_tokens": 16, "k": 2}}
+SMALLEST_RECIPE = {"num_prompts": 4, "max_new_tokens": 16, "num_steps": 4, "batch_size": 4, "num_eval_prompts": 0}
+
+
 def add_arguments(p) -> None:
     from workers.tasks import TASKS
 
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--task", default="longtail", choices=sorted(TASKS))
-    p.add_argument("--steps", type=int, default=3, help="RL steps per job")
-    p.add_argument("--repeats", type=int, default=2, help="runs of each arm; the order turns round each time")
-    p.add_argument("--prompts", type=int, default=10, help="prompts per step (longtail: 1 in 10 asks for detail)")
-    p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--new-tokens", type=int, default=512)
-    p.add_argument("--workers", type=int, default=2, help="rollout workers, each pinned to its own core here")
-    p.add_argument("--k", type=int, default=4, help="draft_k: the longest draft the adaptive choice may use")
+    p.add_argument("--size", default="full", choices=sorted(SIZES), help="the defaults of the options below: full "
+                   "(the measurement), smallest (the tiny preset, one step: proves the path in about a minute)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the jobs run (JobSpec.device); "
+                   "cuda writes rl_gpu.json, with the workers sharing the GPUs when they outnumber them")
+    p.add_argument("--model", default=None, help=f"default {FULL['model']}")
+    p.add_argument("--task", default=None, choices=sorted(TASKS), help=f"default {FULL['task']}")
+    p.add_argument("--steps", type=int, default=None, help=f"RL steps per job (default {FULL['steps']})")
+    p.add_argument("--repeats", type=int, default=None, help="runs of each arm; the order turns round each time "
+                   f"(default {FULL['repeats']})")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per step (longtail: 1 in 10 asks for detail; "
+                   f"default {FULL['prompts']})")
+    p.add_argument("--group-size", type=int, default=None, help=f"default {FULL['group_size']}")
+    p.add_argument("--new-tokens", type=int, default=None, help=f"default {FULL['new_tokens']}")
+    p.add_argument("--workers", type=int, default=None, help="rollout workers, each pinned to its own core on a "
+                   f"CPU (default {FULL['workers']})")
+    p.add_argument("--k", type=int, default=None, help="draft_k: the longest draft the adaptive choice may use "
+                   f"(default {FULL['k']})")
     p.add_argument("--warm-draft", default=None, help="the draft b and c start from (default: the cached one "
-                   "`make warm-draft` builds for the task)")
+                   "`make warm-draft` builds for the task; built here with --device cuda or --size smallest)")
     p.add_argument("--arms", default="abc", help="a plain, b frozen warm draft, c TLT (a and b or c)")
     p.add_argument("--seed", type=int, default=0)
 
 
 def run(args) -> dict:
-    return bench_rl(num_steps=args.steps, num_repeats=args.repeats, num_prompts_per_step=args.prompts,
-                    group_size=args.group_size, max_new_tokens=args.new_tokens, num_workers=args.workers,
-                    draft_k=args.k, task=args.task, model=args.model, warm_draft=args.warm_draft, seed=args.seed,
-                    arms=args.arms)
+    from workers.warm import WarmRecipe
+
+    size = SIZES[args.size]
+    opt = {key: size[key] if getattr(args, key) is None else getattr(args, key) for key in FULL}
+    recipe = WarmRecipe(**SMALLEST_RECIPE) if args.size == "smallest" else None
+    result = bench_rl(num_steps=opt["steps"], num_repeats=opt["repeats"], num_prompts_per_step=opt["prompts"],
+                      group_size=opt["group_size"], max_new_tokens=opt["new_tokens"], num_workers=opt["workers"],
+                      draft_k=opt["k"], task=opt["task"], model=opt["model"], warm_draft=args.warm_draft,
+                      seed=args.seed, arms=args.arms, device=args.device, warm_recipe=recipe)
+    result["config"]["size"] = args.size
+    return result
+
+
+def record_as(result: dict) -> tuple[str, str | None]:
+    """rl_gpu.json, with the GPU named, for a CUDA run; rl.json for a CPU one (which never writes rl_gpu.json)."""
+    return ("rl_gpu", result.get("gpu")) if result["device"] == "cuda" else ("rl", None)

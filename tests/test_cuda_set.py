@@ -63,3 +63,17 @@ def test_the_check_would_catch_a_module_that_needs_redis():
                           cwd=ROOT, env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode != 0 and "a bare GPU node lacks it" in done.stdout + done.stderr
+
+
+FULL_LIST = ROOT / "tests" / "cuda_tests_full.txt"
+
+
+def test_the_full_venv_cuda_set_has_cuda_cases_in_each_module_and_none_of_the_bare_sets():
+    paths = [line.split("#", 1)[0].strip() for line in FULL_LIST.read_text().splitlines()
+             if line.split("#", 1)[0].strip()]
+    assert paths and all((ROOT / p).is_file() for p in paths) and not set(paths) & set(listed())
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-k",
+                           "cuda", *paths], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    selected = [line for line in done.stdout.splitlines() if "::" in line]
+    assert done.returncode == 0 and all(is_cuda_case(t) for t in selected), done.stdout[-3000:]
+    assert {t.split("::")[0] for t in selected} == set(paths)

@@ -38,7 +38,7 @@ class RolloutWorker:
         from workers.rollout import RolloutRunner  # torch, here only
 
         job_spec = JobSpec.model_validate(spec)
-        self.placement = self._place(worker_id, index, job_spec.num_workers)
+        self.placement = self._place(worker_id, index, job_spec)
         if self.placement is not None:
             runtime.setdefault("num_threads", self.placement.num_threads)
         self.runner = RolloutRunner(job_id, worker_id, job_spec, connect(redis_url), store_dir, **runtime)
@@ -46,14 +46,15 @@ class RolloutWorker:
         self._tasks: set[asyncio.Task] = set()  # background leases and scoring (kept referenced until done)
 
     @staticmethod
-    def _place(worker_id: str, index: int, num_workers: int):
-        """On CPU, pin this process to worker `index`'s cores (workers.pinning); on GPU, nothing (one per GPU)."""
-        import torch
-
+    def _place(worker_id: str, index: int, spec: JobSpec):
+        """On CPU, pin this process to worker `index`'s cores (workers.pinning); on GPU, nothing (its own GPU, or
+        its share of one: JobSpec.gpus_per_worker). ValueError if the job's device cannot be had here."""
+        from workers.device import job_device
         from workers.pinning import pin_process, place_worker, usable_cores
 
-        if torch.cuda.is_available():
+        if job_device(spec.device).type != "cpu":
             return None
+        num_workers = spec.num_workers
         placement = place_worker(index, num_workers, usable_cores())
         if placement.is_dedicated:
             pin_process(placement.cores)
@@ -69,9 +70,14 @@ class RolloutWorker:
         task.add_done_callback(self._tasks.discard)
 
     # ----- the driver's calls ------------------------------------------------------------------
-    async def load_policy(self, state_ref, policy_version: int) -> None:
-        state = state_ref[0] if isinstance(state_ref, list) else state_ref
-        await asyncio.to_thread(self.runner.load_policy, state, policy_version)
+    async def load_policy(self, source, policy_version: int) -> None:
+        """A new policy version: a sync file's message (a worker on the driver's node), or the weights as arrays
+        from Ray's object store (another node's); workers.policy_sync."""
+        await asyncio.to_thread(self.runner.load_policy, source, policy_version)
+
+    async def node_id(self) -> str:
+        """The Ray node this worker runs on: on the driver's, it loads new policy versions from a file there."""
+        return ray.get_runtime_context().get_node_id()
 
     async def generate(self, prompts: list[list[int]], params: list[dict], rl_step: int) -> list[dict]:
         return await asyncio.to_thread(self.runner.generate, prompts, params, rl_step)
@@ -107,7 +113,7 @@ class RolloutWorker:
 
         import torch
 
-        return {**self.runner.describe(), "cores": sorted(os.sched_getaffinity(0)),
+        return {**self.runner.describe(), "cores": sorted(os.sched_getaffinity(0)), "device": str(self.runner.device),
                 "num_threads": torch.get_num_threads(),
                 "is_pinned": bool(self.placement and self.placement.is_dedicated)}
 
@@ -118,10 +124,11 @@ class RolloutWorker:
 def start_worker(job_id: str, worker_id: str, spec: JobSpec, redis_url: str, store_dir: str, index: int = 0,
                  **runtime):
     """A job's rollout worker as a named actor (owned by the caller, the driver: it dies with it). `index`
-    (0..num_workers-1) picks its cores on CPU (workers.pinning); `runtime`: RolloutRunner's keyword settings."""
+    (0..num_workers-1) picks its cores on CPU (workers.pinning); `runtime`: RolloutRunner's keyword settings. It asks
+    Ray for spec.gpus_per_worker of a GPU: one each by default, a share of one on small nodes and benches."""
     return RolloutWorker.options(name=worker_actor_name(job_id, worker_id), namespace=RAY_NAMESPACE,
-                                 num_gpus=1, num_cpus=0).remote(job_id, worker_id, spec.model_dump(), redis_url,
-                                                                store_dir, index, **runtime)
+                                 num_gpus=spec.gpus_per_worker, num_cpus=0).remote(
+        job_id, worker_id, spec.model_dump(), redis_url, store_dir, index, **runtime)
 
 
 def get_worker(job_id: str, worker_id: str):

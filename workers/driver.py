@@ -20,6 +20,7 @@ from ray.exceptions import RayError
 
 from drafter.loading import load_model
 from workers.actors import start_worker
+from workers.device import job_device
 from workers.engines import unavailable_reason
 from workers.errors import WorkerError, one_line
 from workers.grpo import group_advantages, grpo_update, response_mask, sequence_logprobs, update_rows
@@ -27,6 +28,7 @@ from workers.job_records import JobRecords
 from workers.learner_pairs import LearnerPairs, PairShipments, wanted_owners
 from workers.pinning import usable_cores
 from workers.policy_checkpoint import commit_policy, load_policy, policy_checkpoint_path, stage_policy
+from workers.policy_sync import PolicyFiles
 from workers.protocol.keys import job_steps_key
 from workers.protocol.messages import PhaseRecord, StepRecord
 from workers.protocol.states import Phase
@@ -55,7 +57,11 @@ class Driver:
         if reason is not None:
             raise ValueError(reason)
         torch.manual_seed(spec.seed)
-        loaded = load_model(spec.model)
+        # the learner on the job's device: under Ray the driver asks for no GPU and sees its node's (Ray >= 2.49
+        # no longer hides them from actors that asked for none), so it runs beside the rollout workers, whose
+        # phases it alternates with (workers.device)
+        self.device = job_device(spec.device)
+        loaded = load_model(spec.model, device=self.device)
         self.policy, self.tokenizer = loaded.model, loaded.tokenizer
         self.policy_version = 0
         self.num_steps_done = 0
@@ -68,6 +74,8 @@ class Driver:
         self.worker_ids = [f"w{i}" for i in range(spec.num_workers)]
         self.redis_url, self.store_dir = redis_url, store_dir
         self.restarts: dict[str, int] = {}  # worker id -> times it was started again after it was lost
+        self.policy_files = PolicyFiles(store_dir, job_id)  # weight sync to the workers on this node
+        self.policy_files.clear()  # any a driver of this job left when it died
         self.lost: list[str] = []  # "w1 at step 3", each loss, for the run's warning
         self.shipments = PairShipments(job_id)  # learner pairs on their way to workers (workers.learner_pairs)
         self.workers = {wid: start_worker(job_id, wid, spec, redis_url, store_dir, i)
@@ -79,7 +87,7 @@ class Driver:
         if len(failed) == len(self.workers):  # none is up (the others were not placed): nothing to run on
             why = [f"{wid}: {error}" for wid, error in failed.items()] + self.lost
             raise RuntimeError(f"no rollout worker started: {'; '.join(why)}; the Ray cluster has {cluster_gpus()} "
-                               f"GPUs")
+                               f"GPUs, the job asks {spec.gpus_per_worker:g} per worker")
         # the learner phases (log-probs, update) run here once the rollout has ended: on every core this
         # process may use (Ray starts actors with one thread; the workers pin themselves to their own cores)
         torch.set_num_threads(len(usable_cores()))
@@ -128,10 +136,13 @@ class Driver:
         return version
 
     def run(self) -> None:
-        for rl_step in range(self.num_steps_done, self.spec.num_steps):
-            self.step(rl_step)
-            self.num_steps_done += 1
-        self.shipments.settle()
+        try:
+            for rl_step in range(self.num_steps_done, self.spec.num_steps):
+                self.step(rl_step)
+                self.num_steps_done += 1
+            self.shipments.settle()
+        finally:
+            self.policy_files.clear()
 
     def set_phase(self, phase: Phase, rl_step: int) -> None:
         self.rl_step, self.phase = rl_step, phase
@@ -152,7 +163,8 @@ class Driver:
         at start counts as lost; one started again after a loss was counted then). Returns those whose start
         failed -> why (left in the job: the sync drops them with their error)."""
         started = {wid: self.workers[wid] for wid in wids if wid in self.workers}
-        unplaced, failed = await_started(started, len(self.workers) - len(started), MAX_WORKER_START_S)
+        unplaced, failed = await_started(started, len(self.workers) - len(started), MAX_WORKER_START_S,
+                                         self.spec.gpus_per_worker)
         for wid in unplaced:
             log.error("job %s at %s: worker %s was not placed (no GPU for it): running without it", self.job_id,
                       where, wid)
@@ -246,20 +258,35 @@ class Driver:
         return record
 
     def _sync(self, rl_step: int, failures: list, wids: list[str]) -> list[str]:
-        """Push the policy's weights to workers `wids` (one object-store copy, mapped by each); returns those
-        that failed or were gone, dropped from the job."""
+        """Push the policy's weights to workers `wids` (workers.policy_sync): those on this node map one file
+        written here, the others one object-store copy; returns those that failed or were gone, dropped."""
         if not wids:
             return []
-        weights = ray.put(shareable_state(self.policy.state_dict()))
-        refs = {wid: self.workers[wid].load_policy.remote(weights, self.policy_version) for wid in wids}
-        dropped = []
+        nodes, dropped = self._gather({wid: self.workers[wid].node_id.remote() for wid in wids}, rl_step, failures)
+        here = ray.get_runtime_context().get_node_id()
+        state = self.policy.state_dict()
+        sources = {}
+        if any(node == here for node in nodes.values()):
+            message = self.policy_files.write(state, self.policy_version)
+            sources |= {wid: message for wid, node in nodes.items() if node == here}
+        if any(node != here for node in nodes.values()):
+            weights = ray.put(shareable_state(state))
+            sources |= {wid: weights for wid, node in nodes.items() if node != here}
+        _, failed = self._gather({wid: self.workers[wid].load_policy.remote(source, self.policy_version)
+                                  for wid, source in sources.items()}, rl_step, failures)
+        self.policy_files.done()  # every worker has it, or is dropped
+        return dropped + failed
+
+    def _gather(self, refs: dict, rl_step: int, failures: list) -> tuple[dict, list[str]]:
+        """Each worker's answer (worker id -> result); the workers that raised or are gone are dropped (listed)."""
+        answers, dropped = {}, []
         for wid, ref in refs.items():
             try:
-                ray.get(ref)
+                answers[wid] = ray.get(ref)
             except RayError as exc:  # the worker raised (RayTaskError) or is gone
                 self._drop(wid, exc, rl_step, failures)
                 dropped.append(wid)
-        return dropped
+        return answers, dropped
 
     def _rollout(self, prompts: list[list[int]], rl_step: int, failures: list,
                  stops: list[tuple[str, ...]]) -> tuple[dict, dict, dict, dict]:

@@ -88,6 +88,10 @@ class JobDriver:
                 self._result = result.to_dict()
                 self._finished.set()
 
+    def learner_device(self) -> str | None:
+        """Where the job's policy and GRPO learner are (JobSpec.device resolved here); None before they load."""
+        return str(self._driver.device) if self._driver is not None else None
+
     def wait(self, timeout_s: float | None = None) -> dict | None:
         """The JobResult dict once `run` has ended (a restarted scheduler reattaches with this), or None
         if it is still running after timeout_s."""

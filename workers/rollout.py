@@ -25,10 +25,12 @@ import torch
 from drafter.buffer import RolloutBuffer
 from drafter.config import NUM_AUX_LAYERS
 from drafter.loading import LoadedModel, load_model
+from workers.device import job_device
 from workers.engine import RolloutEngine, as_tensors
 from workers.engines import Speculation, engine_class
 from workers.learner_pairs import add_pairs
 from workers.leases import LeaseRunner
+from workers.policy_sync import is_sync_message, read_policy_file
 from workers.protocol.states import WorkerState
 from workers.scoring import Scorer
 from workers.spec import JobSpec
@@ -58,7 +60,8 @@ class RolloutRunner:
         them (tests and benchmarks of the learner's path on the built-in engine)."""
         self.job_id, self.worker_id, self.spec = job_id, worker_id, spec
         torch.set_num_threads(num_threads)
-        loaded = load_model(spec.model)
+        self.device = job_device(spec.device)  # its GPU under Ray (num_gpus), where the engine and leases run
+        loaded = load_model(spec.model, device=self.device)
         self.policy = loaded.model
         self.engine = build_engine(spec, loaded, num_threads)
         self.harvests = harvest_in_engine and self.engine.harvests_pairs
@@ -75,10 +78,13 @@ class RolloutRunner:
                 **self.swapper.record_fields()}
 
     # ----- policy -------------------------------------------------------------------------
-    def load_policy(self, state: dict, policy_version: int) -> None:
-        """Serve `state` (torch tensors, or read-only numpy arrays mapped from Ray's object store)."""
+    def load_policy(self, source: dict, policy_version: int) -> None:
+        """Serve a new policy version: `source` is a sync file's message (workers.policy_sync: mapped, copied onto
+        the policy's device), or its state (torch tensors, or read-only numpy arrays mapped from Ray's object
+        store)."""
         try:
-            self.engine.load_policy(as_tensors(state), policy_version)
+            state = read_policy_file(source) if is_sync_message(source) else as_tensors(source)
+            self.engine.load_policy(state, policy_version)
         except Exception:  # re-raised: the driver records it on the step, and the worker takes no more work
             log.exception("job %s: worker %s: loading policy v%d failed", self.job_id, self.worker_id, policy_version)
             self.status.fail()

@@ -55,6 +55,55 @@ def warm_cache_dir(model: str, task: str, recipe: WarmRecipe) -> Path:
     return cache_root() / "drafters" / f"{task}-{recipe.key(model, task)}"
 
 
+WARM_REPORT = "report.json"  # beside a cached warm draft: what building it measured; its presence marks it whole
+
+
+def ensure_warm_draft(model: str, task: str, device: str = "cpu", recipe: WarmRecipe | None = None,
+                      is_build_allowed: bool = True) -> str | None:
+    """The path of the warm draft `recipe` (default WarmRecipe()) builds for `model` on `task`: the cached one
+    (warm_cache_dir, with its WARM_REPORT) or, if none is and is_build_allowed, one built here now on `device`
+    (a GPU: about 2 minutes for SmolLM2 at the default recipe; 15 on a 2-core CPU). None when none is cached and
+    building is not allowed."""
+    recipe = recipe or WarmRecipe()
+    out = warm_cache_dir(model, task, recipe)
+    path = out / "draft-v000001.safetensors"
+    if path.is_file() and (out / WARM_REPORT).is_file():
+        return str(path)
+    if not is_build_allowed:
+        return None
+    report = build_warm_draft(model, task, out, device, recipe)
+    (out / WARM_REPORT).write_text(json.dumps(report, indent=1))  # last: its presence marks a finished build
+    return str(path)
+
+
+def build_warm_draft(model: str, task: str, out: str | Path, device: str, recipe: WarmRecipe) -> dict:
+    """Harvest the task's prompts (TRAIN_SEED) with `model` on `device`, train a head by `recipe` there, measure
+    it on held-out prompts (EVAL_SEED) and save it as out/draft-v000001.safetensors; returns the warm start's
+    report (drafter.warmstart.WarmStartReport's fields, with the model, task and device)."""
+    from dataclasses import asdict
+
+    from drafter.config import TrainConfig
+    from drafter.loading import load_model
+    from drafter.warmstart import HarvestConfig, warm_start
+    from workers.step_data import encode_text
+
+    loaded = load_model(model, device=device)
+    vocab = loaded.model.cfg.vocab_size
+    prompts, eval_prompts = ([encode_text(loaded.tokenizer, t, vocab)
+                              for t in task_prompts(task, seed, num, recipe.tail_fraction)]
+                             for seed, num in ((WARM_TRAIN_SEED, recipe.num_prompts),
+                                               (WARM_EVAL_SEED, recipe.num_eval_prompts)))
+    _, report = warm_start(loaded.model, loaded.tokenizer, prompts, out,
+                           train_cfg=TrainConfig(total_steps=recipe.num_steps, num_unroll=recipe.num_unroll,
+                                                 anneal_to_budget=False, bf16_autocast=False),
+                           harvest_cfg=HarvestConfig(max_new_tokens=recipe.max_new_tokens,
+                                                     batch_size=recipe.batch_size, temperature=recipe.temperature,
+                                                     top_p=1.0),
+                           max_steps=recipe.num_steps, draft_vocab_size=recipe.draft_vocab_size,
+                           eval_prompts=eval_prompts)
+    return {"model": loaded.name, "task": task, "device": str(loaded.model.device), **asdict(report)}
+
+
 def task_prompts(task: str, seed: int, num: int, tail_fraction: float | None = None) -> list[str]:
     """`num` prompt texts of the built-in task named `task` (workers.tasks), drawn with `seed`; for the
     longtail task, `tail_fraction` (if given) is the share asking for detailed reasoning."""

@@ -12,14 +12,18 @@ import copy
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import pytest
 import torch
+from safetensors import safe_open
 
 from drafter.buffer import RolloutBuffer
 from drafter.head import head_config, new_head
 from tests.conftest import tiny_model
 from workers.builtin_engine import BuiltinEngine
+from workers.device import job_device
 from workers.grpo import grpo_update, response_mask, sequence_logprobs
 from workers.learner_pairs import LearnerPairs, add_pairs
+from workers.policy_sync import SYNC_KEY, is_sync_message, read_policy_file, write_policy_file
 
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], [4], [6, 6]]
 
@@ -115,3 +119,36 @@ def test_grpo_on_the_policys_device_matches_the_cpu(device):
     with torch.no_grad():
         after, _ = sequence_logprobs(policy, seqs, plens)
     assert float(after[0].sum()) > float(ours[0].sum()) and float(after[2].sum()) < float(ours[2].sum())
+
+
+def test_the_jobs_device_setting_resolves_in_this_process(device):
+    assert job_device("cpu").type == "cpu"  # even where a GPU is visible
+    assert job_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda":
+        assert job_device("cuda").type == "cuda"
+    elif not torch.cuda.is_available():  # a job that asked for the GPU never runs on the CPU by mistake
+        with pytest.raises(ValueError, match="sees no CUDA device"):
+            job_device("cuda")
+    with pytest.raises(ValueError, match="device must be one of auto, cuda, cpu"):
+        job_device("gpu")
+
+
+def test_a_policy_sync_file_carries_the_learners_weights_to_a_workers_device(device, tmp_path):
+    """The learner writes its state once (tied weights once); a worker maps the file and loads it onto its own
+    device, equal to the learner's; a file cut short is refused naming it."""
+    learner = tiny_model(seed=7).to(device)
+    message = write_policy_file(learner.state_dict(), tmp_path / "policy.safetensors")
+    assert is_sync_message(message) and not is_sync_message(learner.state_dict())
+    state = read_policy_file(message)
+    assert set(state) == set(learner.state_dict())
+    assert all(t.device.type == "cpu" for t in state.values())  # mapped: the copy onto the device is the load's
+    with safe_open(message[SYNC_KEY], framework="pt") as f:
+        assert len(list(f.keys())) == len(state) - 1  # the tied LM head is its embedding, written once
+    worker = tiny_model(seed=8).to(device)
+    BuiltinEngine(worker, None, EngineSpec()).load_policy(state, policy_version=1)
+    assert all(torch.equal(a, b) for a, b in zip(worker.state_dict().values(), learner.state_dict().values()))
+    assert worker.device.type == torch.device(device).type
+    with open(message[SYNC_KEY], "r+b") as f:
+        f.truncate(message["num_bytes"] // 2)
+    with pytest.raises(ValueError, match=r"policy sync file .*policy.safetensors"):
+        read_policy_file(message)

@@ -7,6 +7,7 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import ray
@@ -223,3 +224,15 @@ def test_a_worker_killed_mid_rollout_is_reported_and_the_others_results_kept(ray
     assert result["warning"] == "rollout workers lost: w1 at step 0; each was started again"
     served, _ = job_stores(redis_client, tmp_path, "j5")
     assert served.consistency_check() == {"bad": [], "orphans": []}
+
+
+def test_a_job_runs_its_learner_and_workers_on_the_device(device, ray_cluster, private_redis, redis_client, tmp_path):
+    """JobSpec.device: the driver's learner and each worker resolve it; a GPU shared by both workers
+    (gpus_per_worker 0.25: the cluster's first GPU), the new policy versions synced through a file on this node."""
+    share = 0.25 if device == "cuda" else 1.0
+    with job("jd", private_redis.url, tmp_path, num_steps=2, device=device, gpus_per_worker=share) as driver:
+        result = ray.get(driver.run.remote(), timeout=300)
+        assert ray.get(driver.learner_device.remote()).startswith(device)
+        placed = [ray.get(get_worker("jd", w).describe.remote()) for w in ("w0", "w1")]
+    assert result["ok"] and all(p["device"].startswith(device) and p["policy_version"] == 1 for p in placed)
+    assert not list(tmp_path.glob("**/tlt-jd-policy-*")) and not list(Path("/dev/shm").glob("tlt-jd-policy-*"))

@@ -24,11 +24,11 @@ def sampled(seed: int, max_new_tokens: int = 40) -> list[dict]:
     return [{"max_new_tokens": max_new_tokens, "temperature": 1.0, "seed": seed + i} for i in range(2)]
 
 
-def runner(redis_client, tmp_path, worker_id: str = "w0", seed: int = 1) -> RolloutRunner:
+def runner(device: str, redis_client, tmp_path, worker_id: str = "w0", seed: int = 1) -> RolloutRunner:
     """A worker with some harvested rollouts; a draft vocabulary of half the tiny model's 64 tokens, so
     workers with other rollouts pick other vocabularies."""
-    r = RolloutRunner("job1", worker_id, JobSpec(model="tiny", draft_k=2, draft_vocab_size=32), redis_client,
-                      str(tmp_path))
+    spec = JobSpec(model="tiny", draft_k=2, draft_vocab_size=32, device=device)
+    r = RolloutRunner("job1", worker_id, spec, redis_client, str(tmp_path))
     r.generate(PROMPTS, sampled(seed), rl_step=0)
     return r
 
@@ -42,8 +42,8 @@ def lease(r: RolloutRunner, lease_id: str, deadline_s: float = 0.5, parent_versi
                                          "deadline_s": deadline_s}))
 
 
-def test_a_lease_is_running_then_done_in_redis_and_its_copy_carries_its_merge_key(redis_client, tmp_path):
-    r = runner(redis_client, tmp_path)
+def test_a_lease_is_running_then_done_in_redis_and_its_copy_carries_its_merge_key(device, redis_client, tmp_path):
+    r = runner(device, redis_client, tmp_path)
     before = time.time()
     accepted = r.leases.accept({"lease_id": "l1", "parent_version": 0, "deadline_s": 0.5})
     running = outcomes(redis_client)["l1"]
@@ -77,26 +77,26 @@ def test_a_bad_offer_is_refused_naming_the_field_and_leaves_no_trace(redis_clien
     assert outcomes(redis_client) == {} and r.leases.running is None
 
 
-def test_a_failed_lease_is_failed_in_redis(redis_client, tmp_path):
-    r = runner(redis_client, tmp_path)
+def test_a_failed_lease_is_failed_in_redis(device, redis_client, tmp_path):
+    r = runner(device, redis_client, tmp_path)
     out = lease(r, "l1", parent_version=7)  # no such version in the served store
     assert out.state == LeaseState.FAILED and out.version is None and "not in draft store" in out.error
     assert "\n" not in out.error and outcomes(redis_client)["l1"] == out
     assert r.leases.running is None and r.status.state == WorkerState.IDLE  # free for the next lease
 
 
-def test_a_worker_keeps_a_bounded_number_of_its_lease_outcomes(redis_client, tmp_path, monkeypatch):
+def test_a_worker_keeps_a_bounded_number_of_its_lease_outcomes(device, redis_client, tmp_path, monkeypatch):
     monkeypatch.setattr("workers.leases.MAX_LEASE_OUTCOMES", 3)
     other = LeaseOutcome("theirs", "w9", LeaseState.DONE)
     redis_client.hset(job_leases_key("job1"), "theirs", other.to_json())  # another worker's
-    r = runner(redis_client, tmp_path)
+    r = runner(device, redis_client, tmp_path)
     for i in range(5):
         lease(r, f"l{i}", deadline_s=0.05)
     assert sorted(outcomes(redis_client)) == ["l2", "l3", "l4", "theirs"]
 
 
-def test_a_lease_yields_to_a_rollout_under_way(redis_client, tmp_path):
-    r = runner(redis_client, tmp_path)
+def test_a_lease_yields_to_a_rollout_under_way(device, redis_client, tmp_path):
+    r = runner(device, redis_client, tmp_path)
     long = [{"max_new_tokens": 480, "temperature": 1.0, "ignore_eos": True, "seed": 2}] * 2
     rollout = threading.Thread(target=r.generate, args=(PROMPTS, long, 1))
     rollout.start()
@@ -111,8 +111,8 @@ def test_a_lease_yields_to_a_rollout_under_way(redis_client, tmp_path):
     assert r.status.state == WorkerState.IDLE
 
 
-def test_a_stop_before_the_trainer_exists_still_stops_the_lease(redis_client, tmp_path):
-    r = runner(redis_client, tmp_path)
+def test_a_stop_before_the_trainer_exists_still_stops_the_lease(device, redis_client, tmp_path):
+    r = runner(device, redis_client, tmp_path)
     accepted = r.leases.accept({"lease_id": "l1", "parent_version": 0, "deadline_s": 60})
     assert r.leases.stop()  # preempted while it would be loading its parent
     t0 = time.perf_counter()
@@ -121,16 +121,16 @@ def test_a_stop_before_the_trainer_exists_still_stops_the_lease(redis_client, tm
     assert not r.leases.stop()  # nothing runs any more
 
 
-def test_merge_keys_are_equal_for_mergeable_copies_and_differ_otherwise(redis_client, tmp_path):
-    r0, r1 = runner(redis_client, tmp_path), runner(redis_client, tmp_path, worker_id="w1", seed=50)
+def test_merge_keys_are_equal_for_mergeable_copies_and_differ_otherwise(device, redis_client, tmp_path):
+    r0, r1 = runner(device, redis_client, tmp_path), runner(device, redis_client, tmp_path, worker_id="w1", seed=50)
     a, b = lease(r0, "a"), lease(r0, "b")  # same parent, same rollouts: the same draft vocabulary
     c = lease(r1, "c")  # the first lease on another worker picks its vocabulary from its own rollouts
     key = {o.lease_id: r0.copies.entry(o.version)["extra"]["merge_key"] for o in (a, b, c)}
     assert key["a"] == key["b"] != key["c"]
 
 
-def test_score_round_merges_exactly_the_copies_given_and_writes_the_result(redis_client, tmp_path):
-    r = runner(redis_client, tmp_path)
+def test_score_round_merges_exactly_the_copies_given_and_writes_the_result(device, redis_client, tmp_path):
+    r = runner(device, redis_client, tmp_path)
     a, b = lease(r, "a"), lease(r, "b")
     req = {"round_id": "r1", "copies": [a.version, b.version], "serving_version": None, "draft_k": 2}
     res = r.scorer.run(r.scorer.accept(req))
@@ -150,8 +150,8 @@ def test_score_round_merges_exactly_the_copies_given_and_writes_the_result(redis
     assert res2.error is None and 1.0 <= res2.serving_accepted_length <= 3.0
 
 
-def test_score_round_writes_an_error_result_when_it_cannot_score(redis_client, tmp_path):
-    r0, r1 = runner(redis_client, tmp_path), runner(redis_client, tmp_path, worker_id="w1", seed=50)
+def test_score_round_writes_an_error_result_when_it_cannot_score(device, redis_client, tmp_path):
+    r0, r1 = runner(device, redis_client, tmp_path), runner(device, redis_client, tmp_path, worker_id="w1", seed=50)
     a, c = lease(r0, "a"), lease(r1, "c")  # copies with different merge keys do not average
     res = r0.scorer.run(r0.scorer.accept({"round_id": "r1", "copies": [a.version, c.version],
                                           "serving_version": None, "draft_k": 2}))
@@ -184,8 +184,8 @@ def test_one_round_at_a_time(redis_client, tmp_path):
         r.scorer.accept({"round_id": "r2", "copies": [1], "serving_version": None, "draft_k": 2})
 
 
-def test_publish_candidate_serves_it_at_its_draft_temperature(redis_client, tmp_path):
-    r = runner(redis_client, tmp_path)
+def test_publish_candidate_serves_it_at_its_draft_temperature(device, redis_client, tmp_path):
+    r = runner(device, redis_client, tmp_path)
     a = lease(r, "a")
     candidate = r.copies.merge_and_publish([a.version])
     version = r.scorer.publish_candidate(candidate, 0.4, {"accepted_length": 1.7, "serving_accepted_length": None})
