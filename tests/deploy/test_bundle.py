@@ -99,7 +99,7 @@ def test_the_installed_project_runs_from_the_venv(venv, tmp_path):
     tlt = sh([str(venv / "bin/tlt"), "--help"], tmp_path, 120)
     assert tlt.returncode == 0, tlt.stderr
     assert "bench" in tlt.stdout
-    where = sh([str(venv / "bin/python"), "-c", "import drafter, scheduler, torch, workers; "
+    where = sh([str(venv / "bin/python"), "-c", "import drafter, pytest, scheduler, torch, workers; "
                 "print(scheduler.__file__); print(torch.__file__)"], tmp_path, 120)
     assert where.returncode == 0, where.stderr
     ours, theirs = where.stdout.split()
