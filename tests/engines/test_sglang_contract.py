@@ -243,7 +243,8 @@ class FakeEngine:
 
 
 def test_the_engine_swaps_the_draft_runner_only_and_restarts_for_a_new_vocabulary(sgl, monkeypatch):
-    monkeypatch.setattr("workers.sglang_engine._import_sglang", lambda: types.SimpleNamespace(Engine=FakeEngine))
+    monkeypatch.setattr(SglangEngine, "import_package",  # the package with a fake Engine, and no GPU asked for
+                        classmethod(lambda cls: types.SimpleNamespace(Engine=FakeEngine)))
     FakeEngine.launches = []
     lm = load_model("tiny")
     spec = JobSpec(model="tiny", draft_k=2, speculation="always", draft_vocab_size=32)
@@ -296,7 +297,8 @@ def test_the_engine_swaps_the_draft_runner_only_and_restarts_for_a_new_vocabular
 
 def test_the_guard_reads_this_engines_counters(sgl, monkeypatch):
     """The swap guard needs nothing engine-specific: a run that accepts nothing after a swap collapses."""
-    monkeypatch.setattr("workers.sglang_engine._import_sglang", lambda: types.SimpleNamespace(Engine=FakeEngine))
+    monkeypatch.setattr(SglangEngine, "import_package",  # the package with a fake Engine, and no GPU asked for
+                        classmethod(lambda cls: types.SimpleNamespace(Engine=FakeEngine)))
     eng = SglangEngine(load_model("tiny").model, None, JobSpec(model="tiny", draft_k=2, speculation="always"))
     try:
         before = eng.stats()
