@@ -22,9 +22,8 @@ from bench.record import pct
 from drafter.checkpoint import DraftMeta
 from drafter.config import SMOLLM2_SPEC
 from drafter.head import head_config, new_head
-from drafter.loading import load_model
+from drafter.loading import encode_text, load_model
 from workers.actors import get_worker
-from workers.driver import encode_text
 from workers.job_actor import start_driver
 from workers.progress import read_json_list
 from workers.protocol.keys import job_steps_key

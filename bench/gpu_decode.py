@@ -20,18 +20,17 @@ from bench.prompts import PROMPTS, synthetic_prompts
 from drafter.adaptive import DraftLengthTuner
 from drafter.eagle import EagleDrafter
 from drafter.engine import Engine, Request
-from drafter.loading import encode_prompt
+from drafter.loading import encode_prompt, encode_text
 from drafter.sampling import SamplingParams
 from workers.tasks import make_task
 
 LONGTAIL_SEED = 7  # the rollout batch's prompts: neither the warm start's seed nor its held-out one
 TAIL_FRACTION = 0.9  # the tail: what runs after this share of the responses finished
-MAX_PROMPT_BYTES = 48  # a tokenizer-less preset reads this many bytes of a prompt (workers.step_data's rule)
 
 
 class ByteTokenizer:
     """The tokenizer of a tokenizer-less preset (tests only): a prompt's first bytes folded into the
-    vocabulary, as a job encodes text for one (workers.step_data.encode_text); ids decode to characters,
+    vocabulary, as a job encodes text for one (drafter.loading.encode_text); ids decode to characters,
     so stop strings such as the longtail task's "\\n" work."""
 
     chat_template = None
@@ -40,7 +39,7 @@ class ByteTokenizer:
         self.vocab_size = vocab_size
 
     def encode(self, text: str) -> list[int]:
-        return [b % self.vocab_size for b in text.encode()[:MAX_PROMPT_BYTES]]
+        return encode_text(None, text, self.vocab_size)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids)

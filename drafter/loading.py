@@ -344,6 +344,17 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: torch.devi
                      "a path to a .gguf file, or a path to an HF model directory")
 
 
+MAX_PROMPT_BYTES = 48  # a tokenizer-less preset reads this many bytes of a prompt (tests only)
+
+
+def encode_text(tokenizer, text: str, vocab_size: int) -> list[int]:
+    """Chat-encode with the model's tokenizer; a tokenizer-less preset gets bytes folded into its
+    vocabulary (tests only: such a model cannot read the task anyway)."""
+    if tokenizer is not None:
+        return encode_prompt(tokenizer, text)
+    return [b % vocab_size for b in text.encode()[:MAX_PROMPT_BYTES]]
+
+
 def encode_prompt(tokenizer: object | None, text: str, chat: bool = True) -> list[int]:
     """Token ids for `text`: wrapped as one user turn by the chat template (if asked and present), else plain."""
     if tokenizer is None:

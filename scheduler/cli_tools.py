@@ -61,7 +61,7 @@ def _drafter_train(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
     if args.task is not None:  # as the job encodes them (a tokenizer-less preset folds bytes: tests only)
-        from workers.driver import encode_text
+        from drafter.loading import encode_text
 
         prompts = [encode_text(loaded.tokenizer, t, loaded.model.cfg.vocab_size) for t in texts]
         eval_prompts = [encode_text(loaded.tokenizer, t, loaded.model.cfg.vocab_size) for t in eval_texts]

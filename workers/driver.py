@@ -18,7 +18,7 @@ import redis as redis_lib
 import torch
 from ray.exceptions import RayError
 
-from drafter.loading import load_model
+from drafter.loading import encode_text, load_model
 from workers.actors import start_worker
 from workers.device import job_device
 from workers.engines import unavailable_reason
@@ -34,7 +34,7 @@ from workers.protocol.messages import PhaseRecord, StepRecord
 from workers.protocol.states import Phase
 from workers.rollout import BUFFER_BYTES, BUFFER_DTYPE
 from workers.spec import JobSpec
-from workers.step_data import assign, encode_text, length_percentiles, rollout_seed, shareable_state, sum_buckets
+from workers.step_data import assign, length_percentiles, rollout_seed, shareable_state, sum_buckets
 from workers.store import job_stores
 from workers.tasks import StepProblems, get_reward
 from workers.warm import publish_warm_draft

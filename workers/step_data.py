@@ -8,18 +8,7 @@ import statistics
 
 import torch
 
-from drafter.loading import encode_prompt
 from workers.spec import JobSpec
-
-MAX_PROMPT_BYTES = 48  # a tokenizer-less preset reads this many bytes of a prompt (tests only)
-
-
-def encode_text(tokenizer, text: str, vocab_size: int) -> list[int]:
-    """Chat-encode with the model's tokenizer; a tokenizer-less preset gets bytes folded into its
-    vocabulary (tests only: such a model cannot read the task anyway)."""
-    if tokenizer is not None:
-        return encode_prompt(tokenizer, text)
-    return [b % vocab_size for b in text.encode()[:MAX_PROMPT_BYTES]]
 
 
 def shareable_state(state: dict[str, torch.Tensor]) -> dict:

@@ -83,9 +83,8 @@ def build_warm_draft(model: str, task: str, out: str | Path, device: str, recipe
     from dataclasses import asdict
 
     from drafter.config import TrainConfig
-    from drafter.loading import load_model
+    from drafter.loading import encode_text, load_model
     from drafter.warmstart import HarvestConfig, warm_start
-    from workers.step_data import encode_text
 
     loaded = load_model(model, device=device)
     vocab = loaded.model.cfg.vocab_size
