@@ -59,6 +59,17 @@ def duplicates(job_ids: list[str]) -> int:
     return max(0, len(set(job_ids)) - 1)
 
 
+def fcfs_violations(records: list[dict]) -> int:
+    """Jobs that left the queue before one submitted earlier did (records with created_at and started_at; those
+    that never started, e.g. cancelled while QUEUED, are not counted)."""
+    started = sorted((r for r in records if r.get("started_at") is not None), key=lambda r: r["created_at"])
+    num, latest = 0, float("-inf")
+    for r in started:
+        num += r["started_at"] < latest
+        latest = max(latest, r["started_at"])
+    return num
+
+
 def goals_met(figures: dict, checkpoint_every: int) -> dict[str, bool]:
     def ok(value, test) -> bool:
         return value is not None and test(value)

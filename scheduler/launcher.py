@@ -1,4 +1,7 @@
-"""Starts each job's driver on Ray and records how the job ended.
+"""Queues each job, starts its driver on Ray once its rollout GPUs are placed, and records how the job ended.
+
+A submitted job is QUEUED (scheduler.queue: first come, first served, one Ray placement group per job); the
+Admitter starts its driver, with the group its workers go into, once Ray has placed it. No driver exists before.
 
 A driver is a detached, named Ray actor (workers.job_actor.JobDriver, torch-free at import): it outlives
 the scheduler process, and a restarted scheduler finds it again by name. How a job ended has ONE
@@ -19,6 +22,7 @@ import time
 import ray
 
 from scheduler.jobs import JobStore
+from scheduler.queue import Admitter, job_group, release_group, sweep_groups
 from scheduler.settings import Settings
 from workers.errors import MAX_ERROR_CHARS, one_line
 from workers.job_actor import start_driver
@@ -26,7 +30,7 @@ from workers.message import ProtocolError
 from workers.policy_checkpoint import has_policy_checkpoint, remove_policy_checkpoints
 from workers.protocol.keys import RAY_NAMESPACE, driver_actor_name, job_phase_key, job_result_key
 from workers.protocol.messages import JobResult, PhaseRecord
-from workers.protocol.states import JobState
+from workers.protocol.states import TERMINAL_JOB_STATES, JobState
 from workers.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -49,11 +53,14 @@ class Launcher:
         # under it: a cancel that lands while a driver is being created kills it either way
         self._lock = threading.Lock()
         self.is_stopping = False  # the scheduler is shutting down: a driver call failing now ends no job
+        self.admitter = Admitter(store, self.launch)
 
     def stop(self) -> None:
-        """Stop recording jobs' ends: the scheduler is going, and Ray with it (a private one) or without it. A
-        job whose driver call fails from now on stays as it is: the next scheduler reattaches or resumes it."""
+        """Stop admitting and recording jobs' ends: the scheduler is going, and Ray with it (a private one) or
+        without it. A job whose driver call fails from now on stays as it is: the next scheduler reattaches or
+        resumes it; the queue stays in Redis for it."""
         self.is_stopping = True
+        self.admitter.stop()
 
     @staticmethod
     def cluster_gpus() -> int | None:
@@ -63,25 +70,31 @@ class Launcher:
         return int(ray.cluster_resources().get("GPU", 0))
 
     def start(self, record: dict) -> None:
-        threading.Thread(target=self._run, args=(record,), daemon=True, name=f"job-{record['job_id']}").start()
-
-    def _run(self, record: dict) -> None:
+        """Queue a PENDING job: the Admitter starts it in its turn. On a scheduler without Ray it fails at once."""
         job_id = record["job_id"]
-        if self.store.transition(job_id, JobState.RUNNING, {JobState.PENDING}) is None:
-            return  # cancelled before it started
-        self._launch(job_id, record["spec"])
+        if not ray.is_initialized():  # never let a driver's creation start a Ray of its own inside this process
+            self._fail(job_id, "the scheduler has no Ray cluster to run it on (started without Ray)", JobState.PENDING)
+        elif self.store.transition(job_id, JobState.QUEUED, {JobState.PENDING}) is not None:
+            self.admitter.wake()
 
-    def _launch(self, job_id: str, spec: dict) -> None:
-        """Start a RUNNING job's driver (it resumes from the job's policy checkpoint if there is one) and follow it."""
+    def launch(self, job_id: str, spec: dict, group=None) -> None:
+        """Start an admitted (RUNNING) job's driver in a thread of its own, its workers in placement group `group`."""
+        threading.Thread(target=self._launch, args=(job_id, spec, group), daemon=True, name=f"job-{job_id}").start()
+
+    def _launch(self, job_id: str, spec: dict, group=None) -> None:
+        """Start a RUNNING job's driver (it resumes from the job's policy checkpoint if there is one) and follow it.
+        Without `group` (a driver resumed), the job's placement group is found by name, or asked for again."""
         if not ray.is_initialized():  # never let a driver's creation start a Ray of its own inside this process
             self._fail(job_id, "the scheduler has no Ray cluster to run it on (started without Ray)")
             return
         try:
-            driver = self._start_driver(job_id, JobSpec.model_validate(spec))
+            group = group if group is not None else job_group(job_id, spec)
+            driver = self._start_driver(job_id, JobSpec.model_validate(spec), group)
             ref = driver.run.remote()
         except Exception as exc:  # the job boundary: recorded on the job, logged with its id
             log.exception("job %s could not start", job_id)
             self._fail(job_id, f"its driver could not start: {one_line(exc)}")
+            self._release_if_ended(job_id)
             return
         with self._lock:
             self.drivers[job_id] = driver
@@ -91,12 +104,13 @@ class Launcher:
             ray.kill(driver)
         self._follow(job_id, driver, ref)
 
-    def _start_driver(self, job_id: str, spec: JobSpec):
+    def _start_driver(self, job_id: str, spec: JobSpec, group):
         """start_driver, waiting out a dead driver's name still being released (after a crash)."""
         deadline = time.monotonic() + NAME_RELEASE_S
         while True:
             try:
-                return start_driver(job_id, spec, self.settings.redis_url, self.settings.store_dir)
+                return start_driver(job_id, spec, self.settings.redis_url, self.settings.store_dir,
+                                    placement_group=group)
             except ValueError:
                 if time.monotonic() > deadline:
                     raise
@@ -153,6 +167,14 @@ class Launcher:
                 ray.kill(driver)  # a finished or failed job's driver (and its workers, placed or waiting) go away
             except (ValueError, ray.exceptions.RayError) as exc:
                 log.warning("job %s: could not kill its driver: %s", job_id, one_line(exc))
+        self._release_if_ended(job_id)
+
+    def _release_if_ended(self, job_id: str) -> None:
+        """An ended job's placement group goes (not a resumed one's), and the next job in line is looked at."""
+        record = self.store.get(job_id)
+        if record is None or JobState(record["state"]) in TERMINAL_JOB_STATES:
+            release_group(job_id)
+            self.admitter.wake()
 
     def _wait(self, job_id: str, ref) -> str | None:
         """Wait until the driver's call resolves (None), or until the cluster has had fewer GPUs than the job's
@@ -234,14 +256,15 @@ class Launcher:
         else:
             self._fail(job_id, result.error or "its driver reported a failure without a message")
 
-    def _fail(self, job_id: str, error: str) -> None:
+    def _fail(self, job_id: str, error: str, was: JobState = JobState.RUNNING) -> None:
         line = " ".join(error.split())[:MAX_ERROR_CHARS]
-        if self.store.transition(job_id, JobState.FAILED, {JobState.RUNNING}, error=line) is not None:
+        if self.store.transition(job_id, JobState.FAILED, {was}, error=line) is not None:
             log.error("job %s failed: %s", job_id, line)
 
     def reattach(self) -> dict[str, str]:
         """After a (re)start: follow every RUNNING job's driver again, settle those that ended while no
-        scheduler was up, start the PENDING ones. Returns job id -> what was done."""
+        scheduler was up, queue the PENDING ones, remove the placement groups of jobs that ended, and start
+        admitting the queue (kept in Redis: its order is the submissions'). Returns job id -> what was done."""
         done = {}
         for job_id in self.store.running_ids():
             if job_id in self.drivers:
@@ -259,7 +282,10 @@ class Launcher:
         pending = [r for r in self.store.get_many(list(self.store.all_ids())) if r["state"] == JobState.PENDING]
         for record in pending:
             self.start(record)
-            done[record["job_id"]] = "started"
+            done[record["job_id"]] = "queued"
+        for job_id in sweep_groups(self.store):
+            done[job_id] = "placement group removed"
+        self.admitter.start()
         if done:
             log.info("reattached: %s", done)
         return done
@@ -276,4 +302,6 @@ class Launcher:
                 driver = None
         if driver is not None:
             ray.kill(driver)
+        release_group(job_id)  # a queued job's group (asked for, or placed) or a running one's
+        self.admitter.wake()
         remove_policy_checkpoints(self.settings.store_dir, job_id)

@@ -35,6 +35,7 @@ from workers.protocol.states import REPORTED_STATES, JobState, WorkerState
 
 log = logging.getLogger(__name__)
 MAX_JOBS_SCRAPED = 200  # newest jobs only: a scrape must stay cheap however long the history
+MAX_QUEUE_SCRAPED = 100  # the queue's head only: a bounded number of series however long the queue
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -90,6 +91,13 @@ class RedisCollector(Collector):
         for state in JobState:
             by_state.add_metric([state.value], sum(j["state"] == state.value for j in jobs))
         yield by_state
+        queued = self.store.queued_ids(MAX_QUEUE_SCRAPED)
+        yield GaugeMetricFamily("tlt_queue_length", "Jobs QUEUED for their rollout GPUs", value=self.store.num_queued())
+        position = GaugeMetricFamily("tlt_job_queue_position", "A QUEUED job's place in line, 1 for the next to "
+                                     f"start (the first {MAX_QUEUE_SCRAPED} in line)", labels=["job"])
+        for place, jid in enumerate(queued, start=1):
+            position.add_metric([jid], place)
+        yield position
         phase = GaugeMetricFamily("tlt_step_phase_seconds", "Last RL step's time by phase", labels=["job", "phase"])
         idle = CounterMetricFamily("tlt_idle_worker_seconds", "Worker-seconds idle at the step barrier",
                                    labels=["job"])

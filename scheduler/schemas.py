@@ -21,6 +21,8 @@ class JobOut(BaseModel):
     error: str | None = None  # one line, when the job failed
     warning: str | None = None  # one line, when it succeeded degraded (a rollout worker lost; JobResult.warning)
     steps: int = 0  # RL steps finished: the length of the job's step records
+    queue_position: int | None = None  # QUEUED: its place in line, 1 for the next to start (else null)
+    started_at: float | None = None  # when it left the queue: Ray had placed its rollout GPUs
 
 
 # A worker's latest ProgressRecord (every field but job_id) and the watcher's class for it: built

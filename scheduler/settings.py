@@ -28,3 +28,6 @@ class Settings:
     watch: bool = True  # run the long-tail watcher (grants and preempts drafter-training leases)
     watch_tick_s: float = TICK_S
     budget: JobBudget = field(default_factory=JobBudget)  # a job's size as a whole (scheduler.budget)
+    # jobs one API token may have queued or running (429 beyond): a team's queue of experiments is a few dozen; a
+    # client submitting in a loop is stopped long before Redis or the queue's readers notice
+    max_jobs_per_token: int = 32

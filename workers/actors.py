@@ -17,6 +17,7 @@ import asyncio
 import logging
 
 import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from workers.protocol.client import connect
 from workers.protocol.keys import (
@@ -122,12 +123,15 @@ class RolloutWorker:
 
 
 def start_worker(job_id: str, worker_id: str, spec: JobSpec, redis_url: str, store_dir: str, index: int = 0,
-                 **runtime):
+                 placement_group=None, **runtime):
     """A job's rollout worker as a named actor (owned by the caller, the driver: it dies with it). `index`
-    (0..num_workers-1) picks its cores on CPU (workers.pinning); `runtime`: RolloutRunner's keyword settings. It asks
-    Ray for spec.gpus_per_worker of a GPU: one each by default, a share of one on small nodes and benches."""
+    (0..num_workers-1) picks its cores on CPU (workers.pinning) and its bundle of `placement_group` (the job's GPUs,
+    placed by the scheduler's queue; None: wherever Ray finds a GPU); `runtime`: RolloutRunner's keyword settings.
+    It asks Ray for spec.gpus_per_worker of a GPU: one each by default, a share of one on small nodes and benches."""
+    placed = {} if placement_group is None else {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+        placement_group, placement_group_bundle_index=index)}
     return RolloutWorker.options(name=worker_actor_name(job_id, worker_id), namespace=RAY_NAMESPACE,
-                                 num_gpus=spec.gpus_per_worker, num_cpus=0).remote(
+                                 num_gpus=spec.gpus_per_worker, num_cpus=0, **placed).remote(
         job_id, worker_id, spec.model_dump(), redis_url, store_dir, index, **runtime)
 
 

@@ -50,8 +50,10 @@ MAX_WORKER_START_S = 300.0
 
 
 class Driver:
-    def __init__(self, job_id: str, spec: JobSpec, redis: redis_lib.Redis, redis_url: str, store_dir: str) -> None:
+    def __init__(self, job_id: str, spec: JobSpec, redis: redis_lib.Redis, redis_url: str, store_dir: str,
+                 placement_group=None) -> None:
         self.job_id, self.spec, self.redis = job_id, spec, redis
+        self.placement_group = placement_group  # the job's GPUs, placed by the scheduler's queue: worker i in bundle i
         # one clear line now, not a worker's traceback later; the driver holds no GPU: each worker checks its own
         reason = unavailable_reason(spec.engine, needs_gpu=False)
         if reason is not None:
@@ -78,8 +80,8 @@ class Driver:
         self.policy_files.clear()  # any a driver of this job left when it died
         self.lost: list[str] = []  # "w1 at step 3", each loss, for the run's warning
         self.shipments = PairShipments(job_id)  # learner pairs on their way to workers (workers.learner_pairs)
-        self.workers = {wid: start_worker(job_id, wid, spec, redis_url, store_dir, i)
-                        for i, wid in enumerate(self.worker_ids)}
+        self.workers = {wid: start_worker(job_id, wid, spec, redis_url, store_dir, i,
+                                          placement_group=placement_group) for i, wid in enumerate(self.worker_ids)}
         # wait for them to start (load the model) so that step 0's weight sync times the sync alone; one that
         # failed to start is dropped at that sync, with its error, as a worker lost mid-job would be; one not
         # placed in MAX_WORKER_START_S is killed and the job runs without it (degraded, its warning says)
@@ -186,7 +188,7 @@ class Driver:
                         self.restarts[wid], MAX_WORKER_RESTARTS)
             try:
                 self.workers[wid] = start_worker(self.job_id, wid, self.spec, self.redis_url, self.store_dir,
-                                                 self.worker_ids.index(wid))
+                                                 self.worker_ids.index(wid), placement_group=self.placement_group)
             except ValueError as exc:  # e.g. its name is still held by the dying actor: try again next step
                 log.error("job %s step %d: worker %s could not start again: %s", self.job_id, rl_step, wid, exc)
         self._await_workers(missing, f"step {rl_step}")

@@ -45,9 +45,10 @@ class JobDriver:
     driver (model, workers) and runs every step, so whatever fails, setup included, ends in the JobResult
     that `run` writes to job_result_key before it returns (or raises)."""
 
-    def __init__(self, job_id: str, spec: dict, redis_url: str, store_dir: str) -> None:
+    def __init__(self, job_id: str, spec: dict, redis_url: str, store_dir: str, placement_group=None) -> None:
         self.job_id = check_id("job_id", job_id)  # every key of the job is built from it
         self.spec, self.redis_url, self.store_dir = spec, redis_url, store_dir
+        self.placement_group = placement_group  # the job's rollout GPUs (scheduler.queue), None outside the queue
         self._result: dict | None = None
         self._finished = threading.Event()
         self._lock = threading.Lock()
@@ -66,7 +67,8 @@ class JobDriver:
             from workers.driver import Driver  # torch, here only
 
             spec = JobSpec.model_validate(self.spec)
-            driver = self._driver = Driver(self.job_id, spec, redis, self.redis_url, self.store_dir)
+            driver = self._driver = Driver(self.job_id, spec, redis, self.redis_url, self.store_dir,
+                                           placement_group=self.placement_group)
             driver.run()
             ensure_record(driver)  # so that its warning says so if Redis came back empty since the last phase
             result = JobResult(ok=True, steps=driver.num_steps_done, finished_at=time.time(),
@@ -98,10 +100,13 @@ class JobDriver:
         return self._result if self._finished.wait(timeout_s) else None
 
 
-def start_driver(job_id: str, spec: JobSpec, redis_url: str, store_dir: str, is_detached: bool = True):
+def start_driver(job_id: str, spec: JobSpec, redis_url: str, store_dir: str, is_detached: bool = True,
+                 placement_group=None):
     """A job's driver as a named actor in RAY_NAMESPACE; detached, it outlives the process that started it.
-    `store_dir` is the root of every job's draft stores (the job's own are under store_dir/job_id)."""
+    `store_dir` is the root of every job's draft stores (the job's own are under store_dir/job_id);
+    `placement_group` holds its rollout workers' GPUs (the scheduler's queue placed it); the driver itself asks
+    for no resource and runs outside it."""
     options = {"name": driver_actor_name(job_id), "namespace": RAY_NAMESPACE, "max_concurrency": 4}
     if is_detached:
         options["lifetime"] = "detached"
-    return JobDriver.options(**options).remote(job_id, spec.model_dump(), redis_url, store_dir)
+    return JobDriver.options(**options).remote(job_id, spec.model_dump(), redis_url, store_dir, placement_group)

@@ -8,44 +8,52 @@ from fastapi import APIRouter, Header, HTTPException, Query, Response, status
 
 from scheduler.budget import budget_errors
 from scheduler.deps import AppSettings, Auth, Job, Launch, Store
-from scheduler.http_errors import field_error
-from scheduler.jobs import IdempotencyKeyError
+from scheduler.http_errors import ErrorOut, field_error
+from scheduler.jobs import IdempotencyKeyError, QuotaError, token_owner
 from scheduler.paths import job_roots, spec_path_errors
 from scheduler.schemas import JobOut
 from workers.progress import STREAM_ID_RULE, read_events, read_json_list
 from workers.protocol.keys import ID_PATTERN, job_steps_key
-from workers.protocol.states import TERMINAL_JOB_STATES, JobState
+from workers.protocol.states import ACTIVE_JOB_STATES, TERMINAL_JOB_STATES, JobState
 from workers.spec import JobSpec
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 MAX_JOBS_LISTED = 1000
 MAX_EVENTS_READ = 100_000  # events per page: ~100 B each, and the stream keeps about EVENTS_MAXLEN anyway
 MAX_STEPS_READ = 1000  # step records per page: ~700 B each (an 800-step job's were 548 KB in one answer)
+QUOTA_RETRY_AFTER_S = 60  # a job of the token's ends in minutes at the least: a minute between retries is enough
 MAX_STEP_INDEX = (1 << 62)  # Redis list indexes are signed 64-bit
 
 
-def job_out(record: dict, num_steps: int) -> JobOut:
-    return JobOut(**{k: v for k, v in record.items() if k in JobOut.model_fields and k != "steps"}, steps=num_steps)
+def job_out(record: dict, num_steps: int, queue_position: int | None = None) -> JobOut:
+    return JobOut(**{k: v for k, v in record.items() if k in JobOut.model_fields and k not in ("steps", "owner")},
+                  steps=num_steps, queue_position=queue_position)
 
 
 @router.post("", status_code=status.HTTP_201_CREATED,
-             responses={200: {"description": "a replay: the job an Idempotency-Key was first used for"}})
+             responses={200: {"description": "a replay: the job an Idempotency-Key was first used for"},
+                        429: {"model": ErrorOut, "description": "over the token's quota of jobs queued or running "
+                              "(max_jobs_per_token); retry after Retry-After seconds. Nothing was stored"}})
 def submit(_: Auth, spec: JobSpec, store: Store, launcher: Launch, settings: AppSettings, response: Response,
            idempotency_key: Annotated[str | None, Header(pattern=f"^{ID_PATTERN}$")] = None) -> JobOut:
-    """Validate and start a job. Paths it names must lie under the server's roots (scheduler.paths): checked
-    here, before anything is stored, without opening them."""
+    """Validate and queue a job (it starts in its turn, scheduler.queue). Paths it names must lie under the
+    server's roots (scheduler.paths): checked here, before anything is stored, without opening them."""
     model_roots, data_roots = job_roots(settings.model_roots, settings.data_roots, settings.store_dir)
     errors = [(field, msg, "path_not_allowed") for field, msg in spec_path_errors(spec, model_roots, data_roots)]
     errors += [(field, msg, "over_budget") for field, msg in budget_errors(spec, settings.budget)]
     gpus = launcher.cluster_gpus()
-    if gpus is not None and spec.num_workers > gpus:  # it could never be placed: it would sit RUNNING with 0 steps
+    if gpus is not None and spec.num_workers > gpus:  # it could never be placed: QUEUED forever
         errors.append(("num_workers", f"num_workers: more rollout workers than GPUs (each needs one): the Ray "
                                       f"cluster has {gpus}", "not_placeable"))
     if errors:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
                             [d for field, msg, kind in errors for d in field_error(field, msg, kind)])
     try:
-        record, created = store.create(spec, idempotency_key)
+        record, created = store.create(spec, idempotency_key, token_owner(settings.api_token),
+                                       settings.max_jobs_per_token)
+    except QuotaError as exc:
+        raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(exc),
+                            headers={"Retry-After": str(QUOTA_RETRY_AFTER_S)}) from None
     except IdempotencyKeyError as exc:  # its reason, not the key
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
                             field_error("idempotency-key", f"idempotency-key {exc.reason}", where="header")) from None
@@ -60,12 +68,13 @@ def submit(_: Auth, spec: JobSpec, store: Store, launcher: Launch, settings: App
 def list_jobs(_: Auth, store: Store, limit: int = 100) -> list[JobOut]:
     """The newest jobs first (at most 1000)."""
     records = store.list(max(1, min(limit, MAX_JOBS_LISTED)))
-    return [job_out(r, n) for r, n in zip(records, store.num_steps(r["job_id"] for r in records))]
+    ids = [r["job_id"] for r in records]
+    return [job_out(r, n, q) for r, n, q in zip(records, store.num_steps(ids), store.queue_positions(ids))]
 
 
 @router.get("/{job_id}")
 def get_job(_: Auth, job: Job, store: Store) -> JobOut:
-    return job_out(job, store.num_steps([job["job_id"]])[0])
+    return job_out(job, store.num_steps([job["job_id"]])[0], store.queue_positions([job["job_id"]])[0])
 
 
 @router.post("/{job_id}/cancel")
@@ -73,7 +82,7 @@ def cancel(_: Auth, job: Job, store: Store, launcher: Launch) -> JobOut:  # 401 
     job_id = job["job_id"]
     if JobState(job["state"]) in TERMINAL_JOB_STATES:
         raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} already ended ({job['state']})")
-    record = store.transition(job_id, JobState.CANCELLED, {JobState.PENDING, JobState.RUNNING}) or store.get(job_id)
+    record = store.transition(job_id, JobState.CANCELLED, ACTIVE_JOB_STATES) or store.get(job_id)
     launcher.cancel(job_id)
     return job_out(record, store.num_steps([job_id])[0])
 

@@ -36,6 +36,11 @@ function cell(row, text) {
   return td;
 }
 
+// a QUEUED job's state with its place in line: "QUEUED #2" (1 starts next)
+function stateText(j) {
+  return j.queue_position ? `${j.state} #${j.queue_position}` : j.state;
+}
+
 function renderJobs(jobs) {
   const body = document.querySelector("#jobs tbody");
   body.replaceChildren();
@@ -43,7 +48,7 @@ function renderJobs(jobs) {
     const tr = document.createElement("tr");
     tr.dataset.job = j.job_id;
     if (j.job_id === selected) tr.classList.add("selected");
-    [j.job_id, j.state, j.spec.model, j.spec.num_workers, j.spec.tlt ? "on" : "off", j.steps,
+    [j.job_id, stateText(j), j.spec.model, j.spec.num_workers, j.spec.tlt ? "on" : "off", j.steps,
      new Date(j.created_at * 1000).toLocaleString()].forEach((t) => cell(tr, String(t)));
     tr.addEventListener("click", () => {
       selected = j.job_id;
@@ -175,7 +180,7 @@ async function refresh() {
       seen.events.push(...fresh);
       document.getElementById("job-section").hidden = false;
       document.getElementById("job-id").textContent = seen.jobRecord.job_id;
-      document.getElementById("job-state").textContent = seen.jobRecord.state;
+      document.getElementById("job-state").textContent = stateText(seen.jobRecord);
       renderFigures(seen.steps, seen.drafts);
       renderTimeline(seen.events, seen.steps, seen.jobRecord);
       renderWorkers(workers);

@@ -3,6 +3,8 @@ is built. The scheduler and the workers both import it (workers.protocol: keys, 
 
     tlt:jobs                                   sorted set: job id -> submission time
     tlt:jobs:running                           set of RUNNING job ids (the watcher follows each one)
+    tlt:jobs:queued                            sorted set: QUEUED job id -> submission time (the queue, FCFS)
+    tlt:owner:{owner}:active                   set of an API token's PENDING, QUEUED and RUNNING jobs (its quota)
     tlt:idempotency:{key}                      job id a submit's Idempotency-Key created (expires)
     tlt:job:{job}                              job record JSON (owned by the scheduler)
     tlt:job:{job}:phase                        PhaseRecord: where the driver is in its step
@@ -95,6 +97,15 @@ def running_jobs_key() -> str:
     return f"{PREFIX}jobs:running"
 
 
+def queued_jobs_key() -> str:
+    return f"{PREFIX}jobs:queued"
+
+
+def owner_jobs_key(owner: str) -> str:
+    """The active jobs of `owner` (scheduler.jobs.token_owner: a hash of the API token, never the token)."""
+    return f"{PREFIX}owner:{check_id('owner', owner)}:active"
+
+
 def idempotency_key(key: str) -> str:
     return f"{PREFIX}idempotency:{check_id('idempotency_key', key)}"
 
@@ -184,6 +195,20 @@ RAY_NAMESPACE = "tlt"  # named, detached job drivers are found again by a restar
 def driver_actor_name(job_id: str) -> str:
     """The Ray actor name of a job's driver (detached: it outlives the scheduler process)."""
     return f"tlt-driver-{check_id('job_id', job_id)}"
+
+
+_PLACEMENT_GROUP = "tlt-pg-"
+
+
+def placement_group_name(job_id: str) -> str:
+    """The Ray placement group holding a job's rollout GPUs (detached: it outlives the scheduler process)."""
+    return f"{_PLACEMENT_GROUP}{check_id('job_id', job_id)}"
+
+
+def placement_group_job(name: str) -> str | None:
+    """The job a placement group's name is of, None for a group that is not a job's."""
+    job_id = name[len(_PLACEMENT_GROUP):] if name.startswith(_PLACEMENT_GROUP) else ""
+    return job_id if _is_id(job_id) else None
 
 
 def worker_actor_name(job_id: str, worker_id: str) -> str:

@@ -39,11 +39,13 @@ class LeaseState(StrEnum):
 
 
 class JobState(StrEnum):
-    PENDING = "PENDING"
-    RUNNING = "RUNNING"
+    PENDING = "PENDING"  # accepted and stored, not yet in the queue (a scheduler restart queues it)
+    QUEUED = "QUEUED"  # waiting its turn (first come, first served) for Ray to place its rollout workers; no driver
+    RUNNING = "RUNNING"  # placed: its driver runs
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
 
 
 TERMINAL_JOB_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+ACTIVE_JOB_STATES = frozenset({JobState.PENDING, JobState.QUEUED, JobState.RUNNING})  # what a token's quota counts

@@ -1,0 +1,86 @@
+"""The queue's case of `tlt bench faults` (and of tests/scheduler/test_queue.py, which runs it): on a Ray cluster
+of N GPUs, N + 3 one-GPU jobs submitted at once. Exactly N run; the other 3 wait QUEUED, each with its place in
+line and no driver actor; they all start in submission order and all finish.
+
+Works on any httpx.Client of the scheduler: a live server's, or a FastAPI TestClient (one in this process).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import httpx
+import ray
+
+from bench.faults_count import fcfs_violations
+from workers.protocol.keys import RAY_NAMESPACE, driver_actor_name
+from workers.protocol.states import TERMINAL_JOB_STATES, JobState
+
+NUM_EXTRA_JOBS = 3  # jobs beyond the cluster's GPUs: the issue's N + 3
+QUEUE_SPEC = {"model": "tiny", "num_steps": 1, "num_prompts_per_step": 2, "group_size": 2, "max_new_tokens": 8,
+              "num_workers": 1, "tlt": False}
+POLL_S = 0.2
+
+
+def has_driver(job_id: str) -> bool:
+    """Whether the job has a driver actor (alive, or still being created) in this process's Ray cluster."""
+    try:
+        ray.get_actor(driver_actor_name(job_id), namespace=RAY_NAMESPACE)
+    except ValueError:
+        return False
+    return True
+
+
+def records(client: httpx.Client, job_ids: list[str], headers: dict) -> list[dict]:
+    """The jobs' records, in the order of `job_ids`."""
+    return [client.get(f"/v1/jobs/{job_id}", headers=headers).json() for job_id in job_ids]
+
+
+def wait_for(check: Callable[[], object], timeout_s: float, what: str):
+    """Poll `check` until it returns a true value (returned), or fail saying `what` never happened."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := check():
+            return value
+        time.sleep(POLL_S)
+    raise TimeoutError(f"{what}: not within {timeout_s:.0f} s")
+
+
+def queue_case(client: httpx.Client, headers: dict, num_gpus: int, spec: dict | None = None,
+               timeout_s: float = 600.0) -> dict:
+    """Submit num_gpus + NUM_EXTRA_JOBS one-GPU jobs at once and follow them to their ends. Counted: the QUEUED
+    jobs with a place in line and no driver once num_gpus run (`queued_jobs_without_driver`, all of the extra ones
+    is the goal), the most RUNNING at once, the jobs that started out of submission order, those that succeeded."""
+    t0 = time.perf_counter()
+    body = (spec or QUEUE_SPEC) | {"num_workers": 1}
+    job_ids = []
+    for _ in range(num_gpus + NUM_EXTRA_JOBS):
+        r = client.post("/v1/jobs", json=body, headers=headers)
+        r.raise_for_status()
+        job_ids.append(r.json()["job_id"])
+    max_running = 0
+
+    def running_now() -> list[dict] | None:
+        nonlocal max_running
+        now = records(client, job_ids, headers)
+        max_running = max(max_running, sum(r["state"] == JobState.RUNNING for r in now))
+        return now if sum(r["state"] != JobState.QUEUED for r in now) >= num_gpus else None
+
+    at_full = wait_for(running_now, timeout_s, f"{num_gpus} of the jobs to leave the queue")
+    queued = [r for r in at_full if r["state"] == JobState.QUEUED]
+    positions = [r["queue_position"] for r in queued]
+    without_driver = [r for r in queued if not has_driver(r["job_id"])]
+
+    def ended() -> list[dict] | None:
+        nonlocal max_running
+        now = records(client, job_ids, headers)
+        max_running = max(max_running, sum(r["state"] == JobState.RUNNING for r in now))
+        return now if all(r["state"] in TERMINAL_JOB_STATES for r in now) else None
+
+    final = wait_for(ended, timeout_s, "every job to end")
+    return {"num_gpus": num_gpus, "num_jobs": len(job_ids), "num_queued": len(queued),
+            "queue_positions": positions, "queued_jobs_without_driver": len(without_driver),
+            "max_running": max_running, "fcfs_violations": fcfs_violations(final),
+            "num_succeeded": sum(r["state"] == JobState.SUCCEEDED for r in final),
+            "errors": [r["error"] for r in final if r["error"]][:3], "seconds": round(time.perf_counter() - t0, 1)}

@@ -1,0 +1,122 @@
+"""The job queue (issue 34, item 2): admission by Ray placement groups, first come first served, no driver for a
+queued job, cancel, a restart, the per-token quota. A real local Ray (2 logical GPUs), real redis-servers, the
+real app; tiny one-step jobs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import ray
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.faults_count import fcfs_violations
+from bench.faults_queue import NUM_EXTRA_JOBS, QUEUE_SPEC, has_driver, queue_case, records, wait_for
+from scheduler.app import Settings, create_app
+from scheduler.jobs import JobStore, QuotaError, token_owner
+from scheduler.queue import job_group
+from workers.protocol.keys import jobs_index_key, owner_jobs_key, placement_group_name, queued_jobs_key
+from workers.protocol.states import JobState
+from workers.redis_server import PrivateRedis
+from workers.spec import JobSpec
+
+NUM_GPUS = 2
+TOKEN = "queue-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+LONG = QUEUE_SPEC | {"num_steps": 200}  # runs until cancelled
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, num_gpus=NUM_GPUS, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    yield
+    ray.shutdown()
+
+
+def app_on(redis_url: str, store_dir: str, max_jobs: int = 32) -> TestClient:
+    return TestClient(create_app(Settings(redis_url=redis_url, api_token=TOKEN, store_dir=store_dir,
+                                          start_ray=False, watch=False, max_jobs_per_token=max_jobs)))
+
+
+def metric(client: TestClient, name: str) -> dict[tuple, float]:
+    text = client.get("/metrics").text
+    return {tuple(sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == name}
+
+
+def groups_left() -> set[str]:
+    return {i["name"] for i in ray.util.placement_group_table().values() if i["state"] != "REMOVED"}
+
+
+def test_n_gpus_run_n_jobs_the_rest_wait_without_a_driver_and_all_finish_in_order(cluster, tmp_path):
+    with PrivateRedis() as server, app_on(server.url, str(tmp_path)) as client:
+        figures = queue_case(client, AUTH, NUM_GPUS, timeout_s=400)
+    assert figures["num_jobs"] == NUM_GPUS + NUM_EXTRA_JOBS
+    assert figures["queued_jobs_without_driver"] == NUM_EXTRA_JOBS, figures
+    assert figures["queue_positions"] == [1, 2, 3], figures
+    assert figures["max_running"] == NUM_GPUS, figures
+    assert figures["fcfs_violations"] == 0 and figures["num_succeeded"] == figures["num_jobs"], figures
+    assert not {g for g in groups_left() if g.startswith("tlt-pg-")}  # every job's group given back
+
+
+def test_cancel_a_queued_job_a_restart_keeps_the_queue_and_a_quota_refuses(cluster, tmp_path):
+    with PrivateRedis() as server:
+        redis = server.client()
+        with app_on(server.url, str(tmp_path), max_jobs=4) as client:
+            ids = [client.post("/v1/jobs", json=LONG, headers=AUTH).json()["job_id"] for _ in range(4)]
+            wait_for(lambda: [r["state"] for r in records(client, ids, AUTH)][:2] == ["RUNNING"] * 2, 300,
+                     "the first two jobs to run")
+            now = records(client, ids, AUTH)
+            assert [r["state"] for r in now] == ["RUNNING", "RUNNING", "QUEUED", "QUEUED"]
+            assert [r["queue_position"] for r in now] == [None, None, 1, 2]
+            assert not has_driver(ids[2]) and not has_driver(ids[3])
+            assert metric(client, "tlt_queue_length") == {(): 2.0}
+            assert metric(client, "tlt_job_queue_position") == {(("job", ids[2]),): 1.0, (("job", ids[3]),): 2.0}
+
+            # over the quota: 429 with Retry-After, nothing stored
+            num_jobs = redis.zcard(jobs_index_key())
+            r = client.post("/v1/jobs", json=LONG, headers=AUTH)
+            assert r.status_code == 429 and int(r.headers["Retry-After"]) > 0, r.text
+            assert "max_jobs_per_token (4)" in r.json()["detail"]
+            assert redis.zcard(jobs_index_key()) == num_jobs
+
+            # cancel the first in line: it ends without ever having had a driver or kept a placement group
+            r = client.post(f"/v1/jobs/{ids[2]}/cancel", headers=AUTH)
+            assert r.status_code == 200 and r.json()["state"] == "CANCELLED", r.text
+            assert client.get(f"/v1/jobs/{ids[3]}", headers=AUTH).json()["queue_position"] == 1
+            assert not has_driver(ids[2]) and placement_group_name(ids[2]) not in groups_left()
+            r = client.post("/v1/jobs", json=LONG, headers=AUTH)  # a place freed in the quota
+            assert r.status_code == 201, r.text
+            ids.append(r.json()["job_id"])
+        # the scheduler restarts: the queue is in Redis, the running drivers were left running
+        assert redis.zrange(queued_jobs_key(), 0, -1) == ids[3:]
+        with app_on(server.url, str(tmp_path), max_jobs=4) as client:
+            now = records(client, ids, AUTH)
+            assert [r["state"] for r in now] == ["RUNNING", "RUNNING", "CANCELLED", "QUEUED", "QUEUED"]
+            assert [r["queue_position"] for r in now][3:] == [1, 2]
+            client.post(f"/v1/jobs/{ids[0]}/cancel", headers=AUTH)  # a GPU frees: the first in line starts
+            wait_for(lambda: records(client, ids[3:4], AUTH)[0]["state"] == "RUNNING", 120, "the head to start")
+            assert has_driver(ids[3]) and not has_driver(ids[4])
+            for job_id in ids:
+                client.post(f"/v1/jobs/{job_id}/cancel", headers=AUTH)
+            final = records(client, ids, AUTH)
+        assert {r["state"] for r in final} == {"CANCELLED"} and fcfs_violations(final) == 0
+        assert redis.scard(owner_jobs_key(token_owner(TOKEN))) == 0 and redis.zcard(queued_jobs_key()) == 0
+        wait_for(lambda: not {g for g in groups_left() if g.startswith("tlt-pg-")}, 30, "the groups to go")
+
+
+def test_store_quota_counts_jobs_not_ended_and_replays_pass(cluster):
+    with PrivateRedis() as server:
+        store, owner = JobStore(server.client()), token_owner("t")
+        first, _ = store.create(JobSpec(model="tiny"), "key-1", owner, max_active=1)
+        assert json.loads(server.client().get(f"tlt:job:{first['job_id']}"))["owner"] == owner
+        assert store.create(JobSpec(model="tiny"), "key-1", owner, max_active=1) == (first, False)  # a replay
+        with pytest.raises(QuotaError, match=r"max_jobs_per_token \(1\)"):
+            store.create(JobSpec(model="tiny", seed=1), None, owner, max_active=1)
+        assert store.create(JobSpec(model="tiny"), None, token_owner("other"), max_active=1)[1]  # another token
+        store.transition(first["job_id"], JobState.QUEUED, {JobState.PENDING})
+        assert store.queue_positions([first["job_id"], "nosuch"]) == [1, None]
+        store.transition(first["job_id"], JobState.CANCELLED, {JobState.QUEUED})
+        assert store.queue_head() is None and store.create(JobSpec(model="tiny", seed=2), None, owner, 1)[1]
+        assert job_group("nojob", {}, is_created=False) is None
