@@ -92,6 +92,7 @@ def _serve(args: argparse.Namespace) -> int:
                         model_roots=roots_from_env(os.environ, MODEL_ROOTS_ENV),
                         data_roots=roots_from_env(os.environ, DATA_ROOTS_ENV),
                         **({"store_dir": args.store_dir} if args.store_dir else {}),
+                        **({} if args.max_jobs_per_token is None else {"max_jobs_per_token": args.max_jobs_per_token}),
                         ray_address=ray_address, ray_node_ip=args.host if args.host in LOOPBACK_HOSTS else None)
     from scheduler.serve import serve
 
@@ -158,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8080)
     srv.add_argument("--gpus", type=int, default=4, help="logical GPUs for a local Ray started by the server")
+    srv.add_argument("--max-jobs-per-token", type=int, default=None,
+                     help="jobs the API token may have queued or running; beyond it a submit gets 429 "
+                          "(default: Settings.max_jobs_per_token, docs/operations.md)")
     srv.add_argument("--store-dir", default=None,
                      help="draft weight store root (shared FS on a cluster; default: Settings.store_dir)")
     srv.add_argument("--ray-address", default=None,

@@ -31,3 +31,7 @@ class Settings:
     # jobs one API token may have queued or running (429 beyond): a team's queue of experiments is a few dozen; a
     # client submitting in a loop is stopped long before Redis or the queue's readers notice
     max_jobs_per_token: int = 32
+
+    def __post_init__(self) -> None:
+        if self.max_jobs_per_token < 1:
+            raise ValueError(f"max_jobs_per_token must be >= 1, got {self.max_jobs_per_token}")
