@@ -10,11 +10,12 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import ray
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CollectorRegistry
 
 from scheduler import http_errors
+from scheduler.deps import require_token
 from scheduler.jobs import JobStore
 from scheduler.launcher import Launcher
 from scheduler.metrics import Latencies, RedisCollector
@@ -98,8 +99,11 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="tlt-scheduler", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     http_errors.install(app)  # 4xx naming the field, inputs never echoed, bodies size-limited
+    # the auth rule, in one place: /v1/jobs and everything under it needs the token when one is set (it is
+    # checked before anything else, so an unknown job id gets the 401 too); metrics and health stay open
     for module in (jobs, workers, drafts):
-        app.include_router(module.router, responses=http_errors.JOB_ROUTE_ERRORS)
+        app.include_router(module.router, dependencies=[Depends(require_token)],
+                           responses=http_errors.JOB_ROUTE_ERRORS)
     app.include_router(ops.router, responses=http_errors.OPS_ROUTE_ERRORS)
     # the status page: static files shipped in the package, no build step (scheduler/ui/)
     app.mount("/ui", StaticFiles(directory=Path(__file__).with_name("ui"), html=True), name="ui")

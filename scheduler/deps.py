@@ -1,4 +1,6 @@
-"""The API's dependencies, as Annotated aliases: what a handler needs is in its signature."""
+"""The API's dependencies, as Annotated aliases: what a handler needs is in its signature, and no handler
+reads app.state itself. The token is not one of them: create_app puts `require_token` on every /v1 router as
+it mounts them (one place, so no route under /v1 can forget it; tests/scheduler/test_routes.py checks)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,11 @@ from typing import Annotated
 import redis as redis_lib
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CollectorRegistry
 
 from scheduler.jobs import JobStore
 from scheduler.launcher import Launcher
+from scheduler.metrics import RedisCollector
 from scheduler.settings import Settings
 
 _bearer = HTTPBearer(auto_error=False)
@@ -30,6 +34,14 @@ def _redis(request: Request) -> redis_lib.Redis:
 
 def _launcher(request: Request) -> Launcher:
     return request.app.state.launcher
+
+
+def _registry(request: Request) -> CollectorRegistry:
+    return request.app.state.registry
+
+
+def _collector(request: Request) -> RedisCollector:
+    return request.app.state.collector
 
 
 def token_matches(authorization: str | None, token: str) -> bool:
@@ -67,5 +79,6 @@ AppSettings = Annotated[Settings, Depends(_settings)]
 Store = Annotated[JobStore, Depends(_store)]
 Redis = Annotated[redis_lib.Redis, Depends(_redis)]
 Launch = Annotated[Launcher, Depends(_launcher)]
-Auth = Annotated[None, Depends(require_token)]
+Registry = Annotated[CollectorRegistry, Depends(_registry)]  # the app's own Prometheus registry
+Collector = Annotated[RedisCollector, Depends(_collector)]  # the job and worker gauges, read from Redis per scrape
 Job = Annotated[dict, Depends(_job)]  # the record of the job in the path

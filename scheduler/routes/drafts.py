@@ -1,17 +1,14 @@
-"""/v1/jobs/{id}/drafts: the served draft versions, the publish decisions and the TLT counters."""
+"""/v1/jobs/{id}/drafts: the served draft versions, the publish decisions and the TLT counters. The token:
+create_app."""
 
 from __future__ import annotations
 
-import logging
+from fastapi import APIRouter
 
-from fastapi import APIRouter, Depends
-from pydantic import ValidationError
-
-from scheduler.deps import Job, Redis, require_token
-from scheduler.schemas import CollapseOut, DraftsOut, DraftVersionOut, PublishDecision
+from scheduler.deps import Job, Redis
+from scheduler.schemas import CollapseOut, DraftsOut, DraftVersionOut, PublishDecision, each_valid
 from scheduler.state import JobTLT
 from workers.draft_index import DraftIndex
-from workers.message import ProtocolError
 from workers.progress import read_json_list
 from workers.protocol.keys import (
     TltField,
@@ -24,29 +21,17 @@ from workers.protocol.keys import (
 )
 from workers.protocol.messages import CollapseEvent
 
-router = APIRouter(prefix="/v1/jobs", tags=["drafts"],
-                   dependencies=[Depends(require_token)])  # job details: the token when one is set
-log = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1/jobs", tags=["drafts"])
 
 
 def _decisions(redis, job_id: str) -> list[PublishDecision]:
-    out = []
-    for d in read_json_list(redis, job_drafts_key(job_id)):
-        try:
-            out.append(PublishDecision.model_validate(d))
-        except ValidationError as exc:
-            log.error("job %s: skipping a malformed publish decision: %s", job_id, exc.errors()[0])
-    return out
+    return each_valid(read_json_list(redis, job_drafts_key(job_id)), PublishDecision.model_validate,
+                      f"job {job_id} publish decisions")
 
 
 def _collapses(redis, job_id: str) -> list[CollapseOut]:
-    out = []
-    for d in read_json_list(redis, job_collapses_key(job_id)):
-        try:
-            out.append(CollapseOut(**CollapseEvent.from_dict(d).to_dict()))
-        except ProtocolError as exc:
-            log.error("job %s: skipping a malformed collapse event: %s", job_id, exc)
-    return out
+    return each_valid(read_json_list(redis, job_collapses_key(job_id)),
+                      lambda d: CollapseOut(**CollapseEvent.from_dict(d).to_dict()), f"job {job_id} collapse events")
 
 
 @router.get("/{job_id}/drafts")

@@ -1,4 +1,4 @@
-"""Operations: Prometheus metrics, liveness and readiness."""
+"""Operations: Prometheus metrics, liveness and readiness. Open: no token (create_app mounts this router apart)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import logging
 
 import ray
 import redis as redis_lib
-from fastapi import APIRouter, HTTPException, Request, status
+from fastapi import APIRouter, HTTPException, status
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from scheduler.deps import Redis
+from scheduler.deps import Collector, Redis, Registry
 from scheduler.http_errors import RETRY_AFTER_S
 from scheduler.metrics import exposition
 from scheduler.schemas import HealthOut
@@ -20,9 +20,9 @@ log = logging.getLogger(__name__)
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
-def metrics(request: Request) -> PlainTextResponse:
-    return PlainTextResponse(exposition(request.app.state.registry, request.app.state.collector),
-                             media_type=CONTENT_TYPE_LATEST)
+def metrics(registry: Registry, collector: Collector) -> PlainTextResponse:
+    """Prometheus text exposition (not JSON: no response model). No label carries a path or free text."""
+    return PlainTextResponse(exposition(registry, collector), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/healthz")

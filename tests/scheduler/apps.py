@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 
 from scheduler.app import Settings, create_app
 from scheduler.jobs import JobStore
+from workers.protocol.messages import StepRecord
 from workers.redis_server import PrivateRedis
 from workers.spec import JobSpec
 
@@ -26,3 +27,9 @@ def token_app(roots: Path, token: str) -> Iterator[TestClient]:
             c.redis = server.client()
             c.job_id = JobStore(c.redis).create(JobSpec())[0]["job_id"]
             yield c
+
+
+def step_record(rl_step: int) -> str:
+    """A valid StepRecord's JSON, as the driver appends it to job_steps_key."""
+    return StepRecord(rl_step=rl_step, policy_version=rl_step + 1, timings={"rollout": 1.5}, worker_rollout_s={},
+                      idle_worker_s=0.5, mean_reward=-0.25, num_rollouts=4).to_json()

@@ -3,8 +3,6 @@ cursors and ranges refused with a 4xx naming the parameter, nothing the client s
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from fastapi.testclient import TestClient
 
@@ -13,7 +11,7 @@ from scheduler.app import Settings, create_app
 from scheduler.deps import token_matches
 from scheduler.http_errors import RETRY_AFTER_S
 from scheduler.routes.jobs import MAX_STEPS_READ
-from tests.scheduler.apps import token_app
+from tests.scheduler.apps import step_record, token_app
 from workers.protocol.keys import event_fields, job_events_key, job_steps_key, jobs_index_key
 from workers.protocol.states import WorkerState
 from workers.redis_server import PrivateRedis
@@ -166,7 +164,7 @@ def test_unknown_job_ids_are_not_echoed(client):
 def test_steps_come_in_bounded_pages_that_continue_from_start(client, monkeypatch):
     key = job_steps_key(client.job_id)
     client.redis.delete(key)
-    client.redis.rpush(key, *(json.dumps({"rl_step": i}) for i in range(MAX_STEPS_READ + 250)))
+    client.redis.rpush(key, *(step_record(i) for i in range(MAX_STEPS_READ + 250)))
     base = f"/v1/jobs/{client.job_id}/steps"
 
     def rl_steps(query: str) -> list[int]:
