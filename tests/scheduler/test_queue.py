@@ -64,7 +64,9 @@ def test_cancel_a_queued_job_a_restart_keeps_the_queue_and_a_quota_refuses(clust
     with PrivateRedis() as server:
         redis = server.client()
         with app_on(server.url, str(tmp_path), max_jobs=4) as client:
-            ids = [client.post("/v1/jobs", json=LONG, headers=AUTH).json()["job_id"] for _ in range(4)]
+            answers = [client.post("/v1/jobs", json=LONG, headers=AUTH).json() for _ in range(4)]
+            ids = [a["job_id"] for a in answers]
+            assert answers[3]["state"] == "QUEUED" and answers[3]["queue_position"] >= 2, answers[3]  # C ahead
             wait_for(lambda: [r["state"] for r in records(client, ids, AUTH)][:2] == ["RUNNING"] * 2, 300,
                      "the first two jobs to run")
             now = records(client, ids, AUTH)
