@@ -1,4 +1,4 @@
-"""/v1/jobs: submit, list, read and cancel jobs; a job's step records and worker events."""
+"""/v1/jobs: submit, list, read and cancel jobs; a job's step records and worker events. The token: create_app."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ from typing import Annotated
 from fastapi import APIRouter, Header, HTTPException, Query, Response, status
 
 from scheduler.budget import budget_errors
-from scheduler.deps import AppSettings, Auth, Job, Launch, Store
+from scheduler.deps import AppSettings, Job, Launch, Redis, Store
 from scheduler.http_errors import ErrorOut, field_error
 from scheduler.jobs import IdempotencyKeyError, QuotaError, token_owner
 from scheduler.paths import job_roots, spec_path_errors
-from scheduler.schemas import JobOut
+from scheduler.schemas import EventOut, JobOut, StepOut, each_valid
 from workers.progress import STREAM_ID_RULE, read_events, read_json_list
 from workers.protocol.keys import ID_PATTERN, job_steps_key
+from workers.protocol.messages import StepRecord
 from workers.protocol.states import ACTIVE_JOB_STATES, TERMINAL_JOB_STATES, JobState
 from workers.spec import JobSpec
 
@@ -31,10 +32,11 @@ def job_out(record: dict, num_steps: int, queue_position: int | None = None) -> 
 
 
 @router.post("", status_code=status.HTTP_201_CREATED,
-             responses={200: {"description": "a replay: the job an Idempotency-Key was first used for"},
+             responses={200: {"model": JobOut,
+                              "description": "a replay: the job an Idempotency-Key was first used for"},
                         429: {"model": ErrorOut, "description": "over the token's quota of jobs queued or running "
                               "(max_jobs_per_token); retry after Retry-After seconds. Nothing was stored"}})
-def submit(_: Auth, spec: JobSpec, store: Store, launcher: Launch, settings: AppSettings, response: Response,
+def submit(spec: JobSpec, store: Store, launcher: Launch, settings: AppSettings, response: Response,
            idempotency_key: Annotated[str | None, Header(pattern=f"^{ID_PATTERN}$")] = None) -> JobOut:
     """Validate and queue a job (it starts in its turn, scheduler.queue). Paths it names must lie under the
     server's roots (scheduler.paths): checked here, before anything is stored, without opening them."""
@@ -67,7 +69,7 @@ def submit(_: Auth, spec: JobSpec, store: Store, launcher: Launch, settings: App
 
 
 @router.get("")
-def list_jobs(_: Auth, store: Store, limit: int = 100) -> list[JobOut]:
+def list_jobs(store: Store, limit: int = 100) -> list[JobOut]:
     """The newest jobs first (at most 1000)."""
     records = store.list(max(1, min(limit, MAX_JOBS_LISTED)))
     ids = [r["job_id"] for r in records]
@@ -75,12 +77,12 @@ def list_jobs(_: Auth, store: Store, limit: int = 100) -> list[JobOut]:
 
 
 @router.get("/{job_id}")
-def get_job(_: Auth, job: Job, store: Store) -> JobOut:
+def get_job(job: Job, store: Store) -> JobOut:
     return job_out(job, store.num_steps([job["job_id"]])[0], store.queue_positions([job["job_id"]])[0])
 
 
 @router.post("/{job_id}/cancel")
-def cancel(_: Auth, job: Job, store: Store, launcher: Launch) -> JobOut:  # 401 before 404
+def cancel(job: Job, store: Store, launcher: Launch) -> JobOut:  # 401 before 404: the token is checked first
     job_id = job["job_id"]
     if JobState(job["state"]) in TERMINAL_JOB_STATES:
         raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} already ended ({job['state']})")
@@ -90,23 +92,26 @@ def cancel(_: Auth, job: Job, store: Store, launcher: Launch) -> JobOut:  # 401 
 
 
 @router.get("/{job_id}/steps")
-def steps(_: Auth, job: Job, store: Store, start: Annotated[int, Query(ge=0, le=MAX_STEP_INDEX)] = 0,
-          limit: int = MAX_STEPS_READ) -> list[dict]:
-    """One StepRecord (workers/protocol.py) per finished RL step: timings by phase, per-worker rollout
+def steps(job: Job, redis: Redis, start: Annotated[int, Query(ge=0, le=MAX_STEP_INDEX)] = 0,
+          limit: int = MAX_STEPS_READ) -> list[StepOut]:
+    """One StepRecord (workers/protocol/messages.py) per finished RL step: timings by phase, per-worker rollout
     seconds, idle worker-seconds, tokens, accepted length, draft versions served, reward, failures.
     A page: `limit` records (at most MAX_STEPS_READ) from step index `start`; the next page starts at `start`
-    plus the records returned (pollers fetch each record once). Validated when written."""
-    return read_json_list(store.redis, job_steps_key(job["job_id"]), start, max(1, min(limit, MAX_STEPS_READ)))
+    plus the records returned (pollers fetch each record once). Validated when written, and again when read:
+    a damaged record is logged and skipped."""
+    job_id = job["job_id"]
+    entries = read_json_list(redis, job_steps_key(job_id), start, max(1, min(limit, MAX_STEPS_READ)))
+    return each_valid(entries, lambda d: StepOut(**StepRecord.from_dict(d).to_dict()), f"job {job_id} step records")
 
 
 @router.get("/{job_id}/events")
-def events(_: Auth, job: Job, store: Store, limit: int = 10_000, after: str | None = None) -> list[dict]:
+def events(job: Job, redis: Redis, limit: int = 10_000, after: str | None = None) -> list[EventOut]:
     """Worker state transitions, oldest first: the per-GPU timeline, {id, worker, from, to, ts, rl_step}.
     A page of `limit` (at most MAX_EVENTS_READ): without `after` the newest, with it the first ones after that
     event id, so the last id returned continues with no gap (pollers fetch each event once). Checked on
-    read; left as dicts, the first load is 100k of them."""
+    read; dicts typed by EventOut, not models: a page is up to 100k of them."""
     try:
-        return read_events(store.redis, job["job_id"], count=max(1, min(limit, MAX_EVENTS_READ)), after=after)
+        return read_events(redis, job["job_id"], count=max(1, min(limit, MAX_EVENTS_READ)), after=after)
     except ValueError:  # its message names the rule, never the value
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
                             field_error("after", f"after {STREAM_ID_RULE}", where="query")) from None
