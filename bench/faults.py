@@ -13,6 +13,12 @@ uvicorn on loopback (scheduler.demo.start_server), with an API token.
     its steps or progress must move again soon after Redis is back.
 (4) a job's driver killed mid-step: it resumes from its policy checkpoint, losing at most checkpoint_every steps.
 (5) 20 concurrent submits of one body with one Idempotency-Key: one job.
+(6) budget, cursors, protocol (bench/faults_budget.py): oversized jobs refused, the largest accepted job's driver
+    memory at its first step; crafted cursors, ranges and malformed framing never a 5xx.
+(7) queue (bench/faults_queue.py): N + 3 one-GPU jobs on N GPUs: N run, 3 wait QUEUED without a driver, all finish
+    in order. Leaks (bench/faults_service.py): every anonymous route and error scanned.
+(8) liveness: /healthz with Redis hung; a real `tlt serve`: clients that never finish their headers, both framings,
+    SIGTERM with clients polling (exit code, 5xx, processes left).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from bench.faults_count import (
     GOALS,
     LEAK_MARKERS,
     NUM_CLUSTER_GPUS,
+    NUM_EXTRA_JOBS,
     TOKEN,
     goals_met,
     is_server_error,
@@ -40,6 +47,7 @@ from bench.faults_count import (
 )
 
 MAX_EVIDENCE = 8  # failing cases kept in the JSON per kind
+NUM_SLOW_CLIENTS = 200  # connections that never finish their headers (the issue held 2,000 for 60 s)
 
 
 def log(msg: str) -> None:
@@ -173,11 +181,15 @@ def fuzz_without_ray(num_requests: int, markers: tuple[str, ...], work_dir: Path
 
 def bench_faults(num_requests: int = 1200) -> dict:
     """Every part."""
+    import httpx
     import ray
 
+    from bench import faults_budget, faults_service
     from bench import faults_live as live
+    from bench.faults_queue import queue_case
     from scheduler.app import Settings
     from scheduler.demo import start_server
+    from scheduler.serve import HEADER_TIMEOUT_S
     from workers.protocol.keys import RAY_NAMESPACE
     from workers.redis_server import PrivateRedis
 
@@ -212,12 +224,32 @@ def bench_faults(num_requests: int = 1200) -> dict:
                     result["redis_outage"] = live.redis_outage(ctx)
                     log("(4) driver killed mid-step")
                     result["driver_kill"] = live.driver_kill(ctx)
+                    log("(6) budget, cursors, protocol")
+                    result["budget"] = faults_budget.budget(ctx)
+                    some_job = ctx.get("/v1/jobs?limit=1")[0]["job_id"]
+                    result["cursors"] = faults_budget.cursors(ctx, some_job)
+                    result["protocol"] = faults_budget.protocol(url)
+                    log(f"(7) queue: {NUM_CLUSTER_GPUS} GPUs, {NUM_CLUSTER_GPUS + NUM_EXTRA_JOBS} one-GPU jobs; leaks")
+                    with httpx.Client(base_url=url, timeout=60) as client:
+                        result["queue"] = queue_case(client, AUTH, NUM_CLUSTER_GPUS)
+                        redis_port = redis_server.url.rsplit(":", 1)[1].split("/")[0]
+                        result["leaks"] = faults_service.anonymous_leaks(
+                            client, some_job, TOKEN, (*markers, str(work_dir), f"127.0.0.1:{redis_port}"))
                     result["sweep"] = live.sweep(ctx)
                 finally:
                     server.should_exit = True
                     server.thread.join(30)
         finally:
             ray.shutdown()
+        try:
+            log("(8) liveness with Redis hung; a real tlt serve: slow clients, both framings, SIGTERM")
+            result["liveness"] = faults_service.healthz_with_redis_hung(str(work_dir / "liveness"))
+            (work_dir / "serve").mkdir()
+            with faults_service.served(work_dir / "serve") as (proc, port, serve_url, _):
+                result["slow_clients"] = faults_service.slow_clients(port, NUM_SLOW_CLIENTS, HEADER_TIMEOUT_S + 3)
+                result["smuggling"] = faults_service.smuggling(port)
+                result["shutdown"] = faults_service.sigterm(proc, serve_url)
+        finally:
             shutil.rmtree(work_dir, ignore_errors=True)
     result["fuzz"] = tally.to_dict()
     hostile, sweep = result["hostile"], result["sweep"]
@@ -229,7 +261,18 @@ def bench_faults(num_requests: int = 1200) -> dict:
                "redis_recovery_s": result["redis_outage"]["recovery_s"],
                "redis_outage_rollouts_lost": result["redis_outage"]["rollouts_lost"],  # reported, no goal
                "driver_kill_steps_lost": result["driver_kill"]["steps_lost"],
-               "idempotent_duplicates": result["idempotency"]["duplicates"]}
+               "idempotent_duplicates": result["idempotency"]["duplicates"],
+               "oversized_jobs_accepted": result["budget"]["oversized_jobs_accepted"],
+               "driver_rss_mb_before_first_step": result["budget"]["driver_rss_mb_before_first_step"],
+               "queued_jobs_without_driver": result["queue"]["queued_jobs_without_driver"],
+               "queue_fcfs_violations": result["queue"]["fcfs_violations"],
+               **{k: result["shutdown"][k] for k in ("sigterm_exit_code", "sigterm_5xx", "processes_left_after_exit")},
+               "anonymous_leaks": result["leaks"]["anonymous_leaks"],
+               "slow_clients_held": result["slow_clients"]["num_held"],
+               "healthz_p99_s_with_redis_hung": result["liveness"]["healthz_p99_s_with_redis_hung"],
+               "server_errors": (tally.num_server_errors + result["cursors"]["server_errors"]
+                                 + result["protocol"]["server_errors"] + result["leaks"]["server_errors"]
+                                 + int((result["smuggling"]["status"] or 0) >= 500))}
     result.update(figures)
     result["goals"] = GOALS
     result["met"] = goals_met(figures, live.CONFIG["checkpoint_every"])

@@ -15,7 +15,13 @@ LEAK_MARKERS = ("Traceback", 'File "', '.py"', "site-packages", "/work/")
 GOALS = {"fuzz_requests": ">= 1000", "fuzz_server_errors": "== 0", "schema_violations": "== 0",
          "hostile_inputs_accepted": "== 0", "tracebacks_exposed": "== 0", "redis_outage_jobs_lost": "== 0",
          "redis_recovery_s": "< 10", "driver_kill_steps_lost": "<= checkpoint_every",
-         "idempotent_duplicates": "== 0"}
+         "idempotent_duplicates": "== 0", "oversized_jobs_accepted": "== 0",
+         "driver_rss_mb_before_first_step": "< 500", "queued_jobs_without_driver": "== num_extra_jobs (3)",
+         "queue_fcfs_violations": "== 0", "sigterm_exit_code": "== 0", "sigterm_5xx": "== 0",
+         "processes_left_after_exit": "== 0", "anonymous_leaks": "== 0", "slow_clients_held": "== 0",
+         "healthz_p99_s_with_redis_hung": "< 0.1", "server_errors": "== 0"}
+NUM_EXTRA_JOBS = 3  # the queue case: jobs beyond the cluster's GPUs (the N + 3)
+MAX_DRIVER_RSS_MB = 500  # a driver before its first step: torch, the model, one step's prompts
 # /readyz answers 503 by design on the scheduler started without Ray: a documented answer, not a failure
 EXPECTED_5XX = {("GET", "/readyz"): 503}
 
@@ -77,6 +83,12 @@ def goals_met(figures: dict, checkpoint_every: int) -> dict[str, bool]:
     return {"fuzz_requests": ok(figures["fuzz_requests"], lambda v: v >= 1000),
             **{k: ok(figures[k], lambda v: v == 0) for k in (
                 "fuzz_server_errors", "schema_violations", "hostile_inputs_accepted", "tracebacks_exposed",
-                "redis_outage_jobs_lost", "idempotent_duplicates")},
+                "redis_outage_jobs_lost", "idempotent_duplicates", "oversized_jobs_accepted", "queue_fcfs_violations",
+                "sigterm_exit_code", "sigterm_5xx", "processes_left_after_exit", "anonymous_leaks",
+                "slow_clients_held", "server_errors")},
             "redis_recovery_s": ok(figures["redis_recovery_s"], lambda v: v < 10.0),
-            "driver_kill_steps_lost": ok(figures["driver_kill_steps_lost"], lambda v: v <= checkpoint_every)}
+            "driver_kill_steps_lost": ok(figures["driver_kill_steps_lost"], lambda v: v <= checkpoint_every),
+            "driver_rss_mb_before_first_step": ok(figures["driver_rss_mb_before_first_step"],
+                                                  lambda v: v < MAX_DRIVER_RSS_MB),
+            "queued_jobs_without_driver": ok(figures["queued_jobs_without_driver"], lambda v: v == NUM_EXTRA_JOBS),
+            "healthz_p99_s_with_redis_hung": ok(figures["healthz_p99_s_with_redis_hung"], lambda v: v < 0.1)}

@@ -13,11 +13,10 @@ from collections.abc import Callable
 import httpx
 import ray
 
-from bench.faults_count import fcfs_violations
+from bench.faults_count import NUM_EXTRA_JOBS, fcfs_violations
 from workers.protocol.keys import RAY_NAMESPACE, driver_actor_name
 from workers.protocol.states import TERMINAL_JOB_STATES, JobState
 
-NUM_EXTRA_JOBS = 3  # jobs beyond the cluster's GPUs: the N + 3
 QUEUE_SPEC = {"model": "tiny", "num_steps": 1, "num_prompts_per_step": 2, "group_size": 2, "max_new_tokens": 8,
               "num_workers": 1, "tlt": False}
 POLL_S = 0.2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from bench.faults_count import (
     duplicates,
+    fcfs_violations,
     goals_met,
     is_accepted,
     is_server_error,
@@ -46,7 +47,23 @@ def test_duplicates_and_goals():
     assert duplicates(["a"] * 20) == 0 and duplicates(["a", "b", "a", "c"]) == 2 and duplicates([]) == 0
     figures = {"fuzz_requests": 1350, "fuzz_server_errors": 0, "schema_violations": 0, "hostile_inputs_accepted": 0,
                "tracebacks_exposed": 0, "redis_outage_jobs_lost": 0, "redis_recovery_s": 0.4,
-               "driver_kill_steps_lost": 2, "idempotent_duplicates": 0}
+               "driver_kill_steps_lost": 2, "idempotent_duplicates": 0, "oversized_jobs_accepted": 0,
+               "driver_rss_mb_before_first_step": 310.0, "queued_jobs_without_driver": 3, "queue_fcfs_violations": 0,
+               "sigterm_exit_code": 0, "sigterm_5xx": 0, "processes_left_after_exit": 0, "anonymous_leaks": 0,
+               "slow_clients_held": 0, "healthz_p99_s_with_redis_hung": 0.004, "server_errors": 0}
     assert all(goals_met(figures, checkpoint_every=2).values())
-    met = goals_met(figures | {"driver_kill_steps_lost": 3, "redis_recovery_s": None, "fuzz_requests": 999}, 2)
-    assert [k for k, ok in met.items() if not ok] == ["fuzz_requests", "redis_recovery_s", "driver_kill_steps_lost"]
+    met = goals_met(figures | {"driver_kill_steps_lost": 3, "redis_recovery_s": None, "fuzz_requests": 999,
+                               "sigterm_exit_code": 134, "queued_jobs_without_driver": 2,
+                               "driver_rss_mb_before_first_step": 520.0, "healthz_p99_s_with_redis_hung": 13.5}, 2)
+    assert sorted(k for k, ok in met.items() if not ok) == sorted([
+        "fuzz_requests", "redis_recovery_s", "driver_kill_steps_lost", "sigterm_exit_code",
+        "queued_jobs_without_driver", "driver_rss_mb_before_first_step", "healthz_p99_s_with_redis_hung"])
+
+
+def test_first_come_first_served():
+    def job(created, started):
+        return {"created_at": created, "started_at": started}
+
+    assert fcfs_violations([job(1, 10), job(2, 11), job(3, 30), job(4, 20)]) == 1  # the 4th started before the 3rd
+    assert fcfs_violations([job(1, 10), job(2, None), job(3, 12)]) == 0  # a job cancelled while queued never started
+    assert fcfs_violations([job(2, 12), job(1, 10)]) == 0 and fcfs_violations([]) == 0

@@ -1,0 +1,243 @@
+"""The service cases of `tlt bench faults`, each a probe that counts; the tests run the same probes and assert on
+the counts (tests/scheduler/test_serve.py, test_anonymous.py, test_liveness.py):
+
+- leaks: every route a client reaches without the token, and every error, scanned for paths, addresses,
+  tracebacks, the token and echoes of what was sent (`anonymous_leaks`);
+- liveness: /healthz latency while Redis hangs (SIGSTOP) and Redis-bound requests fill the thread pool;
+- a real `tlt serve` subprocess (`served`): clients that never finish their headers, a request with both
+  Content-Length and Transfer-Encoding, and SIGTERM with clients polling (exit code, 5xx, processes left).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+ECHO = "EchoMarker7"  # sent in paths, queries, headers and bodies: never in an answer
+SERVE_START_S = 180.0  # Ray's start on a loaded 2-core box
+NUM_HUNG = 60  # Redis-bound requests held on a hung Redis: more than the thread pool's 40 workers
+SMUGGLED = (b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"0\r\n\r\nGET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+
+
+def p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+# ----- leaks --------------------------------------------------------------------------------------------------------
+def anonymous_requests(job_id: str, token: str) -> Iterator[tuple[str, str, dict]]:
+    """(method, path, httpx keyword arguments): the open routes, unknown ones, every job route without the token
+    and with a wrong one, unknown job ids with the token, and bad input of every kind with it."""
+    from scheduler.routes.jobs import router as jobs_router
+
+    yield "GET", "/healthz", {}
+    yield "GET", "/readyz", {}
+    yield "GET", "/metrics", {}
+    yield "GET", "/ui/", {}
+    yield "GET", "/openapi.json", {}
+    yield "GET", f"/{ECHO}", {}
+    yield "GET", f"/ui/{ECHO}", {}
+    yield "DELETE", "/healthz", {}
+    auth = {"Authorization": f"Bearer {token}"}
+    for route in jobs_router.routes:  # every job route, without a token and with a wrong one
+        for method in route.methods:
+            path = route.path.replace("{job_id}", job_id)
+            yield method, path, {}
+            yield method, path, {"headers": {"Authorization": f"Bearer {ECHO}"}}
+            if "{job_id}" in route.path:  # an id that is no job's: a 404 that does not echo it
+                yield method, path.replace(job_id, ECHO), {"headers": auth}
+    yield "POST", "/v1/jobs", {"headers": auth, "json": {"model": f"/{ECHO}/x"}}
+    yield "POST", "/v1/jobs", {"headers": auth, "json": {ECHO: 1}}
+    yield "POST", "/v1/jobs", {"headers": auth | {"Idempotency-Key": ECHO + "/!"}, "json": {}}
+    yield "POST", "/v1/jobs", {"headers": auth | {"Content-Type": "application/json"}, "content": "{" + ECHO}
+    yield "GET", f"/v1/jobs/{job_id}/events?after={ECHO}", {"headers": auth}
+    yield "GET", f"/v1/jobs/{job_id}/steps?start={ECHO}", {"headers": auth}
+
+
+def anonymous_leaks(client: httpx.Client, job_id: str, token: str, secrets: tuple[str, ...]) -> dict:
+    """Every anonymous request's answer scanned for `secrets` (the server's paths and addresses), tracebacks, the
+    token and ECHO; a 500, 502 or 504 counts as a server error (503 is readyz's documented answer)."""
+    markers = (*secrets, "Traceback", 'File "', ECHO, token)
+    rows, num_requests, num_server_errors = [], 0, 0
+    for method, path, kwargs in anonymous_requests(job_id, token):
+        r = client.request(method, path, **kwargs)
+        num_requests += 1
+        num_server_errors += r.status_code in (500, 502, 504)
+        if found := [m for m in markers if m and m in r.text]:
+            rows.append({"request": f"{method} {path}", "status": r.status_code, "markers": found})
+    return {"num_requests": num_requests, "anonymous_leaks": len(rows), "server_errors": num_server_errors,
+            "evidence": rows[:8]}
+
+
+# ----- liveness -----------------------------------------------------------------------------------------------------
+def healthz_with_redis_hung(store_dir: str, num_probes: int = 50) -> dict:
+    """A scheduler under uvicorn on its own redis-server; the Redis is SIGSTOPped and NUM_HUNG requests wait on it;
+    then /healthz is timed `num_probes` times. p99 in seconds."""
+    from scheduler.app import Settings
+    from scheduler.demo import start_server
+    from workers.redis_server import PrivateRedis
+
+    with PrivateRedis() as redis:
+        url, server = start_server(Settings(redis_url=redis.url, store_dir=store_dir, start_ray=False, watch=False))
+        os.kill(redis.proc.pid, signal.SIGSTOP)
+        hung = [threading.Thread(target=lambda: httpx.get(f"{url}/v1/jobs", timeout=60), daemon=True)
+                for _ in range(NUM_HUNG)]
+        latencies, statuses = [], []
+        try:
+            for t in hung:
+                t.start()
+            time.sleep(1.0)  # every pool thread now waits on Redis
+            with httpx.Client(base_url=url, timeout=5) as client:
+                for _ in range(num_probes):
+                    t0 = time.perf_counter()
+                    try:
+                        statuses.append(client.get("/healthz").status_code)
+                    except httpx.TimeoutException:
+                        statuses.append(None)
+                    latencies.append(time.perf_counter() - t0)
+        finally:
+            os.kill(redis.proc.pid, signal.SIGCONT)
+        for t in hung:
+            t.join(timeout=60)
+        server.should_exit = True
+        server.thread.join(timeout=30)
+    return {"healthz_p99_s_with_redis_hung": p99(latencies), "max_s": max(latencies),
+            "num_ok": statuses.count(200), "num_probes": num_probes}
+
+
+# ----- a real `tlt serve` -------------------------------------------------------------------------------------------
+@contextmanager
+def served(work_dir: Path, gpus: int = 1) -> Iterator[tuple[subprocess.Popen, int, str, object]]:
+    """`tlt serve` on a free loopback port with its private redis-server and Ray: (process, port, url, log file).
+    Killed at the end if still running."""
+    from workers.redis_server import free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "RAY_ADDRESS", "TLT_API_TOKEN")}
+    log = open(work_dir / "serve.log", "w+")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, "-m", "scheduler.cli", "serve", "--host", "127.0.0.1", "--port",
+                             str(port), "--gpus", str(gpus), "--store-dir", str(work_dir / "drafts")],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVE_START_S
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            log.seek(0)
+            raise RuntimeError(f"tlt serve did not become ready: {log.read()[-3000:]}")
+        yield proc, port, url, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        log.close()
+
+
+def exchange(port: int, raw: bytes, timeout_s: float) -> tuple[bytes, float]:
+    """Send `raw`, read until the server closes the connection; (what came back, seconds until the close)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
+        t0 = time.monotonic()
+        s.sendall(raw)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+        return got, time.monotonic() - t0
+
+
+def smuggling(port: int) -> dict:
+    """Both Content-Length and Transfer-Encoding, then a second request on the same connection: the first must get
+    a 4xx and the second no answer at all (RFC 9112 6.1)."""
+    got, _ = exchange(port, SMUGGLED, timeout_s=10)
+    status = int(got.split(b" ", 2)[1]) if got.startswith(b"HTTP/1.1 ") else None
+    return {"status": status, "num_answers": got.count(b"HTTP/1.1 ")}
+
+
+def slow_clients(port: int, num_clients: int, wait_s: float) -> dict:
+    """`num_clients` connections that send a partial request line and headers and then a byte a second, never
+    finishing them; after `wait_s`, how many the server still holds open."""
+    socks = []
+    for _ in range(num_clients):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        socks.append(s)
+    deadline, is_open = time.monotonic() + wait_s, [True] * num_clients
+    while time.monotonic() < deadline and any(is_open):
+        for i, s in enumerate(socks):
+            if not is_open[i]:
+                continue
+            try:
+                s.sendall(b"X")
+                if s.recv(1, socket.MSG_DONTWAIT) == b"":
+                    is_open[i] = False
+            except BlockingIOError:
+                pass
+            except OSError:
+                is_open[i] = False
+        time.sleep(1.0)
+    for s in socks:
+        s.close()
+    return {"num_clients": num_clients, "num_held": sum(is_open), "wait_s": wait_s}
+
+
+def sigterm(proc: subprocess.Popen, url: str, num_pollers: int = 4, before_s: float = 2.0) -> dict:
+    """SIGTERM while `num_pollers` clients poll GET /v1/jobs: the exit code, the 5xx answers, and the processes
+    the server started that are still alive 10 s after it exited."""
+    import psutil
+
+    tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+    has_private_redis = any("redis-server" in " ".join(p.cmdline()) for p in tree[1:])
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(base_url=url, timeout=10) as client:
+            while not stop.is_set():
+                try:
+                    statuses.append(client.get("/v1/jobs").status_code)
+                except httpx.TransportError:  # refused once it stopped listening: the client retries elsewhere
+                    time.sleep(0.05)
+
+    pollers = [threading.Thread(target=poll, daemon=True) for _ in range(num_pollers)]
+    for t in pollers:
+        t.start()
+    time.sleep(before_s)
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=60)
+    stop.set()
+    for t in pollers:
+        t.join(timeout=15)
+
+    def alive() -> list[str]:
+        left = []
+        for p in tree[1:]:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(" ".join(p.cmdline())[:80])
+            except psutil.NoSuchProcess:
+                pass
+        return left
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and alive():
+        time.sleep(0.2)
+    left = alive()
+    return {"sigterm_exit_code": code, "sigterm_5xx": sum(s >= 500 for s in statuses),
+            "num_requests": len(statuses), "processes_left_after_exit": len(left), "left": left,
+            "num_processes": len(tree), "has_private_redis": has_private_redis}
