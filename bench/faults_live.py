@@ -17,6 +17,7 @@ import requests
 
 from bench.faults_count import AUTH, NUM_CLUSTER_GPUS, is_accepted, leak_markers, resumed_after_step, steps_lost
 from bench.faults_count import duplicates as count_duplicates
+from bench.faults_queue import wait_for
 from workers.protocol.keys import RAY_NAMESPACE, driver_actor_name, job_phase_key, job_steps_key, jobs_index_key
 from workers.protocol.messages import PhaseRecord
 from workers.protocol.states import TERMINAL_JOB_STATES, Phase
@@ -65,12 +66,7 @@ class Live:
         return r.json()["job_id"]
 
     def until(self, condition, timeout_s: float, what: str, poll_s: float = 0.05):
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if value := condition():
-                return value
-            time.sleep(poll_s)
-        raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        return wait_for(condition, timeout_s, what, poll_s)
 
     def wait_end(self, job_id: str, timeout_s: float = 240.0) -> dict:
         return self.until(lambda: (j := self.get(f"/v1/jobs/{job_id}")) and j["state"] in TERMINAL_JOB_STATES and j,

@@ -36,14 +36,14 @@ def records(client: httpx.Client, job_ids: list[str], headers: dict) -> list[dic
     return [client.get(f"/v1/jobs/{job_id}", headers=headers).json() for job_id in job_ids]
 
 
-def wait_for(check: Callable[[], object], timeout_s: float, what: str):
+def wait_for(check: Callable[[], object], timeout_s: float, what: str, poll_s: float = POLL_S):
     """Poll `check` until it returns a true value (returned), or fail saying `what` never happened."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if value := check():
             return value
-        time.sleep(POLL_S)
-    raise TimeoutError(f"{what}: not within {timeout_s:.0f} s")
+        time.sleep(poll_s)
+    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 def queue_case(client: httpx.Client, headers: dict, num_gpus: int, spec: dict | None = None,
