@@ -119,7 +119,7 @@ def bench_workers(num_trials: int = 60, short_s: float = 0.8, long_s: float = 1.
             redis, store = server.client(), JobStore(server.client())
             model = _model_dir(root)
             job_id = running_job(store, 2, model=model, max_new_tokens=4000)
-            spec = JobSpec.model_validate(store.get(job_id)["spec"])
+            spec = JobSpec.from_stored(store.get(job_id)["spec"])
             workers = {w: start_worker(job_id, w, spec, server.url, str(root / "drafts")) for w in ("w0", "w1")}
             prompt = [[1, 2, 3, 4]]
 

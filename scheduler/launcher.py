@@ -88,8 +88,9 @@ class Launcher:
             self._fail(job_id, "the scheduler has no Ray cluster to run it on (started without Ray)")
             return
         try:
-            group = group if group is not None else job_group(job_id, spec)
-            driver = self._start_driver(job_id, JobSpec.model_validate(spec), group)
+            job_spec = JobSpec.from_stored(spec)  # the record's JSON, read back once; typed from here down
+            group = group if group is not None else job_group(job_id, job_spec)
+            driver = self._start_driver(job_id, job_spec, group)
             ref = driver.run.remote()
         except Exception as exc:  # the job boundary: recorded on the job, logged with its id
             log.exception("job %s could not start", job_id)
@@ -200,7 +201,7 @@ class Launcher:
         record, gpus = self.store.get(job_id), self.cluster_gpus()
         if record is None or record["state"] != JobState.RUNNING or gpus is None:
             return None, None  # cancelled (its driver is being killed), gone from an emptied Redis, or no Ray to ask
-        num_workers = record["spec"]["num_workers"]
+        num_workers = JobSpec.from_stored(record["spec"]).num_workers
         if gpus >= num_workers:
             if short is not None:
                 log.info("job %s: the Ray cluster has %d GPUs again", job_id, gpus)

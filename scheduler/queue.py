@@ -26,6 +26,7 @@ from scheduler.jobs import JobStore
 from workers.errors import one_line
 from workers.protocol.keys import placement_group_job, placement_group_name
 from workers.protocol.states import JobState
+from workers.spec import JobSpec
 
 log = logging.getLogger(__name__)
 ADMIT_WAIT_S = 1.0  # how long one look at the head waits for Ray to place its group; a submit or an end wakes it
@@ -33,16 +34,17 @@ ADMIT_WAIT_S = 1.0  # how long one look at the head waits for Ray to place its g
 PLACEMENT_STRATEGY = "PACK"
 
 
-def job_group(job_id: str, spec: dict, *, is_created: bool = True) -> PlacementGroup | None:
+def job_group(job_id: str, spec: JobSpec | None, *, is_created: bool = True) -> PlacementGroup | None:
     """The job's placement group: the one already named for it, else (with is_created) a new one of num_workers
-    bundles of gpus_per_worker GPU each. None when there is none and none was to be created."""
+    bundles of gpus_per_worker GPU each (`spec`: the job's, read back with JobSpec.from_stored; None only without
+    is_created). None when there is none and none was to be created."""
     name = placement_group_name(job_id)
     try:
         return get_placement_group(name)
     except ValueError:  # none by that name (never asked for, or removed)
         if not is_created:
             return None
-    bundles = [{"GPU": float(spec["gpus_per_worker"])} for _ in range(int(spec["num_workers"]))]
+    bundles = [{"GPU": spec.gpus_per_worker} for _ in range(spec.num_workers)]
     return placement_group(bundles, strategy=PLACEMENT_STRATEGY, name=name, lifetime="detached")
 
 
@@ -51,7 +53,7 @@ def release_group(job_id: str) -> None:
     if not ray.is_initialized():
         return
     try:
-        pg = job_group(job_id, {}, is_created=False)
+        pg = job_group(job_id, None, is_created=False)
         if pg is not None:
             remove_placement_group(pg)
             log.info("job %s: its placement group is removed", job_id)
@@ -123,7 +125,8 @@ class Admitter:
         if record is None or record["state"] != JobState.QUEUED:  # a stale entry (the record was lost): drop it
             self.store.drop_from_queue(head)
             return True
-        pg = job_group(head, record["spec"])
+        spec = JobSpec.from_stored(record["spec"])
+        pg = job_group(head, spec)
         self._asked = head
         if not pg.wait(wait_s):
             return False
@@ -132,6 +135,6 @@ class Admitter:
         if started is None:  # cancelled as Ray placed it
             release_group(head)
             return True
-        log.info("job %s: admitted (its %d rollout GPUs are placed)", head, record["spec"]["num_workers"])
+        log.info("job %s: admitted (its %d rollout GPUs are placed)", head, spec.num_workers)
         self.launch(head, started["spec"], pg)
         return True

@@ -37,10 +37,9 @@ class Rounds:
         self.redis, self.store_dir, self.commands, self.settings = redis, store_dir, commands, settings
         self.jobs = jobs  # the watcher's TLT state of each watched job
 
-    def start(self, job_id: str, st: JobTLT, classes: dict[str, WorkerState], phase: Phase,
-              draft_k: int) -> str | None:
-        """Ask a free worker to merge the round's copies and score the candidate; returns that worker (None if
-        no round started)."""
+    def start(self, job_id: str, st: JobTLT, classes: dict[str, WorkerState], phase: Phase) -> str | None:
+        """Ask a free worker to merge the round's copies and score the candidate (at the job's draft_k, which the
+        worker holds in its spec); returns that worker (None if no round started)."""
         scorer, held_out = choose_scorer(classes, phase, st.trained, leased=st.leases)
         if scorer is None:
             return None  # every worker is busy: score later, without slowing the long tail
@@ -69,7 +68,7 @@ class Rounds:
                       "parent_version": serving or 0, "serving_version": serving, "evaluated_by": scorer,
                       "held_out": held_out, "at": time.time()}
         log.info("job %s: round %s: %s merges copies %s and scores the candidate", job_id, round_id, scorer, merged)
-        self.commands.send(job_id, scorer, "score_round", ScoringRequest(round_id, merged, serving, draft_k).to_dict(),
+        self.commands.send(job_id, scorer, "score_round", ScoringRequest(round_id, merged, serving).to_dict(),
                            on_reply=lambda r: self._asked(r, round_id))
         return scorer
 

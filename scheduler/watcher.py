@@ -1,8 +1,9 @@
 """The watcher: reads Redis, asks the pure policy, and sends the workers its decisions as commands.
 
-Each `tick()`, for every RUNNING job (the running set: however many jobs the store holds) with TLT
-on, it reads the driver's phase, the workers' progress records, the lease outcomes the workers write
-and the served draft index; then it `decide`s, preempts trainers whose GPU is needed (the rollout
+Each `tick()`, for every RUNNING job (the running set: however many jobs the store holds) that trains
+its drafter (its stored spec read back by JobSpec.from_stored: tlt and idle_training on), it reads the
+driver's phase, the workers' progress records, the lease outcomes the workers write and the served
+draft index; then it `decide`s, preempts trainers whose GPU is needed (the rollout
 phase ended, or the worker got rollouts again), offers leases to idle workers in the long tail,
 collects finished leases (reclaimed time: each lease's overlap with its step's rollout phase), and
 once a round's leases have all come back hands the round to scheduler/rounds.py (merge, score,
@@ -61,11 +62,6 @@ from workers.spec import JobSpec
 log = logging.getLogger(__name__)
 PREEMPT_WAIT_S = 5.0  # how long a preemption waits for the trainer to confirm it stopped
 MAX_OUTAGE_WAIT_S = 2.0  # longest pause between ticks while Redis is unreachable (the tick doubles up to it)
-
-
-def trains_drafter(spec: dict) -> bool:
-    """JobSpec.trains_drafter for a stored spec (a dict as the job store keeps it; a missing key: the default)."""
-    return all(spec.get(name, JobSpec.model_fields[name].default) for name in ("tlt", "idle_training"))
 
 
 def without_gone(records: list[ProgressRecord], gone: dict[str, float]) -> tuple[list[ProgressRecord], list[str]]:
@@ -130,11 +126,13 @@ class Watcher:
         self.commands.poll()  # the answers that arrived since the last tick
         watched = set()
         for job in self.store.get_many(self.store.running_ids()):
-            if job["state"] != JobState.RUNNING or not trains_drafter(job["spec"]):
+            if job["state"] != JobState.RUNNING:
                 continue
-            watched.add(job["job_id"])
             try:
-                self.watch_job(job["job_id"], job["spec"])
+                if not JobSpec.from_stored(job["spec"]).trains_drafter:  # no leases, nothing to watch
+                    continue
+                watched.add(job["job_id"])
+                self.watch_job(job["job_id"])
             except (RedisConnectionError, RedisTimeoutError):
                 raise  # not this job's fault: the loop backs off
             except Exception:  # the job's boundary in a tick: logged with its id, the other jobs still watched
@@ -153,7 +151,7 @@ class Watcher:
             st.leases, st.copies, st.scoring = {}, [], None
             st.save(self.store.redis, job_id)
 
-    def watch_job(self, job_id: str, spec: dict) -> None:
+    def watch_job(self, job_id: str) -> None:
         redis = self.store.redis
         raw = redis.get(job_phase_key(job_id))
         if raw is None:
@@ -192,7 +190,7 @@ class Watcher:
         elif st.copies and scoring_fits(decision.remaining_rollout_s, st.last_scoring_s, self.settings):
             # finished copies wait for a free worker to score them, ahead of another lease: a better draft
             # reaches the stragglers sooner; leases still running belong to the next round
-            scorer = self.rounds.start(job_id, st, decision.classes, phase.phase, int(spec["draft_k"]))
+            scorer = self.rounds.start(job_id, st, decision.classes, phase.phase)
             grants = [g for g in grants if g.worker_id != scorer]
         for lease in grants:
             self._offer(job_id, st, lease)

@@ -34,15 +34,14 @@ class RolloutWorker:
     """Ray actor around workers.rollout.RolloutRunner. Async: blocking work runs in threads, so commands
     answer while it generates, trains or scores."""
 
-    def __init__(self, job_id: str, worker_id: str, spec: dict, redis_url: str, store_dir: str,
+    def __init__(self, job_id: str, worker_id: str, spec: JobSpec, redis_url: str, store_dir: str,
                  index: int = 0, **runtime) -> None:
         from workers.rollout import RolloutRunner  # torch, here only
 
-        job_spec = JobSpec.model_validate(spec)
-        self.placement = self._place(worker_id, index, job_spec)
+        self.placement = self._place(worker_id, index, spec)
         if self.placement is not None:
             runtime.setdefault("num_threads", self.placement.num_threads)
-        self.runner = RolloutRunner(job_id, worker_id, job_spec, connect(redis_url), store_dir, **runtime)
+        self.runner = RolloutRunner(job_id, worker_id, spec, connect(redis_url), store_dir, **runtime)
         self.runner.swapper.start()
         self._tasks: set[asyncio.Task] = set()  # background leases and scoring (kept referenced until done)
 
@@ -127,12 +126,13 @@ def start_worker(job_id: str, worker_id: str, spec: JobSpec, redis_url: str, sto
     """A job's rollout worker as a named actor (owned by the caller, the driver: it dies with it). `index`
     (0..num_workers-1) picks its cores on CPU (workers.pinning) and its bundle of `placement_group` (the job's GPUs,
     placed by the scheduler's queue; None: wherever Ray finds a GPU); `runtime`: RolloutRunner's keyword settings.
-    It asks Ray for spec.gpus_per_worker of a GPU: one each by default, a share of one on small nodes and benches."""
+    It asks Ray for spec.gpus_per_worker of a GPU: one each by default, a share of one on small nodes and benches.
+    The typed spec goes as it is (Ray pickles it between the job's own actors: its driver and its workers)."""
     placed = {} if placement_group is None else {"scheduling_strategy": PlacementGroupSchedulingStrategy(
         placement_group, placement_group_bundle_index=index)}
     return RolloutWorker.options(name=worker_actor_name(job_id, worker_id), namespace=RAY_NAMESPACE,
                                  num_gpus=spec.gpus_per_worker, num_cpus=0, **placed).remote(
-        job_id, worker_id, spec.model_dump(), redis_url, store_dir, index, **runtime)
+        job_id, worker_id, spec, redis_url, store_dir, index, **runtime)
 
 
 def get_worker(job_id: str, worker_id: str):

@@ -45,7 +45,7 @@ class JobDriver:
     driver (model, workers) and runs every step, so whatever fails, setup included, ends in the JobResult
     that `run` writes to job_result_key before it returns (or raises)."""
 
-    def __init__(self, job_id: str, spec: dict, redis_url: str, store_dir: str, placement_group=None) -> None:
+    def __init__(self, job_id: str, spec: JobSpec, redis_url: str, store_dir: str, placement_group=None) -> None:
         self.job_id = check_id("job_id", job_id)  # every key of the job is built from it
         self.spec, self.redis_url, self.store_dir = spec, redis_url, store_dir
         self.placement_group = placement_group  # the job's rollout GPUs (scheduler.queue), None outside the queue
@@ -66,8 +66,7 @@ class JobDriver:
         try:
             from workers.driver import Driver  # torch, here only
 
-            spec = JobSpec.model_validate(self.spec)
-            driver = self._driver = Driver(self.job_id, spec, redis, self.redis_url, self.store_dir,
+            driver = self._driver = Driver(self.job_id, self.spec, redis, self.redis_url, self.store_dir,
                                            placement_group=self.placement_group)
             driver.run()
             ensure_record(driver)  # so that its warning says so if Redis came back empty since the last phase
@@ -105,8 +104,8 @@ def start_driver(job_id: str, spec: JobSpec, redis_url: str, store_dir: str, is_
     """A job's driver as a named actor in RAY_NAMESPACE; detached, it outlives the process that started it.
     `store_dir` is the root of every job's draft stores (the job's own are under store_dir/job_id);
     `placement_group` holds its rollout workers' GPUs (the scheduler's queue placed it); the driver itself asks
-    for no resource and runs outside it."""
+    for no resource and runs outside it. The typed spec goes as it is (Ray pickles it to the job's own actor)."""
     options = {"name": driver_actor_name(job_id), "namespace": RAY_NAMESPACE, "max_concurrency": 4}
     if is_detached:
         options["lifetime"] = "detached"
-    return JobDriver.options(**options).remote(job_id, spec.model_dump(), redis_url, store_dir, placement_group)
+    return JobDriver.options(**options).remote(job_id, spec, redis_url, store_dir, placement_group)

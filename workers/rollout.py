@@ -70,7 +70,7 @@ class RolloutRunner:
         self.status = WorkerStatus(redis, job_id, worker_id, self._facts)
         self.swapper = Swapper(self.engine, self.served, self.status, spec)
         self.leases = LeaseRunner(spec, redis, self.policy, self.buffer, self.served, self.copies, self.status)
-        self.scorer = Scorer(redis, self.policy, self.buffer, self.served, self.copies, self.status)
+        self.scorer = Scorer(spec, redis, self.policy, self.buffer, self.served, self.copies, self.status)
 
     def _facts(self) -> dict:
         """The progress record's fields that the status does not keep itself."""

@@ -2,8 +2,9 @@
 
 score_round: average exactly the copies it is given (the scheduler grouped them by merge_key) into a
 candidate in the copies store, then measure the candidate (at the draft temperature that accepts the
-most) and the serving version offline on this worker's most recent rollouts (drafter.evaluate), and
-write the ScoringResult to job_scoring_key; a round that could not be scored gets one with `error`.
+most) and the serving version offline on this worker's most recent rollouts (drafter.evaluate), at the
+job's draft_k (the worker's own JobSpec), and write the ScoringResult to job_scoring_key; a round that
+could not be scored gets one with `error`.
 publish_candidate: serve a scored candidate at its draft temperature, in the served store.
 """
 
@@ -23,6 +24,7 @@ from workers.errors import one_line
 from workers.message import Message
 from workers.protocol.keys import job_scoring_key
 from workers.protocol.messages import ScoringRequest, ScoringResult
+from workers.spec import JobSpec
 from workers.status import WorkerStatus
 from workers.store import DraftStore
 
@@ -46,9 +48,9 @@ def recent_rollouts(buffer: RolloutBuffer, max_tokens: int = EVAL_TOKENS) -> tup
 
 
 class Scorer:
-    def __init__(self, redis: redis_lib.Redis, policy: CausalLM, buffer: RolloutBuffer, served: DraftStore,
-                 copies: DraftStore, status: WorkerStatus) -> None:
-        self.redis, self.policy, self.buffer = redis, policy, buffer
+    def __init__(self, spec: JobSpec, redis: redis_lib.Redis, policy: CausalLM, buffer: RolloutBuffer,
+                 served: DraftStore, copies: DraftStore, status: WorkerStatus) -> None:
+        self.spec, self.redis, self.policy, self.buffer = spec, redis, policy, buffer
         self.served, self.copies, self.status = served, copies, status
         self.scoring: str | None = None  # the round under scoring
         self._lock = threading.Lock()
@@ -58,8 +60,6 @@ class Scorer:
         req = ScoringRequest.from_dict(request) if not isinstance(request, Message) else request
         if not req.copies or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in req.copies):
             raise ValueError(f"copies must be a non-empty list of versions >= 1, got {req.copies!r}")
-        if req.draft_k < 1:
-            raise ValueError(f"draft_k must be >= 1, got {req.draft_k}")
         with self._lock:
             if self.scoring is not None:
                 raise ValueError(f"worker {self.status.worker_id} is scoring round {self.scoring}")
@@ -75,12 +75,12 @@ class Scorer:
             if not recent:
                 raise ValueError(f"worker {self.status.worker_id} has no rollouts to score drafts on")
             head, _ = self.copies.load_head(result.candidate, self.policy.dtype, self.policy.device)
-            tau, scores = calibrate_draft_temperature(head, self.policy, recent, req.draft_k)
+            tau, scores = calibrate_draft_temperature(head, self.policy, recent, self.spec.draft_k)
             result.candidate_accepted_length, result.candidate_draft_temperature = scores[tau], tau
             if req.serving_version is not None:
                 serving, _ = self.served.load_head(req.serving_version, self.policy.dtype, self.policy.device)
-                result.serving_accepted_length = expected_accepted_length(serving, self.policy, recent, req.draft_k,
-                                                                          greedy=False)
+                result.serving_accepted_length = expected_accepted_length(serving, self.policy, recent,
+                                                                          self.spec.draft_k, greedy=False)
         except Exception as exc:  # the round's boundary: whatever failed, its ScoringResult is written (with the error)
             log.exception("job %s: worker %s: scoring round %s failed", self.status.job_id, self.status.worker_id,
                           req.round_id)

@@ -1,6 +1,11 @@
 """A job's configuration, defined once: the validated REST body (POST /v1/jobs) is what the driver,
 the rollout workers, the drafter trainer and the GRPO update receive.
 
+Validated once at the REST edge and stored as JSON in the job record (scheduler.jobs); every reader of a stored
+spec (the launcher, the queue, the watcher) reads it back with `JobSpec.from_stored`, and the typed JobSpec is
+what goes down from there: to the driver actor, to each rollout worker actor (Ray pickles it between a job's own
+processes; Redis only ever holds its JSON), and on to the engine, the leases, the scorer and GRPO.
+
 Every default lives here, with its reason where it is not obvious; drafter-training defaults live in
 drafter.config.TrainConfig (drafter/ imports nothing of ours) and DrafterSpec takes them from there.
 Torch-free: the scheduler validates specs without importing torch.
@@ -8,7 +13,8 @@ Torch-free: the scheduler validates specs without importing torch.
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -177,6 +183,15 @@ class JobSpec(BaseModel):
             raise ValueError(f"draft_dtype must be {' or '.join(map(repr, entry.draft_dtypes))} with engine "
                              f"{self.engine!r} (its draft runs at the policy's precision)")
         return self
+
+    @classmethod
+    def from_stored(cls, stored: Mapping[str, Any] | str | bytes) -> JobSpec:
+        """A job record's spec (its "spec": the validated body as JSON, scheduler.jobs), or that JSON as text, read
+        back: the one reader of a stored spec. pydantic's ValidationError (a ValueError) naming the field if it
+        is no longer a valid JobSpec."""
+        if isinstance(stored, str | bytes):
+            return cls.model_validate_json(stored)
+        return cls.model_validate(stored)
 
     @property
     def model_is_path(self) -> bool:

@@ -29,6 +29,7 @@ from workers.protocol.messages import ProgressRecord, ScoringRequest, ScoringRes
 from workers.protocol.states import Phase, WorkerState
 from workers.redis_server import PrivateRedis
 from workers.scoring import Scorer
+from workers.spec import JobSpec
 from workers.store import job_stores
 
 JOB = "job1"
@@ -40,7 +41,7 @@ class SlowScorer:
     def __init__(self, redis_url: str, store_dir: str, worker_id: str) -> None:
         self.redis, self.worker_id = connect(redis_url), worker_id
         served, self.copies = job_stores(self.redis, store_dir, JOB)
-        self.scorer = Scorer(self.redis, None, None, served, self.copies, None)  # publish_candidate's parts
+        self.scorer = Scorer(JobSpec(), self.redis, None, None, served, self.copies, None)  # publish_candidate's
         self.released = asyncio.Event()
         self.answer: list[float] | str = []
         self.asked: list[dict] = []
@@ -117,7 +118,7 @@ def decisions(redis) -> list[dict]:
 
 def start(watcher: Watcher, st: JobTLT, classes=IDLE) -> None:
     watcher.jobs[JOB] = st
-    watcher.rounds.start(JOB, st, classes, Phase.ROLLOUT, 2)
+    watcher.rounds.start(JOB, st, classes, Phase.ROLLOUT)
 
 
 def wait_decided(watcher: Watcher, st: JobTLT, workers: dict, timeout: float = 30.0) -> None:
@@ -157,7 +158,8 @@ def test_scoring_is_collected_by_a_later_tick_and_the_round_is_pruned(setup):
     # decided: the round's copies and candidate are gone from the copies store, index and files
     assert copies.versions() == [] and not list((tmp_path / JOB / "copies").glob("*.safetensors"))
     [asked] = ray.get(scorer.questions.remote())
-    assert asked == {"round_id": f"{JOB}-r1", "copies": [1, 2], "serving_version": None, "draft_k": 2}
+    # the draft length is not asked for: the scorer scores at its own JobSpec's draft_k
+    assert asked == {"round_id": f"{JOB}-r1", "copies": [1, 2], "serving_version": None}
 
 
 def test_a_restarted_watcher_reads_the_answer_and_a_worse_candidate_is_not_published(setup):

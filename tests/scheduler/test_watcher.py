@@ -4,6 +4,8 @@ lease, and the merged draft is published and served."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import time
 from pathlib import Path
 
@@ -15,8 +17,15 @@ from drafter.config import PRESETS
 from drafter.evaluate import DRAFT_TEMPERATURES
 from drafter.loading import random_model, save_hf_dir
 from scheduler.app import Settings, create_app
+from scheduler.jobs import JobStore
 from scheduler.policy import PolicySettings
+from scheduler.watcher import Watcher
+from tests.scheduler.running import running_job
+from workers.engines import Speculation
+from workers.protocol.keys import TltField, job_key, job_tlt_key
+from workers.protocol.states import Phase, WorkerState
 from workers.redis_server import PrivateRedis
+from workers.spec import JobSpec
 from workers.store import DraftStore
 
 # A tiny model with an EOS token: sampled responses end at random lengths (geometric, mean ~256), so
@@ -103,8 +112,38 @@ def test_idle_worker_trains_and_the_merged_draft_is_served(client):
     assert float(idle.split()[-1]) == pytest.approx(sum(s["idle_worker_s"] for s in steps))
 
 
-def test_only_jobs_that_train_the_drafter_are_watched_for_leases():
-    from scheduler.watcher import trains_drafter
+def test_a_stored_spec_reads_back_as_the_submitted_one():
+    spec = JobSpec(model="tiny", draft_k=3, speculation="always", temperature=1, drafter={"lr": 1e-3})
+    with PrivateRedis() as server:
+        store = JobStore(server.client())
+        job_id = store.create(spec)[0]["job_id"]
+        stored = store.get(job_id)["spec"]  # the record's JSON, as every reader finds it
+        assert JobSpec.from_stored(stored) == spec and JobSpec.from_stored(json.dumps(stored)) == spec
+        assert JobSpec.from_stored(stored).speculation is Speculation.ALWAYS
+    assert JobSpec.from_stored({}) == JobSpec()  # a field not stored: its one default
+    with pytest.raises(ValueError, match="draft_k"):  # a field stored wrong is named (strict: no "2" for 2)
+        JobSpec.from_stored(stored | {"draft_k": "2"})
 
-    assert trains_drafter({}) and trains_drafter({"tlt": True, "idle_training": True})  # the JobSpec defaults
-    assert not trains_drafter({"tlt": False}) and not trains_drafter({"tlt": True, "idle_training": False})
+
+def test_only_running_jobs_whose_spec_trains_the_drafter_are_watched(tmp_path, caplog):
+    """The watcher reads each RUNNING job's stored spec back (JobSpec.from_stored) and watches those that train the
+    drafter (tlt and idle_training on); a spec that no longer reads is logged with its job's id, the others are
+    still watched. In the update phase with every worker idle: nothing is sent to a worker, no Ray needed."""
+    with PrivateRedis() as server:
+        redis = server.client()
+        store = JobStore(redis)
+        ids = {name: running_job(store, Phase.UPDATE, {"w0": (WorkerState.IDLE, 4)})[0]
+               for name in ("trains", "tlt_off", "frozen", "damaged")}
+        for name, change in (("tlt_off", {"tlt": False}), ("frozen", {"idle_training": False}),
+                             ("damaged", {"num_workers": 0})):
+            record = store.get(ids[name])
+            record["spec"] |= change
+            redis.set(job_key(ids[name]), json.dumps(record))
+        watcher = Watcher(store, str(tmp_path), PolicySettings())
+        with caplog.at_level(logging.ERROR, logger="scheduler"):
+            watcher.tick()
+        assert set(watcher.jobs) == {ids["trains"]}
+        assert {job_id for job_id in ids.values() if redis.hget(job_tlt_key(job_id), TltField.CLASSES)} \
+            == {ids["trains"]}
+        [line] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert line.getMessage() == f"job {ids['damaged']}: watcher step failed" and "num_workers" in line.exc_text

@@ -163,7 +163,7 @@ def test_worker_commands_lease_score_publish_and_every_worker_swaps(ray_cluster,
         done = until(lambda: (o := outcome("l1")) and o.state != LeaseState.RUNNING and o, what="lease l1")
         assert done.state == LeaseState.DONE and done.steps >= 1 and done.version == 1
 
-        request = {"round_id": "r1", "copies": [done.version], "serving_version": None, "draft_k": 2}
+        request = {"round_id": "r1", "copies": [done.version], "serving_version": None}
         assert ray.get(w1.score_round.remote(request)) is None  # w1 did not train on its rollouts: held out
         raw = until(lambda: redis_client.get(job_scoring_key("j3")), what="the scoring result")
         scored = ScoringResult.from_json(raw)

@@ -132,7 +132,7 @@ def test_merge_keys_are_equal_for_mergeable_copies_and_differ_otherwise(device, 
 def test_score_round_merges_exactly_the_copies_given_and_writes_the_result(device, redis_client, tmp_path):
     r = runner(device, redis_client, tmp_path)
     a, b = lease(r, "a"), lease(r, "b")
-    req = {"round_id": "r1", "copies": [a.version, b.version], "serving_version": None, "draft_k": 2}
+    req = {"round_id": "r1", "copies": [a.version, b.version], "serving_version": None}
     res = r.scorer.run(r.scorer.accept(req))
     assert ScoringResult.from_json(redis_client.get(job_scoring_key("job1"))) == res
     assert res.error is None and res.worker_id == "w0" and res.serving_accepted_length is None
@@ -141,7 +141,7 @@ def test_score_round_merges_exactly_the_copies_given_and_writes_the_result(devic
     # scored at the draft temperature that accepts the most on this worker's newest rollouts
     recent, num_tokens = recent_rollouts(r.buffer)
     head, _ = r.copies.load_head(res.candidate, r.policy.dtype)
-    tau, scores = calibrate_draft_temperature(head, r.policy, recent, 2)
+    tau, scores = calibrate_draft_temperature(head, r.policy, recent, r.spec.draft_k)  # the worker's own k
     assert res.num_tokens == num_tokens > 0 and res.candidate_draft_temperature == tau in DRAFT_TEMPERATURES
     assert res.candidate_accepted_length == pytest.approx(scores[tau]) and 1.0 <= scores[tau] <= 3.0
     # the serving version is scored too when there is one
@@ -154,22 +154,21 @@ def test_score_round_writes_an_error_result_when_it_cannot_score(device, redis_c
     r0, r1 = runner(device, redis_client, tmp_path), runner(device, redis_client, tmp_path, worker_id="w1", seed=50)
     a, c = lease(r0, "a"), lease(r1, "c")  # copies with different merge keys do not average
     res = r0.scorer.run(r0.scorer.accept({"round_id": "r1", "copies": [a.version, c.version],
-                                          "serving_version": None, "draft_k": 2}))
+                                          "serving_version": None}))
     assert res.candidate is None and res.error.startswith("ValueError: ") and "non-float tensor" in res.error
     assert ScoringResult.from_json(redis_client.get(job_scoring_key("job1"))) == res
-    res = r0.scorer.run(r0.scorer.accept({"round_id": "r2", "copies": [99], "serving_version": None, "draft_k": 2}))
+    res = r0.scorer.run(r0.scorer.accept({"round_id": "r2", "copies": [99], "serving_version": None}))
     assert "version 99 is not in draft store" in res.error
     fresh = RolloutRunner("job1", "w2", JobSpec(model="tiny"), redis_client, str(tmp_path))  # no rollouts yet
-    res = fresh.scorer.run(fresh.scorer.accept({"round_id": "r3", "copies": [a.version], "serving_version": None,
-                                                "draft_k": 2}))
+    res = fresh.scorer.run(fresh.scorer.accept({"round_id": "r3", "copies": [a.version], "serving_version": None}))
     assert res.candidate is not None and "no rollouts" in res.error  # merged: the caller can prune it
     assert r0.scorer.scoring is None  # free for the next round
 
 
 @pytest.mark.parametrize(("request_", "field"), [
-    ({"copies": [], "draft_k": 2}, "copies"), ({"copies": [0], "draft_k": 2}, "copies"),
-    ({"copies": [1], "draft_k": 0}, "draft_k"), ({"copies": "1", "draft_k": 2}, "copies"),
-    ({"copies": [1]}, "draft_k")])
+    ({"copies": []}, "copies"), ({"copies": [0]}, "copies"), ({"copies": "1"}, "copies"), ({}, "copies"),
+    # the draft length is the worker's own (its JobSpec): a request that carries one is refused
+    ({"copies": [1], "draft_k": 2}, "draft_k")])
 def test_a_bad_scoring_request_is_refused_naming_the_field(redis_client, tmp_path, request_, field):
     r = RolloutRunner("job1", "w0", JobSpec(model="tiny"), redis_client, str(tmp_path))
     with pytest.raises(ValueError, match=field):
@@ -179,9 +178,9 @@ def test_a_bad_scoring_request_is_refused_naming_the_field(redis_client, tmp_pat
 
 def test_one_round_at_a_time(redis_client, tmp_path):
     r = RolloutRunner("job1", "w0", JobSpec(model="tiny"), redis_client, str(tmp_path))
-    r.scorer.accept({"round_id": "r1", "copies": [1], "serving_version": None, "draft_k": 2})
+    r.scorer.accept({"round_id": "r1", "copies": [1], "serving_version": None})
     with pytest.raises(ValueError, match="scoring round r1"):
-        r.scorer.accept({"round_id": "r2", "copies": [1], "serving_version": None, "draft_k": 2})
+        r.scorer.accept({"round_id": "r2", "copies": [1], "serving_version": None})
 
 
 def test_publish_candidate_serves_it_at_its_draft_temperature(device, redis_client, tmp_path):

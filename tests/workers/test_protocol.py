@@ -182,7 +182,7 @@ def test_lease_scoring_step_phase_and_result_messages_round_trip():
         LeaseOffer.from_dict({"parent_version": 0, "deadline_s": 1})
     outcome = LeaseOutcome("l1", "w0", LeaseState.DONE, steps=3, version=4)
     assert LeaseOutcome.from_json(outcome.to_json()) == outcome and outcome.state is LeaseState.DONE
-    req = ScoringRequest("r1", copies=[1, 2], serving_version=None, draft_k=2)
+    req = ScoringRequest("r1", copies=[1, 2], serving_version=None)
     assert ScoringRequest.from_json(req.to_json()) == req
     res = ScoringResult("r1", "w1", candidate=3, candidate_accepted_length=1.7, error=None)
     assert ScoringResult.from_json(res.to_json()) == res

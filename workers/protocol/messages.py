@@ -126,12 +126,12 @@ class LeaseOutcome(Message):
 @dataclass
 class ScoringRequest(Message):
     """Merge `copies` (the copies store) into a candidate, then score it (at its calibrated draft
-    temperature) and the serving version on the scorer's recent rollouts."""
+    temperature) and the serving version on the scorer's recent rollouts, at the draft length of the job's
+    spec, which the worker holds (workers.scoring.Scorer)."""
 
     round_id: str
     copies: list  # copy versions to average, weighted by their training steps
     serving_version: int | None
-    draft_k: int  # draft length the accepted lengths are measured at
 
 
 @dataclass
