@@ -72,10 +72,11 @@ def stack(tmp_path_factory):
             # a job still running (a test failed before its end) is stopped first: shutting Ray down under its
             # driver while the scheduler follows it can take this process down with Ray's workers
             url = f"{base}/v1/jobs/{job['job_id']}"
-            if http_json(url)["state"] in ("PENDING", "RUNNING"):
+            if http_json(url)["state"] in ("PENDING", "QUEUED", "RUNNING"):
                 with contextlib.suppress(ClientError):  # 409: it ended meanwhile
                     http_json(f"{url}/cancel", {})
-                until(lambda: http_json(url)["state"] not in ("PENDING", "RUNNING"), 60, "the job to stop", 0.5)
+                until(lambda: http_json(url)["state"] not in ("PENDING", "QUEUED", "RUNNING"), 60, "the job to stop",
+                      0.5)
         finally:
             prom.terminate()
             prom.wait(30)
