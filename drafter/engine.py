@@ -141,11 +141,13 @@ def _find_stop(tokenizer, token_ids: list[int], stops: tuple[str, ...]) -> int:
 class Engine:
     def __init__(self, model: CausalLM, tokenizer=None, static: bool | None = None) -> None:
         """static: run the policy on drafter.static's path (static KV cache, bucketed batches, CUDA graphs on a
-        GPU) instead of the eager one; None chooses it on CUDA and keeps the eager path on a CPU, where
-        oneDNN's packed weights make the eager path the faster (docs/benchmarks.md, "GPU"). The static path
-        drafts chains only (draft trees run on the eager path)."""
+        GPU) instead of the eager one. None: the static path wherever it applies, which is every call on a GPU
+        and, on a CPU, every call that drafts no tree: there its GEMMs on oneDNN's packed weights and its lean
+        layer beat the eager path's ops (docs/benchmarks.md, "Engine"). The static path drafts chains only;
+        draft trees run on the eager path."""
         self.model, self.tokenizer = model, tokenizer
-        self.static = model.device.type == "cuda" if static is None else bool(static)
+        self.prefer_static = static
+        self.static = True if static is None else bool(static)  # the path of the latest call
         self.runner: StaticRunner | None = None
         self.stats = EngineStats()
 
@@ -203,8 +205,11 @@ class Engine:
         rows = [_Row(r, model.cfg.eos_token_ids, lim, record_hidden) for r, lim in zip(requests, limits)]
         order = list(range(len(rows)))  # live position -> index in `rows`
         sampling = BatchSampling.from_params([r.params for r in requests], device)
-        # room for a tree's side slots; the static path drafts chains only
-        largest = drafter.tree_for(k) if drafter is not None and not self.static else None
+        # the largest tree this call may draft, which only the eager path runs (it needs room for side slots)
+        largest = drafter.tree_for(k) if drafter is not None else None
+        self.static = self.prefer_static if self.prefer_static is not None else (
+            device.type == "cuda" or largest is None)
+        largest = None if self.static else largest
         if self.static:
             cache = self.static_runner(len(rows), max(limits)).cache
         else:
@@ -247,6 +252,8 @@ class Engine:
                 sampling = sampling.select(keep.to(device))
                 if drafter is not None:
                     drafter.keep_rows(keep)
+        if self.runner is not None and not self.runner.cuda_graphs:
+            self.runner = None  # no graphs to keep on a CPU: free the cache between calls, as the eager path does
         return [self._output(r) for r in rows]
 
     def _aux_layers(self, drafter: Drafter | None, record_hidden: bool,

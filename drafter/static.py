@@ -7,10 +7,11 @@ for q, k and v at once (v's tables are cos=1, sin=0), one cache write per layer,
 into the output projections (in-place addmm_), 18 top-level ops per layer at one token. Outputs equal the eager
 path's up to float rounding (greedy tokens identical: tests/drafter/test_static.py).
 
-Cache layout: (L, B, 2*Hkv, G, S, D), keys then values, each KV head stored once per query head of its
-group (G = H / Hkv). SDPA's fused CUDA kernels take an attention mask only without enable_gqa (with it
-they fall back to the unfused math path), so the cache pays G times the memory of a grouped one for a
-one-kernel attention; the write stays one index_put_ (the value broadcasts over G).
+Cache layout: (L, B, 2*Hkv, G, S, D), keys then values. On a GPU each KV head is stored once per query
+head of its group (G = H / Hkv): SDPA's fused CUDA kernels take an attention mask only without enable_gqa
+(with it they fall back to the unfused math path), so the cache pays G times the memory of a grouped one
+for a one-kernel attention; the write stays one index_put_ (the value broadcasts over G). On a CPU G = 1
+and SDPA groups the heads (enable_gqa), which its kernel does with a mask.
 
 Rows 0..B-1 of the cache are the live sequences, in the engine's order; rows past them are scratch that
 padded rows of a bucket write into. Graph outputs live in shared buffers valid until the next forward.
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from drafter.config import ModelConfig
-from drafter.model import CausalLM, draft_features
+from drafter.model import CausalLM, PackedWeight, draft_features, native_cpu_bf16, onednn_linear_available
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # past 128: multiples of 64
 MIN_SLOTS = 64  # slot buckets are powers of two from here (a multiple of 16: SDPA's mask alignment)
@@ -102,7 +103,8 @@ def attend(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotate: t
     # one write per layer, broadcast over the group: (B, T, 2Hkv, G, D)
     torch.ops.aten.index_put_(cache_l, [rows, None, None, positions], kv)
     q = q.view(B, H, 1, D) if T == 1 else q.squeeze(3).transpose(1, 2)  # (B, H, T, D)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, H, T, D)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                         enable_gqa=keys.shape[1] != H)  # (B, H, T, D)
     return out.view(B, H * D) if T == 1 else out.transpose(1, 2).reshape(B * T, H * D)
 
 
@@ -114,10 +116,31 @@ class LayerWeights:
     in_norm: torch.Tensor
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
-    o_t: torch.Tensor  # (H*D, hidden): transposed for addmm
+    o: torch.Tensor  # (hidden, H*D)
     post_norm: torch.Tensor
     gate_up: torch.Tensor
-    down_t: torch.Tensor  # (I, hidden)
+    down: torch.Tensor  # (hidden, I)
+    o_t: torch.Tensor  # o and down transposed, for addmm (views made once)
+    down_t: torch.Tensor
+    packed: tuple[PackedWeight, PackedWeight, PackedWeight, PackedWeight]  # qkv, o, gate_up, down: the modules'
+
+
+def project(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight,
+            onednn: bool) -> torch.Tensor:
+    """h (N, in) @ weight.T + bias -> (N, out), one op: oneDNN's GEMM on pre-packed weights on a CPU
+    (flat in N where MKL's grows, drafter.model.linear), else F.linear."""
+    if onednn:
+        return torch.ops.mkldnn._linear_pointwise(h, packed.get(weight), bias, "none", [], "")
+    return F.linear(h, weight, bias)
+
+
+def project_into(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor,
+                 packed: PackedWeight, onednn: bool) -> torch.Tensor:
+    """The residual stream plus a projection, x + h @ weight.T, one op: in place on a GPU (addmm_: a captured
+    graph's stream stays put), on a CPU oneDNN's GEMM with the add fused."""
+    if onednn:
+        return torch.ops.mkldnn._linear_pointwise.binary(h, x, packed.get(weight), None, "add")
+    return x.addmm_(h, weight_t)
 
 
 class StaticCache:
@@ -127,7 +150,9 @@ class StaticCache:
 
     def __init__(self, cfg: ModelConfig, num_layers: int, max_batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        group = cfg.num_heads // cfg.num_kv_heads
+        # a KV head once per query head of its group on a GPU (fused SDPA kernels, module docstring); once on a
+        # CPU, whose SDPA kernel groups heads itself (enable_gqa) at a third of the memory traffic for SmolLM2
+        group = cfg.num_heads // cfg.num_kv_heads if torch.device(device).type == "cuda" else 1
         self.kv = torch.zeros(num_layers, max_batch, 2 * cfg.num_kv_heads, group, max_len, cfg.head_dim,
                               dtype=dtype, device=device)  # (L, B, 2Hkv, G, S, D)
         self.lens = torch.zeros(0, dtype=torch.long, device=device)
@@ -149,7 +174,7 @@ class StaticCache:
         self.lens = self.lens.index_select(0, rows)
 
     def layer_views(self, num_rows: int, num_slots: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per layer: (the layer's cache to write (B_max, 2Hkv, G, S_max, D), keys (B, H, S, D), values
+        """Per layer: (the layer's cache to write (B_max, 2Hkv, G, S_max, D), keys (B, G*Hkv, S, D), values
         (B, H, S, D)) over the first num_rows rows and num_slots slots: views, made once per shape."""
         h = self.num_kv_heads
         out = []
@@ -175,6 +200,9 @@ class StaticRunner:
         self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         if self.cuda_graphs and device.type != "cuda":
             raise ValueError("cuda_graphs needs a model on a CUDA device")
+        # a CPU's GEMMs on oneDNN's packed weights, as the eager path's Linear layers (drafter.model.linear)
+        self.onednn = device.type == "cpu" and onednn_linear_available() and (
+            dtype == torch.float32 or (dtype == torch.bfloat16 and native_cpu_bf16()))
         self.cache = StaticCache(c, c.num_layers, batch_bucket(max_batch), max_len, dtype, device)
         B, T = self.cache.max_batch, MAX_GRAPH_TOKENS
         self.ids = torch.zeros(B * T, dtype=torch.long, device=device)  # graph inputs, (bucket * tokens) used
@@ -202,8 +230,11 @@ class StaticRunner:
             return
         self.graphs.clear()
         self.weights = [LayerWeights(layer.input_norm.weight, layer.attn.qkv_proj.weight, layer.attn.qkv_proj.bias,
-                                     layer.attn.o_proj.weight.t(), layer.post_attn_norm.weight,
-                                     layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight.t())
+                                     layer.attn.o_proj.weight, layer.post_attn_norm.weight,
+                                     layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight,
+                                     layer.attn.o_proj.weight.t(), layer.mlp.down_proj.weight.t(),
+                                     tuple(m._packed for m in (layer.attn.qkv_proj, layer.attn.o_proj,
+                                                               layer.mlp.gate_up_proj, layer.mlp.down_proj)))
                         for layer in self.model.layers]
         self._weights_key = key
 
@@ -226,18 +257,21 @@ class StaticRunner:
         # additive mask (B, 1, T, S): 0 where slot <= position, -inf elsewhere (padding slots included)
         mask = additive_mask(self.slot_ids[:num_slots], positions, model.dtype)
         rows = self.rows[:B].view(B, 1)
+        onednn = self.onednn and not torch.is_grad_enabled()
         x = model.embed_tokens(ids)  # (B*T, hidden): the residual stream stays 2-D, updated in place
         kept = {}
         wanted = set(aux or ())
         for i, (w, (cache_l, keys, values)) in enumerate(zip(self.weights, views)):
             if i in wanted:
                 kept[i], x = x, x.clone()  # the layers below add into x in place
+            p_qkv, p_o, p_gate_up, p_down = w.packed
             h = F.rms_norm(x, (x.shape[-1],), w.in_norm, eps)
-            out = attend(F.linear(h, w.qkv, w.qkv_bias), (cos, sin), self.rotate, cache_l, keys, values, rows,
-                         positions, mask, (H, Hkv, D))  # (B*T, H*D)
-            x.addmm_(out, w.o_t)  # residual += o_proj(out): one GEMM, no copy of the stream
-            gate, up = F.linear(F.rms_norm(x, (x.shape[-1],), w.post_norm, eps), w.gate_up).chunk(2, dim=-1)
-            x.addmm_(F.silu(gate) * up, w.down_t)  # residual += down_proj
+            out = attend(project(h, w.qkv, w.qkv_bias, p_qkv, onednn), (cos, sin), self.rotate, cache_l, keys,
+                         values, rows, positions, mask, (H, Hkv, D))  # (B*T, H*D)
+            x = project_into(x, out, w.o, w.o_t, p_o, onednn)  # residual += o_proj(out)
+            h = F.rms_norm(x, (x.shape[-1],), w.post_norm, eps)
+            gate, up = project(h, w.gate_up, None, p_gate_up, onednn).chunk(2, dim=-1)
+            x = project_into(x, F.silu(gate) * up, w.down, w.down_t, p_down, onednn)  # residual += down_proj
         if len(self.weights) in wanted:
             kept[len(self.weights)] = x
         hidden = model.norm(x)

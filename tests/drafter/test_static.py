@@ -108,16 +108,33 @@ def test_static_engine_equals_eager(device, temperature, drafter_name):
         assert [o.token_ids for o in outs[1]] == [o.token_ids for o in plain]
 
 
-def test_static_engine_reuses_its_runner(device):
+def test_static_engine_keeps_its_runner_only_where_it_holds_graphs(device):
     model = tiny_model().to(device)
     engine = Engine(model, static=True)
     requests = _requests(random_prompts([4, 6], model.cfg.vocab_size), 0.0, max_new_tokens=8)
     engine.generate(requests)
     runner = engine.runner
+    if torch.device(device).type == "cpu":  # no graphs to keep: the cache is freed between calls
+        assert runner is None
+        return
     engine.generate(requests[:1])
     assert engine.runner is runner  # smaller batch, same room: same cache (and graphs)
     engine.generate(_requests(random_prompts([4, 6, 5], model.cfg.vocab_size), 0.0, max_new_tokens=100))
     assert engine.runner is not runner and engine.runner.cache.max_len >= 106
+
+
+def test_the_cpu_default_takes_the_static_path_for_chains_and_the_eager_one_for_trees():
+    model = tiny_model()
+    head = EagleHead(model.cfg)
+    requests = _requests(random_prompts([4, 6], model.cfg.vocab_size), 0.0, max_new_tokens=8)
+    engine = Engine(model)
+    plain = engine.generate(requests)
+    assert engine.static
+    chain = engine.generate(requests, k=3, drafter=EagleDrafter(model, head))
+    assert engine.static
+    tree = engine.generate(requests, k=3, drafter=EagleDrafter(model, head, tree="2,2"))
+    assert not engine.static  # a tree's side slots: the eager path
+    assert [o.token_ids for o in chain] == [o.token_ids for o in tree] == [o.token_ids for o in plain]
 
 
 def test_static_forward_is_lean():
@@ -126,6 +143,7 @@ def test_static_forward_is_lean():
     torch.manual_seed(0)
     model = CausalLM(ModelConfig()).eval().requires_grad_(False)
     runner = StaticRunner(model, 1, 256)
+    runner.onednn = False  # the GPU's path (aten's GEMMs), not the CPU's oneDNN ones
     ids, pos = torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), 128)
     with torch.inference_mode():
         runner.forward(ids, pos, 129)
