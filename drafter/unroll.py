@@ -31,6 +31,18 @@ from drafter.model import apply_rotary
 UNROLL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     repeat_kv: bool | None = None) -> torch.Tensor:
+    """SDPA of q (R, H, T, D) over k, v (R, Hkv, S, D) under a mask. repeat_kv (None: on a GPU) repeats each KV
+    head per query head of its group first: torch's fused CUDA kernels take a mask only without enable_gqa, and
+    with it fall back to the math path (one matmul and softmax per op, in float32 under autocast). A CPU's
+    kernel groups the heads itself."""
+    group = q.shape[1] // k.shape[1]
+    if (q.is_cuda if repeat_kv is None else repeat_kv) and group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (R, H, S, D)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+
+
 def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
     """x (R, T, ...) -> y with y[:, j] = x[:, j - n] (the first n slots are zeros)."""
     if n == 0:
@@ -162,8 +174,7 @@ def _unrolled(head: EagleHead, embed: torch.nn.Embedding, batch: PackedBatch, nu
         if s == 0 and layout is not None:
             out = varlen_step0_attention(q, k, v, layout, varlen_kernel)
         else:
-            out = F.scaled_dot_product_attention(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), attn_mask=mask,
-                                                 enable_gqa=attn.num_heads != attn.num_kv_heads)  # (R, H, T, D)
+            out = masked_attention(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), mask)  # (R, H, T, D)
         attn_out = attn.o_proj(out.transpose(1, 2).reshape(R, T, -1))  # (R, T, D)
         _stop_in_backward(attn_out, check_stop)
         x = layer.finish(hidden, attn_out)

@@ -502,3 +502,20 @@ def test_a_training_step_does_not_wait_for_the_device(structured):
         torch.cuda.set_sync_debug_mode("default")
     assert set(stats) == {f"{n}_{s}" for n in ("ce", "acc") for s in range(trainer.cfg.num_unroll)}
     assert math.isfinite(float(loss.detach())) and trainer.head.fc.weight.grad is not None
+
+
+def test_masked_attention_with_kv_heads_repeated_equals_grouped(device):
+    """The GPU form (each KV head repeated per query head, for the fused kernels) computes what grouped SDPA
+    does, gradients included."""
+    from drafter.unroll import masked_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 5, 8, generator=gen).to(device).requires_grad_() for h in (6, 2, 2))
+    mask = (torch.rand(2, 1, 5, 7, generator=gen) < 0.7).to(device)
+    mask[..., 0] = True  # every query sees at least one key
+    k7, v7 = torch.cat([k, k[:, :, :2]], dim=2), torch.cat([v, v[:, :, :2]], dim=2)  # (2, 2, 7, 8)
+    outs = [masked_attention(q, k7, v7, mask, repeat_kv=r) for r in (False, True)]
+    grads = [torch.autograd.grad(o.square().sum(), (q, k, v)) for o in outs]
+    torch.testing.assert_close(outs[0], outs[1])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
