@@ -111,7 +111,7 @@ def bench_gpu(settings: Settings) -> dict:
         loaded = load_model(settings.model, dtype=torch.float32, device=device)
     policy = loaded.model
     tok = loaded.tokenizer or ByteTokenizer(policy.cfg.vocab_size)
-    engine = Engine(policy, tok)  # the static path (CUDA graphs) on a GPU, eager on a CPU
+    engine = Engine(policy, tok)  # the static path (CUDA graphs on a GPU; on a CPU, eager for draft trees)
     result["model"] = loaded.name
     result["engine_path"] = ("static+graphs" if device == "cuda" else "static") if engine.static else "eager"
     log(f"{loaded.name} on {result['device']}; forward path {result['forward_path']}, engine {result['engine_path']}; "

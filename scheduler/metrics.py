@@ -32,6 +32,7 @@ from workers.protocol.keys import (
     job_totals_key,
 )
 from workers.protocol.states import REPORTED_STATES, JobState, WorkerState
+from workers.spec import JobSpec
 
 log = logging.getLogger(__name__)
 MAX_JOBS_SCRAPED = 200  # newest jobs only: a scrape must stay cheap however long the history
@@ -114,9 +115,13 @@ class RedisCollector(Collector):
         redis = self.store.redis
         for job in jobs:
             jid = job["job_id"]
-            spec = job.get("spec", {})
-            info.add_metric([jid, job["state"], model_label(str(spec.get("model", ""))),
-                             str(spec.get("tlt", True)).lower(), str(spec.get("num_workers", ""))], 1.0)
+            try:
+                spec = JobSpec.from_stored(job.get("spec", {}))
+                described = [model_label(spec.model), str(spec.tlt).lower(), str(spec.num_workers)]
+            except ValueError:  # a record damaged in Redis: described as unknown; the scrape goes on
+                log.warning("job %s: its stored spec does not read back; tlt_job_info describes it as unknown", jid)
+                described = ["", "", ""]
+            info.add_metric([jid, job["state"], *described], 1.0)
             # two fields, not the whole hash: it also holds the watcher's state
             reclaimed_s, classes_raw = redis.hmget(job_tlt_key(jid), TltField.RECLAIMED_WORKER_S, TltField.CLASSES)
             if reclaimed_s is not None or classes_raw is not None:

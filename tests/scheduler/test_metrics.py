@@ -15,7 +15,7 @@ from scheduler.jobs import JobStore
 from scheduler.metrics import STATES, WORKER_FAMILIES, RedisCollector, exposition
 from scheduler.policy import CLASSES
 from workers.progress import ProgressReporter
-from workers.protocol.keys import job_tlt_key
+from workers.protocol.keys import job_key, job_tlt_key
 from workers.protocol.messages import ProgressRecord
 from workers.protocol.states import JobState, WorkerState
 from workers.redis_server import PrivateRedis
@@ -98,3 +98,21 @@ def test_a_finished_job_without_steps_exports_no_worker_samples(redis):
     text = exposition(registry, collector).decode()
     assert f'job="{job_id}",worker="w0"' not in text
     assert f'tlt_job_info{{job="{job_id}",' in text
+
+
+def test_a_job_whose_stored_spec_is_damaged_is_described_as_unknown_and_the_scrape_goes_on(redis, caplog):
+    store = JobStore(redis)
+    good = store.create(JobSpec(model="tiny", num_workers=2))[0]["job_id"]
+    bad = store.create(JobSpec(model="tiny", num_workers=1))[0]["job_id"]
+    record = json.loads(redis.get(job_key(bad)))
+    record["spec"]["num_workers"] = "two"  # written wrong by hand, or by an older version
+    redis.set(job_key(bad), json.dumps(record))
+    registry = CollectorRegistry()
+    collector = RedisCollector(store)
+    registry.register(collector)
+    text = exposition(registry, collector).decode()
+    info = {s.labels["job"]: s.labels for f in text_string_to_metric_families(text) if f.name == "tlt_job_info"
+            for s in f.samples}
+    assert (info[good]["model"], info[good]["tlt"], info[good]["num_workers"]) == ("tiny", "true", "2")
+    assert (info[bad]["model"], info[bad]["tlt"], info[bad]["num_workers"]) == ("", "", "")
+    assert f"job {bad}: its stored spec does not read back" in caplog.text
