@@ -7,17 +7,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict, replace
+from pathlib import Path
 
 from drafter.config import SMOLLM2_SPEC, TrainConfig
-from workers.spec import JobSpec
 from workers.warm import WarmRecipe
 
 _RECIPE = WarmRecipe()  # `tlt drafter train --task`'s defaults
 
 
 def _read_prompts(path: str) -> list[str]:
-    from pathlib import Path
-
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"--prompts: no such file {path}")
@@ -40,43 +39,61 @@ def _read_prompts(path: str) -> list[str]:
 def _drafter_train(args: argparse.Namespace) -> int:
     import torch
 
-    from drafter.loading import encode_prompt, load_model
-    from drafter.warmstart import HarvestConfig, warm_start
-    from workers.warm import WARM_EVAL_SEED, WARM_TRAIN_SEED, task_prompts
-
     if (args.prompts is None) == (args.task is None):
         raise ValueError("give --prompts FILE or --task NAME (one of them)")
-    recipe = _RECIPE
-    if args.task is not None:  # the task's own prompts; a held-out set drawn with another seed
-        texts = task_prompts(args.task, WARM_TRAIN_SEED, args.num_prompts or recipe.num_prompts,
-                             recipe.tail_fraction)
-        eval_texts = task_prompts(args.task, WARM_EVAL_SEED, args.num_eval_prompts, recipe.tail_fraction)
-        steps = args.steps if args.steps is not None or args.seconds is not None else recipe.num_steps
-    else:
-        texts = _read_prompts(args.prompts)
-        if args.steps is None and args.seconds is None:
-            raise ValueError("give --steps or --seconds")
-        held = max(1, len(texts) // 10) if len(texts) > 1 else 0
-        texts, eval_texts, steps = texts[held:] or texts, texts[:held][:8], args.steps
     torch.set_num_threads(args.threads)
-    loaded = load_model(args.model)
-    if args.task is not None:  # as the job encodes them (a tokenizer-less preset folds bytes: tests only)
-        from drafter.loading import encode_text
+    report = _train_on_task(args) if args.task is not None else _train_on_prompts(args)
+    print(json.dumps(report))
+    return 0
 
-        prompts = [encode_text(loaded.tokenizer, t, loaded.model.cfg.vocab_size) for t in texts]
-        eval_prompts = [encode_text(loaded.tokenizer, t, loaded.model.cfg.vocab_size) for t in eval_texts]
-    else:
-        prompts = [encode_prompt(loaded.tokenizer, t) for t in texts]
-        eval_prompts = [encode_prompt(loaded.tokenizer, t) for t in eval_texts]
-    _, report = warm_start(loaded.model, loaded.tokenizer, prompts, args.out,
-                           train_cfg=TrainConfig(total_steps=steps or 1000, num_unroll=args.unroll,
-                                                  anneal_to_budget=False, bf16_autocast=False),
+
+def _task_recipe(args: argparse.Namespace) -> WarmRecipe:
+    """The recipe `--task` trains by: WarmRecipe's defaults, with what the options change (all options left at
+    their defaults: WarmRecipe() itself, the recipe `tlt demo` and `tlt bench rl` key the warm-draft cache by)."""
+    return replace(_RECIPE, num_prompts=args.num_prompts or _RECIPE.num_prompts,
+                   num_eval_prompts=args.num_eval_prompts,
+                   num_steps=args.steps if args.steps is not None else _RECIPE.num_steps,
+                   max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=args.batch_size,
+                   draft_vocab_size=args.draft_vocab, num_unroll=args.unroll)
+
+
+def _train_on_task(args: argparse.Namespace) -> dict:
+    """workers.warm's build: into --out, or without it the warm-draft cache (workers.warm.ensure_warm_draft:
+    a draft already cached for this model, task and recipe is reused, and its report printed)."""
+    from workers.warm import WARM_REPORT, build_warm_draft, ensure_warm_draft
+
+    recipe = _task_recipe(args)
+    if args.out is not None:
+        return build_warm_draft(args.model, args.task, args.out, args.device, recipe, max_seconds=args.seconds,
+                                harvest_file=args.harvest_file)
+    if args.seconds is not None:
+        raise ValueError("--seconds needs --out: the warm-draft cache is keyed by the recipe, which trains "
+                         "a number of steps")
+    path = Path(ensure_warm_draft(args.model, args.task, args.device, recipe))
+    return json.loads((path.parent / WARM_REPORT).read_text())
+
+
+def _train_on_prompts(args: argparse.Namespace) -> dict:
+    from drafter.loading import encode_prompt, load_model
+    from drafter.warmstart import HarvestConfig, warm_start
+
+    if args.out is None:
+        raise ValueError("--prompts needs --out (the warm-draft cache holds the built-in tasks' drafts)")
+    if args.steps is None and args.seconds is None:
+        raise ValueError("give --steps or --seconds")
+    texts = _read_prompts(args.prompts)
+    held = max(1, len(texts) // 10) if len(texts) > 1 else 0
+    texts, eval_texts = texts[held:] or texts, texts[:held][:8]
+    loaded = load_model(args.model, device=args.device)
+    _, report = warm_start(loaded.model, loaded.tokenizer, [encode_prompt(loaded.tokenizer, t) for t in texts],
+                           args.out, train_cfg=TrainConfig(total_steps=args.steps or 1000, num_unroll=args.unroll,
+                                                           anneal_to_budget=False, bf16_autocast=False),
                            harvest_cfg=HarvestConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                                                      temperature=args.temperature, top_p=1.0),
-                           max_steps=steps, max_seconds=args.seconds, draft_vocab_size=args.draft_vocab,
-                           eval_prompts=eval_prompts, harvest_file=args.harvest_file)
-    print(json.dumps({"model": loaded.name, "task": args.task, **report.__dict__}))
-    return 0
+                           max_steps=args.steps, max_seconds=args.seconds, draft_vocab_size=args.draft_vocab,
+                           eval_prompts=[encode_prompt(loaded.tokenizer, t) for t in eval_texts],
+                           harvest_file=args.harvest_file)
+    return {"model": loaded.name, "task": None, "device": str(loaded.model.device), **asdict(report)}
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -111,14 +128,19 @@ def add_tool_commands(sub) -> None:
                     help=f"task prompts harvested (default {_RECIPE.num_prompts})")
     tr.add_argument("--num-eval-prompts", type=int, default=_RECIPE.num_eval_prompts,
                     help="held-out task prompts the accepted length is measured on")
-    tr.add_argument("--out", required=True, help="directory for draft-v000001.safetensors")
+    tr.add_argument("--out", default=None, help="directory for draft-v000001.safetensors (with --task, default: "
+                    "the warm-draft cache `tlt demo` and `tlt bench rl` read, workers.warm.warm_cache_dir; a draft "
+                    "cached there for the same model, task and recipe is reused)")
+    tr.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model harvests and the "
+                    "head trains (a GPU: about 2 minutes for SmolLM2 at the recipe's defaults)")
     tr.add_argument("--steps", type=int, default=None,
                     help=f"training micro-steps (with --task, default {_RECIPE.num_steps})")
-    tr.add_argument("--seconds", type=float, default=None, help="training time budget")
+    tr.add_argument("--seconds", type=float, default=None, help="training time budget (with --task, the steps "
+                    "stay a limit too)")
     tr.add_argument("--max-new-tokens", type=int, default=_RECIPE.max_new_tokens)
     tr.add_argument("--temperature", type=float, default=_RECIPE.temperature, help="harvest sampling temperature")
     tr.add_argument("--batch-size", type=int, default=_RECIPE.batch_size)
-    tr.add_argument("--draft-vocab", type=int, default=JobSpec.model_fields["draft_vocab_size"].default,
+    tr.add_argument("--draft-vocab", type=int, default=_RECIPE.draft_vocab_size,
                     help="draft vocabulary size (most frequent tokens)")
     tr.add_argument("--unroll", type=int, default=_RECIPE.num_unroll, help="training-time unrolled draft positions")
     tr.add_argument("--threads", type=int, default=2)

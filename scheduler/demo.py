@@ -47,20 +47,22 @@ def say(msg: str = "") -> None:
 
 
 def ensure_warm_draft(model: str, task: str) -> str | None:
-    """The warm draft the TLT-on job starts from: built once with `tlt drafter train --task` (its recipe's
-    defaults, workers.warm.WarmRecipe), cached under $TLT_CACHE_DIR keyed by model, task and recipe.
-    The build took about 15 minutes on a quiet 2-core box (920 s for longtail), over the demo's 10: it runs
-    only with TLT_DEMO_BUILD_WARM_DRAFT=1 (`make warm-draft`); without a cached draft the TLT-on job
-    starts from an untrained head, and None is returned."""
-    from workers.warm import WarmRecipe, warm_cache_dir
+    """The warm draft the TLT-on job starts from: workers.warm's, cached under $TLT_CACHE_DIR keyed by model, task
+    and recipe (workers.warm.warm_cache_dir, WarmRecipe's defaults), built once by `tlt drafter train --task`
+    (workers.warm.build_warm_draft) in a process of its own: this one stays torch-free. The build took about
+    15 minutes on a quiet 2-core box (920 s for longtail), over the demo's 10: it runs only with
+    TLT_DEMO_BUILD_WARM_DRAFT=1 (`make warm-draft`); without a cached draft the TLT-on job starts from an
+    untrained head, and None is returned."""
+    from workers.warm import WARM_REPORT, WarmRecipe, warm_cache_dir
+    from workers.warm import ensure_warm_draft as cached_warm_draft
 
+    path = cached_warm_draft(model, task, is_build_allowed=False)
     out = warm_cache_dir(model, task, WarmRecipe())
-    path, report_file = out / "draft-v000001.safetensors", out / "report.json"
-    if path.is_file() and report_file.is_file():
-        rep = json.loads(report_file.read_text())
+    if path is not None:
+        rep = json.loads((out / WARM_REPORT).read_text())
         say(f"warm draft: reusing the cached {path} (accepted length at k=2,3,4 on held-out {task} prompts: "
             f"{_acceptance(rep)})")
-        return str(path)
+        return path
     if os.environ.get("TLT_DEMO_BUILD_WARM_DRAFT") != "1":
         say(f"warm draft: none cached in {out}; TLT on starts from an untrained head. Build one once with "
             "`make warm-draft` (about 15 minutes on a quiet 2-core box), then run the demo again")
@@ -68,16 +70,16 @@ def ensure_warm_draft(model: str, task: str) -> str | None:
     say(f"warm draft: building it once with `tlt drafter train --task {task}` (cached in {out}; a few minutes)")
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "scheduler.cli", "drafter", "train", "--task", task, "--model", model,
-           "--out", str(out), "--threads", "2"]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, check=False)
-    if proc.returncode != 0:
+           "--threads", "2"]  # no --out: into the cache, by WarmRecipe's defaults
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=None, check=False)
+    path = cached_warm_draft(model, task, is_build_allowed=False)
+    if proc.returncode != 0 or path is None:
         raise RuntimeError(f"building the warm draft failed (exit {proc.returncode}): {' '.join(cmd)}")
-    rep = json.loads(proc.stdout.strip().splitlines()[-1])
-    report_file.write_text(json.dumps(rep, indent=1))  # last: its presence marks a finished build
+    rep = json.loads((out / WARM_REPORT).read_text())
     say(f"warm draft: built in {time.perf_counter() - t0:.0f} s (harvest {rep['harvest_seconds']:.0f} s, "
         f"{rep['num_harvested_tokens']} tokens; training {rep['train_seconds']:.0f} s, {rep['train_steps']} steps); "
         f"accepted length at k=2,3,4 on held-out {task} prompts: {_acceptance(rep)}")
-    return str(path)
+    return path
 
 
 def _acceptance(rep: dict) -> str:

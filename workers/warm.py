@@ -76,30 +76,32 @@ def ensure_warm_draft(model: str, task: str, device: str = "cpu", recipe: WarmRe
     return str(path)
 
 
-def build_warm_draft(model: str, task: str, out: str | Path, device: str, recipe: WarmRecipe) -> dict:
+def build_warm_draft(model: str, task: str, out: str | Path, device: str, recipe: WarmRecipe,
+                     max_seconds: float | None = None, harvest_file: str | Path | None = None) -> dict:
     """Harvest the task's prompts (TRAIN_SEED) with `model` on `device`, train a head by `recipe` there, measure
     it on held-out prompts (EVAL_SEED) and save it as out/draft-v000001.safetensors; returns the warm start's
-    report (drafter.warmstart.WarmStartReport's fields, with the model, task and device)."""
-    from dataclasses import asdict
-
+    report (drafter.warmstart.WarmStartReport's fields, with the model, task and device). The one recipe of
+    `tlt drafter train --task`, `tlt demo`'s warm draft (through that command) and `tlt bench rl`'s.
+    max_seconds: a training time budget besides recipe.num_steps; harvest_file: drafter.warmstart's (the
+    rollouts kept there, or read from it when it exists)."""
     from drafter.config import TrainConfig
     from drafter.loading import encode_text, load_model
     from drafter.warmstart import HarvestConfig, warm_start
 
+    texts = [task_prompts(task, seed, num, recipe.tail_fraction)  # a task that does not exist: before the load
+             for seed, num in ((WARM_TRAIN_SEED, recipe.num_prompts), (WARM_EVAL_SEED, recipe.num_eval_prompts))]
     loaded = load_model(model, device=device)
     vocab = loaded.model.cfg.vocab_size
-    prompts, eval_prompts = ([encode_text(loaded.tokenizer, t, vocab)
-                              for t in task_prompts(task, seed, num, recipe.tail_fraction)]
-                             for seed, num in ((WARM_TRAIN_SEED, recipe.num_prompts),
-                                               (WARM_EVAL_SEED, recipe.num_eval_prompts)))
+    prompts, eval_prompts = ([encode_text(loaded.tokenizer, t, vocab) for t in group] for group in texts)
     _, report = warm_start(loaded.model, loaded.tokenizer, prompts, out,
                            train_cfg=TrainConfig(total_steps=recipe.num_steps, num_unroll=recipe.num_unroll,
                                                  anneal_to_budget=False, bf16_autocast=False),
                            harvest_cfg=HarvestConfig(max_new_tokens=recipe.max_new_tokens,
                                                      batch_size=recipe.batch_size, temperature=recipe.temperature,
                                                      top_p=1.0),
-                           max_steps=recipe.num_steps, draft_vocab_size=recipe.draft_vocab_size,
-                           eval_prompts=eval_prompts)
+                           max_steps=recipe.num_steps, max_seconds=max_seconds,
+                           draft_vocab_size=recipe.draft_vocab_size, eval_prompts=eval_prompts,
+                           harvest_file=harvest_file)
     return {"model": loaded.name, "task": task, "device": str(loaded.model.device), **asdict(report)}
 
 

@@ -11,7 +11,7 @@ import ray
 import uvicorn
 
 from scheduler.app import Settings, create_app
-from scheduler.cli import main
+from scheduler.cli import build_parser, main
 from workers.redis_server import PrivateRedis, free_port
 
 
@@ -116,6 +116,32 @@ def test_drafter_train_on_a_task_writes_a_loadable_checkpoint(tmp_path, capsys):
     state, meta = load_draft(report["path"])  # checksum-checked
     assert meta.version == 1 and meta.extra["acceptance"] == report["acceptance"]
     assert head_from_state(meta.head_config, state).policy_cfg.hidden_size == 64
+
+
+def test_drafter_train_on_a_task_without_out_fills_the_warm_cache_once(tmp_path, capsys, monkeypatch):
+    """Without --out, `tlt drafter train --task` is workers.warm.ensure_warm_draft: the draft lands where the demo
+    and `tlt bench rl` look (warm_cache_dir, keyed by the recipe the options make), and a second run reuses it."""
+    from scheduler.cli_tools import _task_recipe
+    from workers.warm import WARM_REPORT, WarmRecipe, warm_cache_dir
+
+    monkeypatch.setenv("TLT_CACHE_DIR", str(tmp_path))
+    argv = ["drafter", "train", "--task", "arithmetic", "--model", "tiny", "--num-prompts", "4",
+            "--num-eval-prompts", "2", "--steps", "2", "--max-new-tokens", "8", "--threads", "1"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    recipe = WarmRecipe(num_prompts=4, num_eval_prompts=2, num_steps=2, max_new_tokens=8)
+    out = warm_cache_dir("tiny", "arithmetic", recipe)
+    assert report["path"] == str(out / "draft-v000001.safetensors") and report["device"] == "cpu"
+    assert json.loads((out / WARM_REPORT).read_text()) == report
+    built_at = (out / WARM_REPORT).stat().st_mtime_ns
+    assert main(argv) == 0  # cached: reused, not built again
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == report
+    assert (out / WARM_REPORT).stat().st_mtime_ns == built_at
+    # the options at their defaults are WarmRecipe() itself: the demo's build (no options) fills the key it reads
+    defaults = build_parser().parse_args(["drafter", "train", "--task", "longtail"])
+    assert _task_recipe(defaults) == WarmRecipe()
+    assert main([*argv, "--seconds", "5"]) == 2  # a time budget is not in the cache key
+    assert "--seconds needs --out" in capsys.readouterr().err
 
 
 def test_drafter_train_needs_prompts_or_a_task(tmp_path, capsys):

@@ -24,3 +24,26 @@ def test_no_speed_up_within_the_noise():
 def test_one_step_gives_no_noise_estimate_and_no_claim():
     assert "no speed-up is claimed" in rollout_verdict([30.0], [15.0], [2.0])[-1]
     assert rollout_verdict([], [], []) == ["rollout: no timings to compare"]
+
+
+def test_the_demo_reads_the_warm_draft_workers_warm_caches(tmp_path, monkeypatch, capsys):
+    """The demo's warm draft is workers.warm's: none cached (and no build asked for) is None, naming the cache;
+    one cached under warm_cache_dir for the default recipe (as `tlt drafter train --task` writes it) is reused."""
+    import json
+
+    from scheduler.demo import ensure_warm_draft
+    from workers.warm import WARM_REPORT, WarmRecipe, warm_cache_dir
+
+    monkeypatch.setenv("TLT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TLT_DEMO_BUILD_WARM_DRAFT", raising=False)
+    out = warm_cache_dir("smollm2-135m", "longtail", WarmRecipe())
+    assert ensure_warm_draft("smollm2-135m", "longtail") is None
+    assert f"none cached in {out}" in capsys.readouterr().out
+    out.mkdir(parents=True)
+    (out / "draft-v000001.safetensors").write_bytes(b"")
+    assert ensure_warm_draft("smollm2-135m", "longtail") is None  # a draft without its report is not whole
+    capsys.readouterr()
+    (out / WARM_REPORT).write_text(json.dumps({"acceptance": {"2": 1.8, "3": 1.9, "4": 2.0}}))
+    assert ensure_warm_draft("smollm2-135m", "longtail") == str(out / "draft-v000001.safetensors")
+    said = capsys.readouterr().out
+    assert "reusing the cached" in said and "k=2,3,4 on held-out longtail prompts: 1.80, 1.90, 2.00" in said
