@@ -1,5 +1,5 @@
 """The built-in engine behind the RolloutEngine seam: lossless speculation, harvesting, draft installs,
-policy loads and the counters it reports (real tiny model)."""
+policy loads and the counters it reports (real tiny model, on the `device` fixture's device: JobSpec.device)."""
 
 from __future__ import annotations
 
@@ -21,13 +21,15 @@ def params(temperature: float, max_new_tokens: int = 24) -> list[dict]:
             for i in range(len(PROMPTS))]
 
 
-def engine(**kw) -> BuiltinEngine:
-    return BuiltinEngine(tiny_model(), None, JobSpec(model="tiny", draft_k=3, **kw))
+def engine(device: str, **kw) -> BuiltinEngine:
+    e = BuiltinEngine(tiny_model().to(device), None, JobSpec(model="tiny", draft_k=3, device=device, **kw))
+    assert e.policy.device.type == device
+    return e
 
 
-def test_speculation_is_lossless_and_reported():
+def test_speculation_is_lossless_and_reported(device):
     """Greedy, so token for token (sampled rollouts are lossless in distribution: tests/drafter)."""
-    e = engine()
+    e = engine(device)
     assert isinstance(e, RolloutEngine) and e.draft_version == 0
     plain = e.generate(PROMPTS, params(0.0), speculation="off")
     assert e.stats().num_draft_tokens == 0 and e.stats().mean_accepted_length == 1.0
@@ -40,11 +42,11 @@ def test_speculation_is_lossless_and_reported():
     assert spec[0].to_dict()["prompt_ids"] == PROMPTS[0]
 
 
-def test_adaptive_speculation_is_lossless_learns_across_batches_and_is_reported():
+def test_adaptive_speculation_is_lossless_learns_across_batches_and_is_reported(device):
     """Adaptive (the default mode of a job): greedy outputs equal plain; the engine's chooser keeps its
     measurements across batches, tries drafts first at batch 1 (a larger batch drafts only what a smaller one
     found paying), and every completion carries its draft length per live-batch bucket."""
-    e = engine()
+    e = engine(device)
     plain = e.generate(PROMPTS, params(0.0), speculation="off")
     assert all(o.speculation == {"3-4": 0} for o in plain)  # plain: k 0 in the buckets it ran
     first = e.generate(PROMPTS, params(0.0), speculation="adaptive")
@@ -68,8 +70,8 @@ def test_adaptive_speculation_is_lossless_learns_across_batches_and_is_reported(
         e.generate(PROMPTS, params(0.0), speculation="sometimes")
 
 
-def test_harvest_feeds_the_buffer_with_the_policy_version():
-    e, buffer = engine(), RolloutBuffer(max_bytes=1 << 20, hidden_dtype=torch.float32)
+def test_harvest_feeds_the_buffer_with_the_policy_version(device):
+    e, buffer = engine(device), RolloutBuffer(max_bytes=1 << 20, hidden_dtype=torch.float32)
     e.generate(PROMPTS, params(1.0), speculation="off")
     assert len(buffer) == 0
     e.load_policy({k: v.clone() for k, v in e.policy.state_dict().items()}, policy_version=3)
@@ -79,20 +81,20 @@ def test_harvest_feeds_the_buffer_with_the_policy_version():
     assert buffer.num_tokens == sum(len(p) + len(o.token_ids) - 1 for p, o in zip(PROMPTS, outs))
 
 
-def test_load_policy_changes_what_is_generated():
-    e = engine()
+def test_load_policy_changes_what_is_generated(device):
+    e = engine(device)
     before = e.generate(PROMPTS, params(0.0), speculation="off")
     other = tiny_model(seed=7).state_dict()
     e.load_policy({k: v.numpy() for k, v in other.items()}, policy_version=1)  # as Ray maps them: numpy
     after = e.generate(PROMPTS, params(0.0), speculation="always")
-    assert torch.equal(e.policy.lm_head.weight, other["lm_head.weight"] if "lm_head.weight" in other
+    assert torch.equal(e.policy.lm_head.weight.cpu(), other["lm_head.weight"] if "lm_head.weight" in other
                        else other["embed.weight"])
     assert [o.token_ids for o in after] != [o.token_ids for o in before]
     assert [o.token_ids for o in after] == [o.token_ids for o in e.generate(PROMPTS, params(0.0), speculation="off")]
 
 
-def test_install_draft_serves_the_version_from_the_next_step():
-    e = engine()
+def test_install_draft_serves_the_version_from_the_next_step(device):
+    e = engine(device)
     head = new_head(e.policy, None, None, seed=4)
     e.install_draft(5, head.state_dict(), head_config(head))
     assert e.draft_version == 5 and e.stats().num_swaps == 1
@@ -104,7 +106,7 @@ def test_install_draft_serves_the_version_from_the_next_step():
 
 
 def test_params_must_match_the_prompts():
-    e = engine()
+    e = engine("cpu")
     with pytest.raises(ValueError, match="params has 1 entries for 3 prompts"):
         e.generate(PROMPTS, params(0.0)[:1], speculation="off")
     with pytest.raises(ValueError, match="temperature"):

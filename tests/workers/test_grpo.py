@@ -1,4 +1,5 @@
-"""GRPO math on hand-computed examples, and the update on a tiny model; settings come off a JobSpec."""
+"""GRPO math on hand-computed examples, and the update on a tiny model (the learner's forwards and steps on the
+`device` fixture's device); settings come off a JobSpec."""
 
 from __future__ import annotations
 
@@ -77,8 +78,8 @@ def test_grpo_loss_k3_kl_term():
         grpo_loss(logp, old, adv, mask, clip_eps=0.2, kl_coef=0.5)
 
 
-def test_sequence_logprobs_scores_generated_tokens_only():
-    model = tiny_model().requires_grad_(True)
+def test_sequence_logprobs_scores_generated_tokens_only(device):
+    model = tiny_model().to(device).requires_grad_(True)
     seqs, plens = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12]], [2, 2, 4]
     logp, mask = sequence_logprobs(model, seqs, plens, pad_id=0)
     # responses: [3, 4, 5], [8], [] -> (B, T) with T = 3, right-padded
@@ -86,8 +87,9 @@ def test_sequence_logprobs_scores_generated_tokens_only():
     assert mask.tolist() == [[True, True, True], [True, False, False], [False, False, False]]
     assert logp.requires_grad
     for b, (s, p) in enumerate(zip(seqs, plens)):  # one unpadded forward per sequence
-        logits, _ = model(torch.tensor([s]), torch.arange(len(s)).unsqueeze(0), None)  # (1, L, V)
-        full = torch.log_softmax(logits[0, :-1], -1).gather(-1, torch.tensor(s[1:]).unsqueeze(-1)).squeeze(-1)
+        ids = torch.tensor([s], device=device)  # (1, L)
+        logits, _ = model(ids, torch.arange(len(s), device=device).unsqueeze(0), None)  # (1, L, V)
+        full = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
         n = len(s) - p
         torch.testing.assert_close(logp[b, :n], full[p - 1 :], atol=1e-5, rtol=1e-5)
         assert (logp[b, n:] == 0).all()
@@ -101,15 +103,16 @@ def _batch():
     return seqs, plens, torch.tensor([1.0, -0.5, 0.3, -0.8, 0.2])
 
 
-def test_micro_batches_give_the_full_batch_gradient_and_stats():
+def test_micro_batches_give_the_full_batch_gradient_and_stats(device):
     seqs, plens, adv = _batch()
-    ref_model = tiny_model(seed=5)
+    ref_model = tiny_model(seed=5).to(device)
     grads, stats = [], []
     for mb in (5, 2, 1):
-        model = tiny_model().requires_grad_(True)
+        model = tiny_model().to(device).requires_grad_(True)
         with torch.no_grad():
             logp, mask = sequence_logprobs(model, seqs, plens)
-        old = logp - 0.3 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(0)) * mask  # r != 1
+        noise = torch.randn(logp.shape, generator=torch.Generator().manual_seed(0)).to(device)  # the same on any device
+        old = logp - 0.3 * noise * mask  # r != 1
         opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the step leaves the weights alone
         cfg = JobSpec(micro_batch_size=mb, max_grad_norm=1e9, kl_coef=0.1)
         stats.append(grpo_update(model, opt, seqs, plens, adv, old, mask, cfg, ref_model=ref_model))
@@ -128,12 +131,12 @@ def test_response_mask_is_sequence_logprobs_mask_without_the_forward():
     assert response_mask(seqs, plens).sum(1).tolist() == [4, 2, 1, 3, 0]
 
 
-def separate_and_own(seqs, plens, adv, cfg, ref_model=None) -> list[tuple[dict, torch.Tensor]]:
+def separate_and_own(device, seqs, plens, adv, cfg, ref_model=None) -> list[tuple[dict, torch.Tensor]]:
     """[(stats, gradient)] of one lr-0 update with old_logp from a separate no-grad pass, then with
     old_logp=None (the update's own forward)."""
     runs = []
     for is_separate in (True, False):
-        model = tiny_model().requires_grad_(True)
+        model = tiny_model().to(device).requires_grad_(True)
         if is_separate:
             with torch.no_grad():
                 old, mask = sequence_logprobs(model, seqs, plens)
@@ -146,13 +149,13 @@ def separate_and_own(seqs, plens, adv, cfg, ref_model=None) -> list[tuple[dict, 
 
 
 @pytest.mark.parametrize("kl_coef", [0.0, 0.1])
-def test_one_update_per_step_takes_old_logp_from_its_own_forward(kl_coef):
+def test_one_update_per_step_takes_old_logp_from_its_own_forward(device, kl_coef):
     """old_logp=None (the update's own forward, detached) gives the loss, gradient and stats of a separate
     no-grad pass, with or without the KL term against a reference."""
     seqs, plens, adv = _batch()
-    ref_model = tiny_model(seed=5)
+    ref_model = tiny_model(seed=5).to(device)
     cfg = JobSpec(micro_batch_size=2, max_grad_norm=1e9, kl_coef=kl_coef)
-    (separate, g_separate), (own, g_own) = separate_and_own(seqs, plens, adv, cfg, ref_model)
+    (separate, g_separate), (own, g_own) = separate_and_own(device, seqs, plens, adv, cfg, ref_model)
     torch.testing.assert_close(g_own, g_separate, atol=1e-7, rtol=1e-5)
     assert g_own.abs().sum() > 0
     for key in ("loss", "mean_ratio", "clip_fraction", "kl", "grad_norm", "num_tokens"):
@@ -161,13 +164,13 @@ def test_one_update_per_step_takes_old_logp_from_its_own_forward(kl_coef):
     assert (own["kl"] > 0) == (kl_coef > 0)
 
 
-def test_rows_with_zero_advantage_are_skipped_with_the_same_result():
+def test_rows_with_zero_advantage_are_skipped_with_the_same_result(device):
     """Unanimous groups (advantage 0) run no forward: gradient and stats equal the full pass's."""
     seqs, plens, _ = _batch()
     adv = torch.tensor([0.0, -0.5, 0.0, 0.8, 0.0])
     cfg = JobSpec(micro_batch_size=2, max_grad_norm=1e9)
     # a separate old_logp pass runs every row; old_logp=None skips
-    (full, w_full), (skipping, w_skipping) = separate_and_own(seqs, plens, adv, cfg)
+    (full, w_full), (skipping, w_skipping) = separate_and_own(device, seqs, plens, adv, cfg)
     assert w_full.abs().sum() > 0
     assert full["num_skipped"] == 1 and skipping["num_skipped"] == 3  # the empty row; then the zero advantages
     torch.testing.assert_close(w_skipping, w_full, atol=1e-7, rtol=1e-5)
@@ -175,9 +178,9 @@ def test_rows_with_zero_advantage_are_skipped_with_the_same_result():
         assert math.isclose(skipping[key], full[key], rel_tol=1e-5, abs_tol=1e-8), key
 
 
-def test_an_update_with_every_advantage_zero_runs_no_forward_and_still_steps():
+def test_an_update_with_every_advantage_zero_runs_no_forward_and_still_steps(device):
     seqs, plens, _ = _batch()
-    model = tiny_model().requires_grad_(True)
+    model = tiny_model().to(device).requires_grad_(True)
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     stats = grpo_update(model, opt, seqs, plens, torch.zeros(5), None, response_mask(seqs, plens), JobSpec())
@@ -186,8 +189,8 @@ def test_an_update_with_every_advantage_zero_runs_no_forward_and_still_steps():
     torch.testing.assert_close(after, before * (1 - 1e-2 * 0.1))  # AdamW's decay, as with a zero gradient
 
 
-def test_update_raises_the_logprob_of_a_rewarded_sequence():
-    model = tiny_model().requires_grad_(True)
+def test_update_raises_the_logprob_of_a_rewarded_sequence(device):
+    model = tiny_model().to(device).requires_grad_(True)
     seqs, plens = [[1, 2, 3, 4, 5, 6], [1, 2, 9, 9, 9, 9]], [2, 2]
     with torch.no_grad():
         old, mask = sequence_logprobs(model, seqs, plens)
@@ -200,8 +203,8 @@ def test_update_raises_the_logprob_of_a_rewarded_sequence():
     assert new[1].sum() < old[1].sum()
 
 
-def test_update_with_nothing_generated_takes_no_step():
-    model = tiny_model().requires_grad_(True)
+def test_update_with_nothing_generated_takes_no_step(device):
+    model = tiny_model().to(device).requires_grad_(True)
     before = [p.clone() for p in model.parameters()]
     seqs, plens = [[1, 2, 3], [4, 5]], [3, 2]
     with torch.no_grad():

@@ -26,9 +26,10 @@ def params(max_new_tokens: int = 20) -> list[dict]:
             for i in range(len(PROMPTS))]
 
 
-def harvested(dtype: torch.dtype) -> tuple[BuiltinEngine, list, RolloutBuffer]:
-    """The built-in engine's own harvest, speculating (accepted drafts: several positions per verify forward)."""
-    engine = BuiltinEngine(tiny_model(), None, JobSpec(model="tiny", draft_k=3))
+def harvested(dtype: torch.dtype, device: str) -> tuple[BuiltinEngine, list, RolloutBuffer]:
+    """The built-in engine's own harvest on `device`, speculating (accepted drafts: several positions per verify
+    forward)."""
+    engine = BuiltinEngine(tiny_model().to(device), None, JobSpec(model="tiny", draft_k=3, device=device))
     engine.load_policy({k: v.clone() for k, v in engine.policy.state_dict().items()}, policy_version=3)
     buffer = RolloutBuffer(max_bytes=1 << 24, hidden_dtype=dtype)
     outs = engine.generate(PROMPTS, params(), speculation="always", harvest_into=buffer)
@@ -56,12 +57,14 @@ def record(path: str, learner, seqs: list, plens: list, pairs: LearnerPairs) -> 
 
 @pytest.mark.parametrize("path", ["logprob", "update", "fill"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_learner_pairs_are_the_engines_harvest(path, dtype):
+def test_learner_pairs_are_the_engines_harvest(device, path, dtype):
     """Same sequences, same policy weights: the learner's pairs are the engine's, rollout by rollout (tokens,
     prompt length, policy version, features to tolerance: a cache-free padded forward against the engine's
-    incremental ones), after crossing as the message a worker adds."""
-    engine, outs, theirs = harvested(dtype)
-    learner = copy.deepcopy(engine.policy)  # the driver's own copy
+    incremental ones), after crossing as the message a worker adds. The engine and the learner on the `device`
+fixture's device."""
+    engine, outs, theirs = harvested(dtype, device)
+    learner = copy.deepcopy(engine.policy)  # the driver's own copy, on the engine's device
+    assert learner.device.type == device
     seqs, plens = [list(o.prompt_ids) + list(o.token_ids) for o in outs], [len(o.prompt_ids) for o in outs]
     pairs = LearnerPairs(learner, seqs, plens, ["w0"] * len(seqs), dtype, 1 << 24)
     record(path, learner, seqs, plens, pairs)
@@ -72,17 +75,17 @@ def test_learner_pairs_are_the_engines_harvest(path, dtype):
     assert len(ours) == len(theirs) == len(PROMPTS) and ours.num_bytes == theirs.num_bytes
     tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}  # bf16: an ulp
     for a, b in zip(ours.rollouts, theirs.rollouts):
-        assert torch.equal(a.tokens, b.tokens) and a.num_prompt == b.num_prompt and a.policy_version == 3
+        assert torch.equal(a.tokens.cpu(), b.tokens.cpu()) and a.num_prompt == b.num_prompt and a.policy_version == 3
         assert a.hidden.dtype == b.hidden.dtype == dtype and a.hidden.shape == b.hidden.shape
-        torch.testing.assert_close(a.hidden.float(), b.hidden.float(), **tol)
+        torch.testing.assert_close(a.hidden.float().cpu(), b.hidden.float().cpu(), **tol)
 
 
-def test_recording_leaves_the_update_as_it_was():
+def test_recording_leaves_the_update_as_it_was(device):
     seqs, plens = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13]], [2, 1, 3]
     adv, mask = torch.tensor([1.0, -0.5, 0.0]), response_mask(seqs, plens)
     runs = []
     for is_recording in (False, True):
-        model = tiny_model().requires_grad_(True)
+        model = tiny_model().to(device).requires_grad_(True)
         pairs = LearnerPairs(model, seqs, plens, ["w0"] * 3, torch.float32, 1 << 20) if is_recording else None
         stats = grpo_update(model, torch.optim.SGD(model.parameters(), lr=0.0), seqs, plens, adv, None, mask,
                             JobSpec(micro_batch_size=2), recorder=pairs)
