@@ -68,7 +68,7 @@ StepOut = create_model("StepOut", __base__=Out, **_fields_of(StepRecord))
 EventOut = TypedDict("EventOut", {
     "id": str,  # the Redis stream id: pass the last one as `after` to read on
     "worker": str,
-    "from": str,  # the state before ("" for a worker's first report)
+    "from": Literal[("", *(s.value for s in WorkerState))],  # the state before ("" for a worker's first report)
     "to": Literal[tuple(s.value for s in WorkerState)],  # the state entered (a Literal: 3x faster than the Enum)
     "ts": float,  # wall clock of the transition
     "rl_step": int,

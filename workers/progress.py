@@ -22,6 +22,7 @@ from workers.protocol.keys import (
     event_fields,
     job_events_key,
     job_workers_key,
+    parse_event_fields,
     progress_key,
 )
 from workers.protocol.messages import ProgressRecord
@@ -194,8 +195,7 @@ def read_events(redis: redis_lib.Redis, job_id: str, count: int = 100, after: st
     for entry_id, raw in entries:
         d = {text(k): text(v) for k, v in raw.items()}
         try:
-            events.append({"id": text(entry_id), "worker": d["worker"], "from": d["from"],
-                           "to": WorkerState(d["to"]).value, "ts": float(d["ts"]), "rl_step": int(d["rl_step"])})
+            events.append({"id": text(entry_id), **parse_event_fields(d)})
         except (KeyError, ValueError) as exc:
             log.error("skipping event %s in %s: %r", text(entry_id), key, exc)
     return events

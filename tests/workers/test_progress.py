@@ -9,7 +9,7 @@ import redis as redis_lib
 
 from tests.workers.test_protocol import record
 from workers.progress import ProgressReporter, read_events, read_progress
-from workers.protocol.keys import EVENTS_MAXLEN, PROGRESS_TTL_S, job_events_key
+from workers.protocol.keys import EVENTS_MAXLEN, PROGRESS_TTL_S, event_fields, job_events_key
 from workers.protocol.states import WorkerState
 
 
@@ -162,3 +162,17 @@ def test_a_worker_status_survives_redis_being_unreachable(redis_client):
     status.set_state(WorkerState.IDLE)
     [got] = read_progress(redis_client, "j1")
     assert (got.state, got.num_finished, got.num_tokens) == (WorkerState.IDLE, 4, 64)
+
+
+def test_events_that_do_not_follow_the_protocol_are_skipped_and_logged(redis_client, caplog):
+    key = job_events_key("j1")
+    good = event_fields("w0", None, WorkerState.ROLLING_OUT, 1.0, 0)
+    redis_client.xadd(key, good)
+    redis_client.xadd(key, {**good, "from": "NAPPING"})  # not a state
+    redis_client.xadd(key, {**good, "worker": "w 0"})  # not an id
+    redis_client.xadd(key, {k: v for k, v in good.items() if k != "ts"})
+    redis_client.xadd(key, event_fields("w0", WorkerState.ROLLING_OUT, WorkerState.IDLE, 2.0, 0))
+    events = read_events(redis_client, "j1")
+    assert [(e["worker"], e["from"], e["to"], e["ts"]) for e in events] == [
+        ("w0", "", "ROLLING_OUT", 1.0), ("w0", "ROLLING_OUT", "IDLE", 2.0)]
+    assert caplog.text.count("skipping event") == 3

@@ -221,3 +221,11 @@ def event_fields(worker_id: str, from_state: WorkerState | None, to_state: Worke
     """A state-transition stream entry (job_events_key); from is "" for a worker's first report."""
     return {"worker": check_id("worker_id", worker_id), "from": from_state.value if from_state else "",
             "to": WorkerState(to_state).value, "ts": repr(float(ts)), "rl_step": str(int(rl_step))}
+
+
+def parse_event_fields(fields: dict[str, str]) -> dict:
+    """A stream entry of event_fields read back: {"worker", "from" ("" or a state), "to", "ts": float,
+    "rl_step": int}. KeyError or ValueError for an entry that is not one."""
+    return {"worker": check_id("worker_id", fields["worker"]),
+            "from": WorkerState(fields["from"]).value if fields["from"] else "",
+            "to": WorkerState(fields["to"]).value, "ts": float(fields["ts"]), "rl_step": int(fields["rl_step"])}
