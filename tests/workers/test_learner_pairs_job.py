@@ -1,7 +1,8 @@
 """A GRPO step whose rollout workers' engine harvests no training pairs: the driver's own forwards record them
 and each worker's buffer fills from the learner (real local Ray with logical GPUs, real redis-server; the
 built-in engine, told through the worker's harvest_in_engine not to harvest, stands in for vLLM here, whose job
-tests/engines/test_vllm_job.py runs for real)."""
+tests/engines/test_vllm_job.py runs for real). On the `device` fixture's device (JobSpec.device): the driver's
+learner and its recorded pairs there, the two workers sharing the cluster's first GPU on a GPU node."""
 
 from __future__ import annotations
 
@@ -23,19 +24,21 @@ def ray_cluster():
     ray.shutdown()
 
 
-def learner_fed_worker(*args):
-    return start_worker(*args, harvest_in_engine=False)
+def learner_fed_worker(*args, **kw):
+    return start_worker(*args, **kw, harvest_in_engine=False)
 
 
 @pytest.mark.parametrize("num_updates", [1, 2])  # old log-probs from the update's own forward, or a pass of their own
-def test_the_workers_buffers_fill_from_the_learners_forward(ray_cluster, private_redis, redis_client, tmp_path,
-                                                             monkeypatch, num_updates):
+def test_the_workers_buffers_fill_from_the_learners_forward(device, ray_cluster, private_redis, redis_client,
+                                                             tmp_path, monkeypatch, num_updates):
     monkeypatch.setattr(driver_module, "start_worker", learner_fed_worker)
     spec = JobSpec(model="tiny", num_steps=1, num_prompts_per_step=4, group_size=2, max_new_tokens=10, num_workers=2,
-                   draft_k=2, num_updates_per_step=num_updates)
+                   draft_k=2, num_updates_per_step=num_updates, device=device,
+                   gpus_per_worker=0.25 if device == "cuda" else 1.0)
     job_id = f"lp{num_updates}"
     threads = torch.get_num_threads()
     driver = Driver(job_id, spec, redis_client, private_redis.url, str(tmp_path))
+    assert driver.policy.device.type == device
     try:
         record = driver.step(0)
         assert record.policy_version == 1 and not record.failures and record.num_rollouts == 8
@@ -51,5 +54,6 @@ def test_the_workers_buffers_fill_from_the_learners_forward(ray_cluster, private
     num_prompt_tokens = sum(len(driver_module.encode_text(None, p.prompt, driver.policy.cfg.vocab_size))
                             for p in driver.problems.step(0)) * spec.group_size
     assert num_pairs == num_prompt_tokens + record.num_tokens - record.num_rollouts
-    assert all(d["buffer_tokens"] > 0 for d in described.values())  # both workers generated, both were sent theirs
+    # both workers generated (on the job's device), both were sent theirs
+    assert all(d["buffer_tokens"] > 0 and d["device"].startswith(device) for d in described.values())
     assert sum(d["buffer_tokens"] for d in described.values()) == reported == num_pairs

@@ -2,7 +2,8 @@
 corpus), a draft trained by a real lease and scored and published by the real scorer, the swap listener
 on a private redis-server, the job's metrics and its REST route. A zeroed draft published with a good
 score (weights that did not load, as engines' RL integrations have shipped) is rolled back; the trained
-one is kept."""
+one is kept. Each test runs on the `device` fixture's device (JobSpec.device): the policy, the lease's training,
+the scoring and the swaps there."""
 
 from __future__ import annotations
 
@@ -59,19 +60,19 @@ def trained_version(r: RolloutRunner) -> tuple[int, float]:
     r.generate(prompts(24, seed=10_000), sampled(24, seed=0), rl_step=0)
     lease = r.leases.run(r.leases.accept({"lease_id": "l1", "parent_version": 0, "deadline_s": 4.0}))
     assert lease.version is not None, lease
-    scored = r.scorer.run(r.scorer.accept({"round_id": "r1", "copies": [lease.version], "serving_version": None,
-                                           "draft_k": K}))
+    scored = r.scorer.run(r.scorer.accept({"round_id": "r1", "copies": [lease.version], "serving_version": None}))
     assert scored.error is None, scored.error
     score = scored.candidate_accepted_length
     return r.scorer.publish_candidate(scored.candidate, scored.candidate_draft_temperature,
                                       {"accepted_length": score}), score
 
 
-def test_a_zeroed_draft_is_rolled_back_and_a_trained_one_kept(redis_client, tmp_path, model_dir):
-    spec = JobSpec(model=str(model_dir), draft_k=K, speculation="always", draft_vocab_size=None)
+def test_a_zeroed_draft_is_rolled_back_and_a_trained_one_kept(device, redis_client, tmp_path, model_dir):
+    spec = JobSpec(model=str(model_dir), draft_k=K, speculation="always", draft_vocab_size=None, device=device)
     job_id = JobStore(redis_client).create(spec)[0]["job_id"]
     JobStore(redis_client).transition(job_id, JobState.RUNNING, {JobState.PENDING})
     r = RolloutRunner(job_id, "w0", spec, redis_client, str(tmp_path / "drafts"))
+    assert r.policy.device.type == device
     good, score = trained_version(r)
     assert score > 1 + spec.swap_guard.min_published_gain  # a draft worth judging
     listener = r.swapper.start()  # installs `good` (the latest), then follows announcements
@@ -137,14 +138,15 @@ def test_a_zeroed_draft_is_rolled_back_and_a_trained_one_kept(redis_client, tmp_
     assert drafts["num_collapses"] == 1 and drafts["collapses"] == [e.to_dict()]
 
 
-def test_with_nothing_to_go_back_to_the_collapse_is_recorded_and_the_draft_stays(redis_client, tmp_path, model_dir):
+def test_with_nothing_to_go_back_to_the_collapse_is_recorded_and_the_draft_stays(device, redis_client, tmp_path,
+                                                                                 model_dir):
     spec = JobSpec(model=str(model_dir), draft_k=K, speculation="always", draft_vocab_size=None,
-                   swap_guard={"num_verify_steps": 16})
+                   swap_guard={"num_verify_steps": 16}, device=device)
     r = RolloutRunner("job2", "w1", spec, redis_client, str(tmp_path / "drafts"))
     from drafter.checkpoint import DraftMeta
     from drafter.head import head_config, new_head
 
-    head = new_head(r.policy, None, None, seed=3)
+    head = new_head(r.policy, None, None, seed=3)  # on the worker's device, as a lease's copy is
     meta = DraftMeta(version=0, parent_version=0, policy_version=0, num_steps=1, total_steps=1, num_tokens=1,
                      head_config=head_config(head), extra={"accepted_length": 2.5})
     v1 = r.served.publish(zeroed(head.state_dict()), meta)  # the job's first version: v0 was never stored

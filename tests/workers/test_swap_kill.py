@@ -8,7 +8,10 @@ The window is made to last: the version's file arrives slowly. A FIFO stands at 
 blocks in open() with its progress record saying SWAPPING (an idle worker's swap) until the test writes to it.
 
 A swap listener cut off from Redis (no Ray): it does not die, it subscribes again and catches up to the version
-published while it was cut off."""
+published while it was cut off.
+
+Both run on the `device` fixture's device (JobSpec.device): on a GPU the job's two workers share the cluster's
+first GPU (gpus_per_worker 0.25), as tests/workers/test_job.py's device test does."""
 
 from __future__ import annotations
 
@@ -97,15 +100,16 @@ def actor_id(worker_id: str) -> str | None:
     return None
 
 
-def test_a_worker_killed_mid_swap_loses_nothing_and_serves_the_latest_draft_again(ray_cluster, private_redis,
+def test_a_worker_killed_mid_swap_loses_nothing_and_serves_the_latest_draft_again(device, ray_cluster, private_redis,
                                                                                    redis_client, tmp_path):
     served, _ = job_stores(redis_client, tmp_path, JOB)
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     assert served.publish(*draft(parent=0)) == 1  # the draft the workers start with
     # one prompt group per step: w0 generates it, w1 waits at the barrier (idle) for the whole step
-    with job(JOB, private_redis.url, tmp_path, num_steps=NUM_STEPS, num_prompts_per_step=1,
-             max_new_tokens=200) as driver:
+    share = 0.25 if device == "cuda" else 1.0
+    with job(JOB, private_redis.url, tmp_path, num_steps=NUM_STEPS, num_prompts_per_step=1, max_new_tokens=200,
+             device=device, gpus_per_worker=share) as driver:
         run = driver.run.remote()
         until(lambda: (raw := redis_client.get(job_phase_key(JOB))) and PhaseRecord.from_json(raw).phase
               == Phase.ROLLOUT, what="step 0's rollout")
@@ -124,6 +128,7 @@ def test_a_worker_killed_mid_swap_loses_nothing_and_serves_the_latest_draft_agai
         until(lambda: ray.get(w0.describe.remote())["draft_version"] == v3, timeout_s=30, what="w0 serving v3")
         back = ray.get(w1.describe.remote())
     assert back["draft_version"] == v3 and back["swap_log"][-1]["version"] == v3
+    assert back["device"].startswith(device)
     assert back["policy_version"] >= 2  # it joined the job: a later step's weight sync reached it
     # the job succeeded, its warning naming the lost worker, which was started again
     assert result["ok"] and result["steps"] == NUM_STEPS and result["error"] is None
@@ -147,8 +152,8 @@ def test_a_worker_killed_mid_swap_loses_nothing_and_serves_the_latest_draft_agai
 
 
 
-def test_the_swap_listener_outlives_losing_redis_and_catches_up(redis_client, tmp_path, caplog):
-    r = RolloutRunner(JOB, "w0", JobSpec(model="tiny", draft_k=2), redis_client, str(tmp_path))
+def test_the_swap_listener_outlives_losing_redis_and_catches_up(device, redis_client, tmp_path, caplog):
+    r = RolloutRunner(JOB, "w0", JobSpec(model="tiny", draft_k=2, device=device), redis_client, str(tmp_path))
     subscribe, published = r.served.subscribe, []
 
     def cut_off(timeout: float = 1.0):
@@ -176,3 +181,5 @@ def test_the_swap_listener_outlives_losing_redis_and_catches_up(redis_client, tm
     assert "the swap listener lost Redis (ConnectionError: Connection closed by server.)" in lines[0]
     assert "the swap listener is back after" in lines[1]
     assert [e["version"] for e in r.swapper.log] == published
+    # the swap installed the draft beside the policy
+    assert next(r.engine.drafter.head.parameters()).device.type == r.policy.device.type == device
