@@ -5,7 +5,8 @@ the counts (tests/scheduler/test_serve.py, test_anonymous.py, test_liveness.py):
   tracebacks, the token and echoes of what was sent (`anonymous_leaks`);
 - liveness: /healthz latency while Redis hangs (SIGSTOP) and Redis-bound requests fill the thread pool;
 - a real `tlt serve` subprocess (`served`): clients that never finish their headers, a request with both
-  Content-Length and Transfer-Encoding, and SIGTERM with clients polling (exit code, 5xx, processes left).
+  Content-Length and Transfer-Encoding, and SIGTERM (or SIGINT) with a job RUNNING mid-run and clients polling
+  it (exit code, seconds to exit, 5xx, processes left: redis-server, Ray's servers, its workers and the driver).
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ import httpx
 ECHO = "EchoMarker7"  # sent in paths, queries, headers and bodies: never in an answer
 SERVE_START_S = 180.0  # Ray's start on a loaded 2-core box
 NUM_HUNG = 60  # Redis-bound requests held on a hung Redis: more than the thread pool's 40 workers
+# a job still running when the signal comes: the issue's run had one at step 100 (tiny model: a step is seconds)
+SIGNAL_SPEC = {"model": "tiny", "num_prompts_per_step": 2, "group_size": 2, "max_new_tokens": 24, "num_workers": 1,
+               "num_steps": 1000, "checkpoint_every": 1}
+JOB_START_S = 120.0  # the driver loads torch and the model, its worker too, on a loaded 2-core box
+MAX_EXIT_S = 60.0  # signal to exit: requests in flight (serve.GRACEFUL_SHUTDOWN_S at most) and Ray's shutdown
 SMUGGLED = (b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
             b"0\r\n\r\nGET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
 
@@ -118,14 +124,16 @@ def healthz_with_redis_hung(store_dir: str, num_probes: int = 50) -> dict:
 
 # ----- a real `tlt serve` -------------------------------------------------------------------------------------------
 @contextmanager
-def served(work_dir: Path, gpus: int = 1) -> Iterator[tuple[subprocess.Popen, int, str, object]]:
-    """`tlt serve` on a free loopback port with its private redis-server and Ray: (process, port, url, log file).
-    Killed at the end if still running."""
+def served(work_dir: Path, gpus: int = 1, redis_url: str | None = None
+           ) -> Iterator[tuple[subprocess.Popen, int, str, object]]:
+    """`tlt serve` on a free loopback port with its private Ray, and its private redis-server unless `redis_url`
+    is given: (process, port, url, log file). Killed at the end if still running."""
     from workers.redis_server import free_port
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "RAY_ADDRESS", "TLT_API_TOKEN")}
-    log = open(work_dir / "serve.log", "w+")  # noqa: SIM115 - closed below
+    env |= {"REDIS_URL": redis_url} if redis_url else {}
+    log = open(work_dir / "serve.log", "a+")  # noqa: SIM115 - closed below; a restart's lines follow
     proc = subprocess.Popen([sys.executable, "-m", "scheduler.cli", "serve", "--host", "127.0.0.1", "--port",
                              str(port), "--gpus", str(gpus), "--store-dir", str(work_dir / "drafts")],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -196,30 +204,77 @@ def slow_clients(port: int, num_clients: int, wait_s: float) -> dict:
     return {"num_clients": num_clients, "num_held": sum(is_open), "wait_s": wait_s}
 
 
-def sigterm(proc: subprocess.Popen, url: str, num_pollers: int = 4, before_s: float = 2.0) -> dict:
-    """SIGTERM while `num_pollers` clients poll GET /v1/jobs: the exit code, the 5xx answers, and the processes
-    the server started that are still alive 10 s after it exited."""
+def running_job(url: str, spec: dict = SIGNAL_SPEC, min_steps: int = 1, timeout_s: float = JOB_START_S) -> dict:
+    """Submit `spec` and wait until the job is RUNNING with `min_steps` steps finished: its record."""
+    r = httpx.post(f"{url}/v1/jobs", json=spec, timeout=30)
+    if r.status_code != 201:
+        raise RuntimeError(f"POST /v1/jobs: {r.status_code} {r.text[:300]}")
+    return job_with_steps(url, r.json()["job_id"], min_steps, timeout_s)
+
+
+def read_job(client: httpx.Client, job_id: str) -> dict:
+    """GET the job's record; RuntimeError with the answer if it is not a 200."""
+    r = client.get(f"/v1/jobs/{job_id}")
+    if r.status_code != 200:
+        raise RuntimeError(f"GET /v1/jobs/{job_id}: {r.status_code} {r.headers.get('content-type')} {r.text[:300]}")
+    return r.json()
+
+
+def job_with_steps(url: str, job_id: str, min_steps: int, timeout_s: float = JOB_START_S) -> dict:
+    """The job's record once it is RUNNING with `min_steps` steps finished; RuntimeError if it ends first, or
+    has not got there in `timeout_s`."""
+    from workers.protocol.states import JobState
+
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(base_url=url, timeout=30) as client:
+        while time.monotonic() < deadline:
+            job = read_job(client, job_id)
+            if job["state"] not in (JobState.QUEUED, JobState.RUNNING):
+                raise RuntimeError(f"job {job_id} ended before the signal: {job}")
+            if job["state"] == JobState.RUNNING and job["steps"] >= min_steps:
+                return job
+            time.sleep(0.5)
+    raise RuntimeError(f"job {job_id} did not finish {min_steps} steps in {timeout_s:.0f} s: {job}")
+
+
+def sigterm(proc: subprocess.Popen, url: str, sig: signal.Signals = signal.SIGTERM, job: dict | None = None,
+            num_pollers: int = 4, before_s: float = 2.0) -> dict:
+    """`sig` while a job runs mid-run (SIGNAL_SPEC's, started here unless `job` is given) and `num_pollers`
+    clients poll its record, its steps and the job list: the exit code, the seconds to exit, the 5xx answers,
+    and the processes the server started (every descendant alive at the signal: redis-server, gcs_server,
+    raylet, Ray's workers, the job's driver and rollout worker) still alive 10 s after it exited."""
     import psutil
 
-    tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
-    has_private_redis = any("redis-server" in " ".join(p.cmdline()) for p in tree[1:])
+    job = job or running_job(url)
+    paths = ["/v1/jobs", f"/v1/jobs/{job['job_id']}", f"/v1/jobs/{job['job_id']}/steps"]
     statuses: list[int] = []
     stop = threading.Event()
 
-    def poll() -> None:
+    def poll(first: int) -> None:
         with httpx.Client(base_url=url, timeout=10) as client:
-            while not stop.is_set():
+            for i in range(first, 1 << 30):
+                if stop.is_set():
+                    return
                 try:
-                    statuses.append(client.get("/v1/jobs").status_code)
+                    statuses.append(client.get(paths[i % len(paths)]).status_code)
                 except httpx.TransportError:  # refused once it stopped listening: the client retries elsewhere
                     time.sleep(0.05)
 
-    pollers = [threading.Thread(target=poll, daemon=True) for _ in range(num_pollers)]
+    pollers = [threading.Thread(target=poll, args=(i,), daemon=True) for i in range(num_pollers)]
     for t in pollers:
         t.start()
     time.sleep(before_s)
-    proc.send_signal(signal.SIGTERM)
-    code = proc.wait(timeout=60)
+    with httpx.Client(base_url=url, timeout=30) as client:
+        steps_at_signal = read_job(client, job["job_id"])["steps"]
+    tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)  # at the signal
+    names = sorted({p.name() for p in tree[1:]})
+    t0 = time.monotonic()
+    proc.send_signal(sig)
+    try:
+        code = proc.wait(timeout=MAX_EXIT_S)
+    except subprocess.TimeoutExpired:
+        code = None  # counted as a failure; `served` kills it
+    exit_s = time.monotonic() - t0
     stop.set()
     for t in pollers:
         t.join(timeout=15)
@@ -238,6 +293,7 @@ def sigterm(proc: subprocess.Popen, url: str, num_pollers: int = 4, before_s: fl
     while time.monotonic() < deadline and alive():
         time.sleep(0.2)
     left = alive()
-    return {"sigterm_exit_code": code, "sigterm_5xx": sum(s >= 500 for s in statuses),
-            "num_requests": len(statuses), "processes_left_after_exit": len(left), "left": left,
-            "num_processes": len(tree), "has_private_redis": has_private_redis}
+    return {"signal": signal.Signals(sig).name, "sigterm_exit_code": code, "exit_s": round(exit_s, 2),
+            "sigterm_5xx": sum(s >= 500 for s in statuses), "num_requests": len(statuses),
+            "processes_left_after_exit": len(left), "left": left, "num_processes": len(tree),
+            "process_names": names, "job_id": job["job_id"], "steps_at_signal": steps_at_signal}

@@ -42,6 +42,13 @@ NAME_RELEASE_S = 30.0  # how long a new driver waits for a dead one's actor name
 # meanwhile, fails: stuck, not running degraded on the workers it has left; a node back sooner costs nothing
 MAX_UNPLACEABLE_S = 60.0
 PLACEMENT_CHECK_S = 2.0  # how often a followed job's driver call is polled, and the cluster's GPUs counted
+# how long a stopping scheduler waits for its job threads to let go of Ray (each looks every PLACEMENT_CHECK_S): a
+# thread still calling Ray after ray.shutdown() makes Ray's core worker end the process with status 1
+STOP_JOIN_S = 10.0
+
+
+class StoppingError(Exception):
+    """The scheduler is shutting down: a job's thread lets go of its driver, and the job stays as it is."""
 
 
 class Launcher:
@@ -54,13 +61,27 @@ class Launcher:
         self._lock = threading.Lock()
         self.is_stopping = False  # the scheduler is shutting down: a driver call failing now ends no job
         self.admitter = Admitter(store, self.launch)
+        self._threads: list[threading.Thread] = []  # each job's: starting, resuming or following its driver
 
-    def stop(self) -> None:
+    def stop(self, join_s: float = STOP_JOIN_S) -> None:
         """Stop admitting and recording jobs' ends: the scheduler is going, and Ray with it (a private one) or
-        without it. A job whose driver call fails from now on stays as it is: the next scheduler reattaches or
-        resumes it; the queue stays in Redis for it."""
+        without it. A job whose driver call fails from now on stays as it is (RUNNING, no result): the next
+        scheduler reattaches it or resumes it from its policy checkpoint; the queue stays in Redis for it.
+        Returns once the job threads have stopped calling Ray (`join_s` at most), so Ray can go."""
         self.is_stopping = True
         self.admitter.stop()
+        deadline = time.monotonic() + join_s
+        for thread in list(self._threads):
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if left := [t.name for t in self._threads if t.is_alive()]:
+            log.warning("stopping: job threads still calling Ray after %.0f s: %s", join_s, left)
+
+    def _spawn(self, target, args: tuple, name: str) -> None:
+        """A job's thread, kept so that stop() waits for it."""
+        self._threads = [t for t in self._threads if t.is_alive()]
+        thread = threading.Thread(target=target, args=args, daemon=True, name=name)
+        self._threads.append(thread)
+        thread.start()
 
     @staticmethod
     def cluster_gpus() -> int | None:
@@ -79,13 +100,15 @@ class Launcher:
 
     def launch(self, job_id: str, spec: dict, group=None) -> None:
         """Start an admitted (RUNNING) job's driver in a thread of its own, its workers in placement group `group`."""
-        threading.Thread(target=self._launch, args=(job_id, spec, group), daemon=True, name=f"job-{job_id}").start()
+        self._spawn(self._launch, (job_id, spec, group), f"job-{job_id}")
 
     def _launch(self, job_id: str, spec: dict, group=None) -> None:
         """Start a RUNNING job's driver (it resumes from the job's policy checkpoint if there is one) and follow it.
         Without `group` (a driver resumed), the job's placement group is found by name, or asked for again."""
         if not ray.is_initialized():  # never let a driver's creation start a Ray of its own inside this process
             self._fail(job_id, "the scheduler has no Ray cluster to run it on (started without Ray)")
+            return
+        if self.is_stopping:  # RUNNING, no driver: the next scheduler resumes it
             return
         try:
             job_spec = JobSpec.from_stored(spec)  # the record's JSON, read back once; typed from here down
@@ -113,7 +136,7 @@ class Launcher:
                 return start_driver(job_id, spec, self.settings.redis_url, self.settings.store_dir,
                                     placement_group=group)
             except ValueError:
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or self.is_stopping:
                     raise
                 time.sleep(0.2)
 
@@ -129,8 +152,7 @@ class Launcher:
         self.driver_restarts[job_id] = restarts + 1
         log.warning("job %s: its driver is gone; starting a new one from its policy checkpoint (restart %d of %d)",
                     job_id, restarts + 1, MAX_DRIVER_RESTARTS)
-        threading.Thread(target=self._launch, args=(job_id, record["spec"]), daemon=True,
-                         name=f"job-{job_id}-resume{restarts + 1}").start()
+        self._spawn(self._launch, (job_id, record["spec"]), f"job-{job_id}-resume{restarts + 1}")
         return True
 
     def _follow(self, job_id: str, driver, ref) -> None:
@@ -150,7 +172,7 @@ class Launcher:
                     log.info("job %s: its driver is unreachable (%s); asking again", job_id, one_line(exc))
                     time.sleep(PLACEMENT_CHECK_S)
                     ref = driver.wait.remote(None)
-        except SystemExit:  # Ray is shutting down under this scheduler: leave the detached driver running
+        except (StoppingError, SystemExit):  # the scheduler (and a private Ray) is going: leave the driver as it is
             self.drivers.pop(job_id, None)
             return
         except Exception as exc:  # the driver raised or died: its JobResult (if any) says how the job ended
@@ -183,6 +205,8 @@ class Launcher:
         it fails with."""
         short = None
         while not ray.wait([ref], timeout=PLACEMENT_CHECK_S)[0]:
+            if self.is_stopping:
+                raise StoppingError
             try:
                 short, line = self.check_placeable(job_id, short, time.monotonic())
             except Exception as exc:  # a GCS or Redis blink: count again at the next check, never fail the job
@@ -277,8 +301,7 @@ class Launcher:
                 done[job_id] = "settled"
                 continue
             self.drivers[job_id] = driver
-            threading.Thread(target=self._follow, args=(job_id, driver, driver.wait.remote(None)), daemon=True,
-                             name=f"job-{job_id}").start()
+            self._spawn(self._follow, (job_id, driver, driver.wait.remote(None)), f"job-{job_id}")
             done[job_id] = "reattached"
         pending = [r for r in self.store.get_many(list(self.store.all_ids())) if r["state"] == JobState.PENDING]
         for record in pending:
