@@ -11,7 +11,7 @@ import ray
 import uvicorn
 
 from scheduler.app import Settings, create_app
-from scheduler.cli import build_parser, main
+from scheduler.cli import RAY_SINGLE_NODE_ENV, build_parser, main
 from workers.redis_server import PrivateRedis, free_port
 
 
@@ -65,6 +65,10 @@ def test_clear_errors(server, tmp_path, capsys):
 
 
 def test_serve_names_an_unreachable_redis_or_bad_policy_setting(monkeypatch, capsys):
+    # serve sets Ray's single-node switch for its own process and children; set here as serve would, so that
+    # monkeypatch removes it after this test: else every later `ray start` of the session (test_multinode's
+    # second node) inherits it and refuses to join a cluster
+    monkeypatch.setenv(RAY_SINGLE_NODE_ENV, "0")
     monkeypatch.setenv("REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
     assert main(["serve", "--port", str(free_port())]) == 2
     assert "cannot reach Redis at redis://127.0.0.1:" in capsys.readouterr().err

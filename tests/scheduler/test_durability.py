@@ -191,7 +191,8 @@ def test_a_job_none_of_whose_workers_starts_fails_at_start_in_one_line(ray_local
         for b in blockers:
             ray.kill(b)
     assert job_error(caught.value, "start") == (f"at start: RuntimeError: no rollout worker started: w0 at start (not "
-                                                f"placed); the Ray cluster has {NUM_GPUS} GPUs")
+                                                f"placed); the Ray cluster has {NUM_GPUS} GPUs, the job asks 1 per "
+                                                f"worker")
     until(lambda: is_gone(worker_actor_name("bw2", "w0")), 30, "the unplaced worker killed")
 
 
