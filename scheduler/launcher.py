@@ -22,7 +22,7 @@ import time
 import ray
 
 from scheduler.jobs import JobStore
-from scheduler.queue import Admitter, job_group, release_group, sweep_groups
+from scheduler.queue import Admitter, release_group, resumed_group, sweep_groups
 from scheduler.settings import Settings
 from workers.errors import MAX_ERROR_CHARS, one_line
 from workers.job_actor import start_driver
@@ -104,7 +104,8 @@ class Launcher:
 
     def _launch(self, job_id: str, spec: dict, group=None) -> None:
         """Start a RUNNING job's driver (it resumes from the job's policy checkpoint if there is one) and follow it.
-        Without `group` (a driver resumed), the job's placement group is found by name, or asked for again."""
+        Without `group` (a driver resumed): the job's placement group if Ray still holds it whole
+        (queue.resumed_group)."""
         if not ray.is_initialized():  # never let a driver's creation start a Ray of its own inside this process
             self._fail(job_id, "the scheduler has no Ray cluster to run it on (started without Ray)")
             return
@@ -112,7 +113,7 @@ class Launcher:
             return
         try:
             job_spec = JobSpec.from_stored(spec)  # the record's JSON, read back once; typed from here down
-            group = group if group is not None else job_group(job_id, job_spec)
+            group = group if group is not None else resumed_group(job_id)
             driver = self._start_driver(job_id, job_spec, group)
             ref = driver.run.remote()
         except Exception as exc:  # the job boundary: recorded on the job, logged with its id

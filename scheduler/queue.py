@@ -48,6 +48,23 @@ def job_group(job_id: str, spec: JobSpec | None, *, is_created: bool = True) -> 
     return placement_group(bundles, strategy=PLACEMENT_STRATEGY, name=name, lifetime="detached")
 
 
+def resumed_group(job_id: str) -> PlacementGroup | None:
+    """The placement group a resumed driver's workers go in: the job's, if Ray still holds it whole, else None
+    (the group removed). A group that lost bundles with a node waits RESCHEDULING until the cluster has them
+    again; the job runs degraded on what is left instead: its workers go where Ray has GPUs, and the driver drops
+    those Ray cannot place (workers.worker_start), as a job that lost a node always has."""
+    pg = job_group(job_id, None, is_created=False)
+    if pg is None:
+        return None
+    state = ray.util.placement_group_table(pg).get("state")
+    if state == "CREATED":
+        return pg
+    log.warning("job %s: its placement group is %s (a node lost?): the resumed driver runs on what Ray can place",
+                job_id, state)
+    release_group(job_id)
+    return None
+
+
 def release_group(job_id: str) -> None:
     """Remove the job's placement group, if it has one: its GPUs go to the next job in line."""
     if not ray.is_initialized():

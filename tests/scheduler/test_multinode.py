@@ -232,7 +232,7 @@ def test_losing_a_node_mid_step_runs_on_degraded_and_keeps_finished_steps(cluste
     job = wait_end(base, job_id, MAX_UNPLACEABLE_S + 120, log)
     after = get(f"{base}/v1/jobs/{job_id}/steps")
     assert before and after[:len(before)] == before, (before, after)  # nothing finished is lost
-    assert job["state"] == JobState.SUCCEEDED and job["error"] is None, job
+    assert job["state"] == JobState.SUCCEEDED and job["error"] is None, (job["error"], job.get("warning"))
     assert job["steps"] == len(after) == spec["num_steps"], job
     assert [s["rl_step"] for s in after] == list(range(spec["num_steps"]))
     down = re.search(r"; (w\d), (w\d) not running at the end \(2 of 4 workers\)$", job["warning"] or "")
