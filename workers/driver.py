@@ -223,7 +223,7 @@ class Driver:
             why = "; ".join(f"{f['worker']}: {f['error']}" for f in failures)
             raise WorkerError(f"every rollout worker failed: {why}" if failures else
                               "no rollout worker left: each was lost and none could start again",
-                              [f["worker"] for f in failures])
+                              list(dict.fromkeys(f["worker"] for f in failures)))  # a slot may fail twice
         t["weight_sync"] = time.perf_counter() - t0
 
         self.set_phase(Phase.ROLLOUT, rl_step)
