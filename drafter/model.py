@@ -112,14 +112,18 @@ class PackedWeight:
         return self.packed
 
 
+def onednn_serves(dtype: torch.dtype) -> bool:
+    """Whether CPU inference in `dtype` runs its GEMMs on oneDNN's packed weights: float32, or bfloat16 where
+    the CPU has bf16 units (oneDNN packs bf16 weights only there), while onednn_linear_available()."""
+    return onednn_linear_available() and (dtype == torch.float32 or (dtype == torch.bfloat16 and native_cpu_bf16()))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: PackedWeight | None) -> torch.Tensor:
     """F.linear, on oneDNN with `packed` weights for CPU inference in float32 or bfloat16 (no autograd
     involved); every other case (training, GPUs, float16, mixed dtypes) is plain F.linear."""
-    if (packed is None or x.device.type != "cpu" or x.dtype != weight.dtype
-            or not (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and native_cpu_bf16()))
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            or not onednn_linear_available()):
+    if (packed is None or x.device.type != "cpu" or x.dtype != weight.dtype or not onednn_serves(x.dtype)
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return F.linear(x, weight, bias)
     shape = x.shape
     out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), packed.get(weight), bias, "none", [], "")

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from drafter.config import ModelConfig
-from drafter.model import CausalLM, PackedWeight, draft_features, native_cpu_bf16, onednn_linear_available
+from drafter.model import CausalLM, PackedWeight, draft_features, onednn_serves
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # past 128: multiples of 64
 MIN_SLOTS = 64  # slot buckets are powers of two from here (a multiple of 16: SDPA's mask alignment)
@@ -201,8 +201,7 @@ class StaticRunner:
         if self.cuda_graphs and device.type != "cuda":
             raise ValueError("cuda_graphs needs a model on a CUDA device")
         # a CPU's GEMMs on oneDNN's packed weights, as the eager path's Linear layers (drafter.model.linear)
-        self.onednn = device.type == "cpu" and onednn_linear_available() and (
-            dtype == torch.float32 or (dtype == torch.bfloat16 and native_cpu_bf16()))
+        self.onednn = device.type == "cpu" and onednn_serves(dtype)
         self.cache = StaticCache(c, c.num_layers, batch_bucket(max_batch), max_len, dtype, device)
         B, T = self.cache.max_batch, MAX_GRAPH_TOKENS
         self.ids = torch.zeros(B * T, dtype=torch.long, device=device)  # graph inputs, (bucket * tokens) used
