@@ -19,10 +19,10 @@ import ray
 
 from bench.prompts import PROMPTS
 from bench.record import pct
-from drafter.checkpoint import DraftMeta
-from drafter.config import SMOLLM2_SPEC
-from drafter.head import head_config, new_head
-from drafter.loading import encode_text, load_model
+from drafter.draft.head import head_config, new_head
+from drafter.model.config import SMOLLM2_SPEC
+from drafter.model.loading import encode_text, load_model
+from drafter.train.checkpoint import DraftMeta
 from workers.actors import get_worker
 from workers.job_actor import start_driver
 from workers.progress import read_json_list

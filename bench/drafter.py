@@ -25,17 +25,17 @@ import torch.nn.functional as F
 
 from bench.prompts import PROMPTS, synthetic_prompts
 from bench.record import pct
-from drafter.buffer import RolloutBuffer
-from drafter.checkpoint import load_draft
-from drafter.config import DRAFT_FORMAT, TrainConfig
-from drafter.drafters import NgramDrafter
-from drafter.eagle import EagleDrafter
-from drafter.engine import Engine, Request
-from drafter.head import head_from_state, new_head
-from drafter.loading import default_cache_dir, encode_prompt, load_model
-from drafter.sampling import SamplingParams
-from drafter.train import DraftTrainer
-from drafter.warmstart import HarvestConfig, calibrate_on_prompts, harvest, measure, warm_start
+from drafter.decode.engine import Engine, Request
+from drafter.decode.sampling import SamplingParams
+from drafter.draft.drafters import NgramDrafter
+from drafter.draft.eagle import EagleDrafter
+from drafter.draft.head import head_from_state, new_head
+from drafter.model.config import DRAFT_FORMAT, TrainConfig
+from drafter.model.loading import default_cache_dir, encode_prompt, load_model
+from drafter.train.buffer import RolloutBuffer
+from drafter.train.checkpoint import load_draft
+from drafter.train.trainer import DraftTrainer
+from drafter.train.warmstart import HarvestConfig, calibrate_on_prompts, harvest, measure, warm_start
 
 
 def log(msg: str) -> None:
@@ -194,8 +194,8 @@ def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_p
                   device: str = "cpu") -> dict:
     """parts: any of "a" (sweep), "b" (drift), "c" (throughput, stops). Without (a), the drift is
     measured at k=4; without (b), (c) trains the warm-started head on 64 fresh rollouts. draft_dtype:
-    the precision the heads draft in (drafter.eagle.serving_dtype), as the rollout workers serve them;
-    tree, tree_side_depth: the warm head's draft tree in (a) (drafter.tree; "" for a chain), with a
+    the precision the heads draft in (drafter.draft.eagle.serving_dtype), as the rollout workers serve them;
+    tree, tree_side_depth: the warm head's draft tree in (a) (drafter.decode.tree; "" for a chain), with a
     chain of the same head beside it. The drift (b) is measured with chains: it is about the head.
     device: where the policy runs (every head and batch follows it)."""
     if not parts or set(parts) - set("abc"):
@@ -312,7 +312,7 @@ def _drift_part(result, policy, tok, engine, eval_prompts, head, best_k, new_tok
 
 
 def add_arguments(p) -> None:
-    from drafter.config import SMOLLM2_SPEC
+    from drafter.model.config import SMOLLM2_SPEC
 
     p.add_argument("--model", default=SMOLLM2_SPEC)
     p.add_argument("--prompts", type=int, default=6, help="held-out evaluation prompts (of the 16 fixed ones)")

@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 from bench.record import pct
-from drafter.checkpoint import load_draft
-from drafter.eagle3 import export_eagle3
-from drafter.head import head_from_state
-from drafter.loading import encode_prompt, load_model
+from drafter.draft.eagle3 import export_eagle3
+from drafter.draft.head import head_from_state
+from drafter.model.loading import encode_prompt, load_model
+from drafter.train.checkpoint import load_draft
 from workers.builtin_engine import BuiltinEngine
 from workers.spec import JobSpec
 from workers.warm import WARM_EVAL_SEED, WarmRecipe, task_prompts, warm_cache_dir
@@ -228,7 +228,7 @@ def summarize(result: dict, threads: tuple[int, ...]) -> dict:
 
 
 def add_arguments(p) -> None:
-    from drafter.config import SMOLLM2_SPEC
+    from drafter.model.config import SMOLLM2_SPEC
 
     p.add_argument("--model", default=SMOLLM2_SPEC, help="smollm2-135m, a .gguf file or an HF directory")
     p.add_argument("--draft", default=None, help="a draft checkpoint (default: the longtail warm draft that "

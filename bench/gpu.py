@@ -28,9 +28,9 @@ from bench.gpu_decode import ByteTokenizer, batch_sweep, longtail, sweep_b1
 from bench.gpu_physics import aten_ops_per_forward, forward_path, physics, smollm2_layout
 from bench.gpu_tests import cuda_tests
 from bench.gpu_train import device_name, drift, fresh_buffer, training, warm_head
-from drafter.config import ModelConfig
-from drafter.engine import Engine
-from drafter.loading import LoadedModel, load_model, random_model
+from drafter.decode.engine import Engine
+from drafter.model.config import ModelConfig
+from drafter.model.loading import LoadedModel, load_model, random_model
 
 # the result's headline keys and their goals (docs/benchmarks.md, "GPU"); None: no goal, reported
 GOALS: dict[str, tuple[str, float] | None] = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields, replace
 
-from drafter.config import SMOLLM2_SPEC
+from drafter.model.config import SMOLLM2_SPEC
 
 SHAPE_ONLY = "smollm2-135m-shape"  # --model: SmolLM2-135M's shapes with random weights (physics and tests only)
 PARTS = "abcdefgh"  # physics, warm start, batch-1 sweep, batch sweep, training, drift, long tail, CUDA tests

@@ -2,7 +2,7 @@
 
 (c) batch 1, greedy and T=1, at each k (bench.drafter.sweep: prompt by prompt, the arms interleaved);
 (d) fixed batch sizes (every row runs the same number of tokens, so the batch never shrinks): plain, a
-    fixed k and the adaptive tuner (drafter.adaptive), repeated in rotating order; greedy outputs are
+    fixed k and the adaptive tuner (drafter.draft.adaptive), repeated in rotating order; greedy outputs are
     compared with plain decoding's, token for token;
 (g) one rollout batch of the longtail task (workers.tasks: several responses per prompt, T=1, up to 512
     tokens, the short answers stopping at their line's end) decoded plain, with the frozen warm draft at a
@@ -17,11 +17,11 @@ from collections.abc import Callable
 
 from bench.drafter import calibrate, sweep
 from bench.prompts import PROMPTS, synthetic_prompts
-from drafter.adaptive import DraftLengthTuner
-from drafter.eagle import EagleDrafter
-from drafter.engine import Engine, Request
-from drafter.loading import encode_prompt, encode_text
-from drafter.sampling import SamplingParams
+from drafter.decode.engine import Engine, Request
+from drafter.decode.sampling import SamplingParams
+from drafter.draft.adaptive import DraftLengthTuner
+from drafter.draft.eagle import EagleDrafter
+from drafter.model.loading import encode_prompt, encode_text
 from workers.tasks import make_task
 
 LONGTAIL_SEED = 7  # the rollout batch's prompts: neither the warm start's seed nor its held-out one
@@ -30,7 +30,7 @@ TAIL_FRACTION = 0.9  # the tail: what runs after this share of the responses fin
 
 class ByteTokenizer:
     """The tokenizer of a tokenizer-less preset (tests only): a prompt's first bytes folded into the
-    vocabulary, as a job encodes text for one (drafter.loading.encode_text); ids decode to characters,
+    vocabulary, as a job encodes text for one (drafter.model.loading.encode_text); ids decode to characters,
     so stop strings such as the longtail task's "\\n" work."""
 
     chat_template = None

@@ -23,10 +23,10 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from drafter import model as model_lib
-from drafter.config import ModelConfig
-from drafter.model import CausalLM
-from drafter.static import StaticRunner
+from drafter.decode.static import StaticRunner
+from drafter.model import causal_lm as model_lib
+from drafter.model.causal_lm import CausalLM
+from drafter.model.config import ModelConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CASE_PREFIX = "tltcase:"  # the profiler ranges that attribute kernels to a case
@@ -34,14 +34,14 @@ MAX_TOKENS = 16  # tokens per row a runner's cache has room for past the context
 
 
 def forward_path(device: str) -> str:
-    """What policy_forward_fn measures on `device`: drafter.static's path, with CUDA graphs on a GPU."""
+    """What policy_forward_fn measures on `device`: drafter.decode.static's path, with CUDA graphs on a GPU."""
     return "static+graphs" if torch.device(device).type == "cuda" else "static"
 
 
 def policy_forward_fn(model: CausalLM, batch: int, tokens: int, context: int, device: str,
                       runners: dict | None = None) -> Callable[[], None]:
     """A zero-argument callable running one policy forward of `tokens` new tokens per row for `batch` rows
-    whose KV cache holds `context` positions (its contents do not matter to the timing), on drafter.static's
+    whose KV cache holds `context` positions (its contents do not matter to the timing), on drafter.decode.static's
     path (the engine's on a GPU; CUDA graphs there). runners: a dict in which the static runners are kept
     between calls, one per model and dtype, sized by the first call's batch (make it the largest)."""
     g = torch.Generator().manual_seed(batch * 100 + tokens)

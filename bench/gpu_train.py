@@ -1,7 +1,7 @@
 """`tlt bench gpu` (b), (e), (f): the warm start, drafter training throughput and stops, drift.
 
 (b) the warm draft: harvest the policy's rollouts and train a head from scratch on the device
-    (drafter.warmstart.warm_start with bench.drafter's recipe), cached under $TLT_CACHE_DIR/drafters/ with
+    (drafter.train.warmstart.warm_start with bench.drafter's recipe), cached under $TLT_CACHE_DIR/drafters/ with
     the timings it was built in, keyed by the model, the device type and every size;
 (e) micro-steps per second in float32 and under bf16 autocast (TrainConfig's defaults otherwise), in
     alternating slices, and stop-request-to-stopped latency (bench.drafter.stop_latencies);
@@ -20,14 +20,14 @@ import torch
 
 from bench.drafter import _drift_part, _key, stop_latencies, warm_train_config
 from bench.prompts import PROMPTS, synthetic_prompts
-from drafter.buffer import RolloutBuffer
-from drafter.checkpoint import load_draft
-from drafter.config import DRAFT_FORMAT, TrainConfig
-from drafter.engine import Engine
-from drafter.head import EagleHead, head_from_state
-from drafter.loading import default_cache_dir, encode_prompt
-from drafter.train import DraftTrainer
-from drafter.warmstart import HarvestConfig, harvest, warm_start
+from drafter.decode.engine import Engine
+from drafter.draft.head import EagleHead, head_from_state
+from drafter.model.config import DRAFT_FORMAT, TrainConfig
+from drafter.model.loading import default_cache_dir, encode_prompt
+from drafter.train.buffer import RolloutBuffer
+from drafter.train.checkpoint import load_draft
+from drafter.train.trainer import DraftTrainer
+from drafter.train.warmstart import HarvestConfig, harvest, warm_start
 from workers.warm import WARM_TRAIN_SEED, task_prompts
 
 WARM_TAIL_FRACTION = 0.75  # the longtail prompts of the warm start ask for detail (workers.warm.WarmRecipe's)

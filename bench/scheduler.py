@@ -78,8 +78,8 @@ def set_phase(redis, job_id: str, phase: Phase, rl_step: int) -> float:
 # ----- (1) dispatch and preemption on real workers ----------------------------------------------
 def _model_dir(root: Path) -> str:
     """The tiny preset with room for long rollouts (random weights, no EOS: every rollout runs to its cap)."""
-    from drafter.config import PRESETS
-    from drafter.loading import random_model, save_hf_dir
+    from drafter.model.config import PRESETS
+    from drafter.model.loading import random_model, save_hf_dir
 
     path = root / "tiny-long"
     save_hf_dir(random_model(dataclasses.replace(PRESETS["tiny"], max_position=4096), init_seed=0), None, path)

@@ -200,7 +200,7 @@ def place(src: Path, dst: Path) -> None:
 
 def smollm2_gguf() -> Path:
     sys.path.insert(0, str(ROOT))
-    from drafter.loading import smollm2_gguf_path
+    from drafter.model.loading import smollm2_gguf_path
     return smollm2_gguf_path()
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from drafter.config import PRESETS, SMOLLM2_SPEC, ModelConfig
+from drafter.model.config import PRESETS, SMOLLM2_SPEC, ModelConfig
 from workers.spec import JobSpec
 
 HELD_TOKEN_BYTES = 40  # a token id in the driver's Python lists: an 8-byte slot and a 28-byte int, rounded up

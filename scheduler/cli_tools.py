@@ -10,7 +10,7 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from drafter.config import SMOLLM2_SPEC, TrainConfig
+from drafter.model.config import SMOLLM2_SPEC, TrainConfig
 from workers.warm import WarmRecipe
 
 _RECIPE = WarmRecipe()  # `tlt drafter train --task`'s defaults
@@ -74,8 +74,8 @@ def _train_on_task(args: argparse.Namespace) -> dict:
 
 
 def _train_on_prompts(args: argparse.Namespace) -> dict:
-    from drafter.loading import encode_prompt, load_model
-    from drafter.warmstart import HarvestConfig, warm_start
+    from drafter.model.loading import encode_prompt, load_model
+    from drafter.train.warmstart import HarvestConfig, warm_start
 
     if args.out is None:
         raise ValueError("--prompts needs --out (the warm-draft cache holds the built-in tasks' drafts)")
@@ -97,10 +97,10 @@ def _train_on_prompts(args: argparse.Namespace) -> dict:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from drafter.drafters import NgramDrafter
-    from drafter.engine import Engine, Request
-    from drafter.loading import encode_prompt, load_model
-    from drafter.sampling import SamplingParams
+    from drafter.decode.engine import Engine, Request
+    from drafter.decode.sampling import SamplingParams
+    from drafter.draft.drafters import NgramDrafter
+    from drafter.model.loading import encode_prompt, load_model
 
     loaded = load_model(args.model)
     engine = Engine(loaded.model, loaded.tokenizer)

@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 
-from drafter.adaptive import bucket_low_edge
+from drafter.draft.adaptive import bucket_low_edge
 from scheduler.client import call
 from scheduler.policy import PolicySettings
 from workers.protocol.states import TERMINAL_JOB_STATES, JobState, WorkerState

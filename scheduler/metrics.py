@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from drafter.config import PRESETS, SMOLLM2_SPEC
+from drafter.model.config import PRESETS, SMOLLM2_SPEC
 from scheduler.jobs import JobStore
 from scheduler.policy import CLASSES
 from scheduler.state import read_classes

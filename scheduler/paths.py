@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from drafter.config import cache_root
+from drafter.model.config import cache_root
 from workers.spec import JobSpec
 from workers.warm import parse_store_ref
 

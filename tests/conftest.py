@@ -8,8 +8,8 @@ import importlib.util
 import pytest
 import torch
 
-from drafter.config import ModelConfig
-from drafter.model import CausalLM
+from drafter.model.causal_lm import CausalLM
+from drafter.model.config import ModelConfig
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -1,5 +1,5 @@
-"""The built-in RolloutEngine: drafter.engine.Engine (batched speculative decoding in PyTorch) with an
-EAGLE-3 drafter (drafter.eagle.EagleDrafter), on CPU or one GPU.
+"""The built-in RolloutEngine: drafter.decode.engine.Engine (batched speculative decoding in PyTorch) with an
+EAGLE-3 drafter (drafter.draft.eagle.EagleDrafter), on CPU or one GPU.
 
 It shares its policy module with the worker (the learner-side copy the drafter trains against):
 load_policy writes the weights into that module.
@@ -13,13 +13,13 @@ from collections import Counter
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from drafter.adaptive import DraftLengthTuner, FixedDraftLength
-from drafter.buffer import RolloutBuffer
-from drafter.eagle import EagleDrafter
-from drafter.engine import Engine, EngineStats, Request
-from drafter.head import head_from_state, new_head
-from drafter.model import CausalLM
-from drafter.sampling import SamplingParams
+from drafter.decode.engine import Engine, EngineStats, Request
+from drafter.decode.sampling import SamplingParams
+from drafter.draft.adaptive import DraftLengthTuner, FixedDraftLength
+from drafter.draft.eagle import EagleDrafter
+from drafter.draft.head import head_from_state, new_head
+from drafter.model.causal_lm import CausalLM
+from drafter.train.buffer import RolloutBuffer
 from workers.engine import Completion, ProgressCallback, RolloutEngine, as_tensors, bucket_deltas, check_batch
 from workers.engines import Speculation
 

@@ -18,7 +18,7 @@ import redis as redis_lib
 import torch
 from ray.exceptions import RayError
 
-from drafter.loading import encode_text, load_model
+from drafter.model.loading import encode_text, load_model
 from workers.actors import start_worker
 from workers.device import job_device
 from workers.engines import unavailable_reason

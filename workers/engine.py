@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from drafter.adaptive import FixedDraftLength
-from drafter.buffer import RolloutBuffer
-from drafter.engine import EngineStats
-from drafter.sampling import SamplingParams
+from drafter.decode.engine import EngineStats
+from drafter.decode.sampling import SamplingParams
+from drafter.draft.adaptive import FixedDraftLength
+from drafter.train.buffer import RolloutBuffer
 from workers.engines import ENGINES, Speculation, unavailable_reason
 
 if TYPE_CHECKING:  # engines read a few of its fields: they run where pydantic is not installed (a bare GPU node)
-    from drafter.loading import LoadedModel
+    from drafter.model.loading import LoadedModel
     from workers.spec import JobSpec
 
 # on_progress(num_finished, num_generated): called by the engine as its batch advances (it may be often;

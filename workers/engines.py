@@ -18,7 +18,7 @@ SGLANG_VERSION = "0.5.23"  # what workers/sglang_engine.py is written and contra
 class Speculation(StrEnum):
     """How a batch drafts (JobSpec.speculation; plain decoding whenever the job's tlt is off)."""
 
-    ADAPTIVE = "adaptive"  # k in 0..draft_k per live-batch-size bucket, from measured tokens/s (drafter.adaptive)
+    ADAPTIVE = "adaptive"  # k in 0..draft_k per live-batch-size bucket, from measured tokens/s (drafter.draft.adaptive)
     ALWAYS = "always"  # the job's draft_k every step
     OFF = "off"  # plain decoding
 

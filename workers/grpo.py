@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from drafter.model import CausalLM
+from drafter.model.causal_lm import CausalLM
 
 if TYPE_CHECKING:  # only its fields are read: the learner's math imports no pydantic (a bare GPU node runs it)
     from workers.spec import JobSpec
@@ -29,7 +29,7 @@ class StateRecorder(Protocol):
     """Takes the policy states a log-prob forward computes anyway (workers.learner_pairs.LearnerPairs: drafter
     training pairs for engines that do not harvest them)."""
 
-    aux_layers: tuple[int, ...]  # the layers the forward is asked for (drafter.model.CausalLM.forward)
+    aux_layers: tuple[int, ...]  # the layers the forward is asked for (drafter.model.causal_lm.CausalLM.forward)
 
     def record(self, rows: Sequence[int], hidden: torch.Tensor, aux: torch.Tensor) -> None:
         """hidden (b, L, D), aux (b, L, 3D) of the forward's rows, right-padded; rows[i]: row i's index in the

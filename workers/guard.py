@@ -2,7 +2,7 @@
 scored when it was published, or has acceptance collapsed toward 1.0 (plain decoding)?
 
 Pure: plain numbers in, a Judgement out; no Redis, no torch, no engine. workers.swap.Swapper takes the
-engine's counters (drafter.engine.EngineStats, or anything with the same three fields) when it installs
+engine's counters (drafter.decode.engine.EngineStats, or anything with the same three fields) when it installs
 a version and again on each listener tick, and rolls back on COLLAPSED. Every engine counts the same
 three things (vLLM and SGLang included), so every engine gets the guard.
 
@@ -33,7 +33,7 @@ class Verdict(StrEnum):
 
 
 class Counters(Protocol):
-    """What the guard reads of an engine's cumulative counters (drafter.engine.EngineStats)."""
+    """What the guard reads of an engine's cumulative counters (drafter.decode.engine.EngineStats)."""
 
     num_verify_steps: int
     num_draft_tokens: int

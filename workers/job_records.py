@@ -34,7 +34,7 @@ from workers.protocol.states import JobState
 from workers.store import job_stores
 
 log = logging.getLogger(__name__)
-DRAFT_GLOB = "draft-v*.safetensors"  # drafter.checkpoint.draft_path's names
+DRAFT_GLOB = "draft-v*.safetensors"  # drafter.train.checkpoint.draft_path's names
 
 
 class JobRecords:

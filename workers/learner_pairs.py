@@ -4,7 +4,7 @@
 Every step the driver runs the policy over every prompt + response: the no-grad pass for the old log-probs, or,
 with one update per step, the GRPO update's own forward (workers.grpo). Asked for the aux layers too, that same
 forward gives what the built-in engine harvests while it generates: for a rollout x_0..x_{L-1}, the features
-f_0..f_{L-2} (drafter.model.draft_features: the three aux layers' states, then the final hidden state, 4D per
+f_0..f_{L-2} (drafter.model.causal_lm.draft_features: the three aux layers' states, then the final hidden state, 4D per
 position; the prompt's positions too, as the engine's harvest keeps them), stored at once in the worker
 buffer's dtype. The update runs no forward over a row whose advantage is 0 (it adds nothing to the gradient);
 those rows get a features-only no-grad forward (no LM head) before the update moves the policy (`fill`).
@@ -25,9 +25,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from drafter.buffer import TOKEN_DTYPE, RolloutBuffer
-from drafter.config import default_aux_layer_ids
-from drafter.model import CausalLM
+from drafter.model.causal_lm import CausalLM
+from drafter.model.config import default_aux_layer_ids
+from drafter.train.buffer import TOKEN_DTYPE, RolloutBuffer
 from workers.errors import one_line
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class LearnerPairs:
         if dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {tuple(DTYPE_NAMES)}, got {dtype}")
         cfg = policy.cfg
-        # what every head of a job fuses (drafter.head.new_head: EagleConfig's default), so what engines record
+        # what every head of a job fuses (drafter.draft.head.new_head: EagleConfig's default), so what engines record
         self.aux_layers = default_aux_layer_ids(cfg.num_layers)
         self.aux_size = len(self.aux_layers) * cfg.hidden_size
         self.feature_size = self.aux_size + cfg.hidden_size

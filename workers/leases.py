@@ -17,11 +17,11 @@ from collections import deque
 
 import redis as redis_lib
 
-from drafter.buffer import RolloutBuffer
-from drafter.checkpoint import DraftMeta
-from drafter.head import EagleHead, head_config, new_head
-from drafter.model import CausalLM
-from drafter.train import DraftTrainer
+from drafter.draft.head import EagleHead, head_config, new_head
+from drafter.model.causal_lm import CausalLM
+from drafter.train.buffer import RolloutBuffer
+from drafter.train.checkpoint import DraftMeta
+from drafter.train.trainer import DraftTrainer
 from workers.errors import one_line
 from workers.message import Message
 from workers.protocol.keys import MAX_LEASE_OUTCOMES, job_leases_key

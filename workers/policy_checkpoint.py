@@ -2,7 +2,7 @@
 
 One file per job, `store_dir/JOB/policy/checkpoint.safetensors`, beside its draft stores: the policy's
 weights, its optimizer's state and the step it was taken after, in the trainer-checkpoint format the
-drafter uses (drafter.checkpoint: safetensors with a sha256 over tensors and metadata, written to a temp
+drafter uses (drafter.train.checkpoint: safetensors with a sha256 over tensors and metadata, written to a temp
 file and renamed over the old one, so a crash leaves the previous checkpoint whole). Nothing is
 unpickled on load; a corrupt or mismatched file is a CheckpointError naming it.
 
@@ -46,7 +46,7 @@ def remove_policy_checkpoints(store_dir: str | Path, job_id: str) -> None:
 
 def save_policy(path: str | Path, policy, optimizer, rl_step: int, policy_version: int) -> str:
     """Write the policy and its optimizer after step `rl_step` (atomically); returns the file's sha256."""
-    from drafter.checkpoint import DraftMeta, save_trainer_state
+    from drafter.train.checkpoint import DraftMeta, save_trainer_state
 
     meta = DraftMeta(version=0, parent_version=None, policy_version=policy_version, extra={"kind": "policy"})
     return save_trainer_state(path, policy.state_dict(), optimizer, meta,
@@ -70,7 +70,7 @@ def commit_policy(path: str | Path) -> None:
 def load_policy(path: str | Path, policy, optimizer) -> tuple[int, int]:
     """Restore `policy` and `optimizer` in place from a checkpoint; returns (rl_step it was taken after,
     policy_version). CheckpointError if it is corrupt, not a policy checkpoint, or does not fit."""
-    from drafter.checkpoint import CheckpointError, load_trainer_state
+    from drafter.train.checkpoint import CheckpointError, load_trainer_state
 
     meta, counters = load_trainer_state(path, policy, optimizer)
     if meta.extra.get("kind") != "policy" or not {"rl_step", "policy_version"} <= set(counters):

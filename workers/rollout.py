@@ -22,9 +22,9 @@ import time
 import redis as redis_lib
 import torch
 
-from drafter.buffer import RolloutBuffer
-from drafter.config import NUM_AUX_LAYERS
-from drafter.loading import LoadedModel, load_model
+from drafter.model.config import NUM_AUX_LAYERS
+from drafter.model.loading import LoadedModel, load_model
+from drafter.train.buffer import RolloutBuffer
 from workers.device import job_device
 from workers.engine import RolloutEngine, as_tensors
 from workers.engines import Speculation, engine_class

@@ -2,7 +2,7 @@
 
 score_round: average exactly the copies it is given (the scheduler grouped them by merge_key) into a
 candidate in the copies store, then measure the candidate (at the draft temperature that accepts the
-most) and the serving version offline on this worker's most recent rollouts (drafter.evaluate), at the
+most) and the serving version offline on this worker's most recent rollouts (drafter.train.evaluate), at the
 job's draft_k (the worker's own JobSpec), and write the ScoringResult to job_scoring_key; a round that
 could not be scored gets one with `error`.
 publish_candidate: serve a scored candidate at its draft temperature, in the served store.
@@ -17,9 +17,9 @@ import time
 
 import redis as redis_lib
 
-from drafter.buffer import Rollout, RolloutBuffer
-from drafter.evaluate import calibrate_draft_temperature, expected_accepted_length
-from drafter.model import CausalLM
+from drafter.model.causal_lm import CausalLM
+from drafter.train.buffer import Rollout, RolloutBuffer
+from drafter.train.evaluate import calibrate_draft_temperature, expected_accepted_length
 from workers.errors import one_line
 from workers.message import Message
 from workers.protocol.keys import job_scoring_key

@@ -5,7 +5,7 @@ Written against sglang 0.5.23 (workers.engines.SGLANG_VERSION; names checked by
 tests/engines/test_sglang_contract.py against the installed package); it needs a CUDA GPU (SGLang's kernels have
 no CPU build that is published).
 
-- Drafts: our head exported as a `LlamaForCausalLMEagle3` directory (drafter.eagle3) for the engine's start;
+- Drafts: our head exported as a `LlamaForCausalLMEagle3` directory (drafter.draft.eagle3) for the engine's start;
   every later version is loaded into the live engine in a weight-update session on the DRAFT runner only:
   begin_weight_update(selector="draft"), update_weights_from_tensor(selector="draft"), end_weight_update().
   Never SGLang's default selector "all": it hands the same tensors to the target and the draft runner, and
@@ -47,16 +47,16 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from drafter.buffer import RolloutBuffer
-from drafter.config import NUM_AUX_LAYERS
-from drafter.model import CausalLM
+from drafter.model.causal_lm import CausalLM
+from drafter.model.config import NUM_AUX_LAYERS
+from drafter.train.buffer import RolloutBuffer
 from workers.engine import Completion, ExternalEngine, ProgressCallback, as_tensors, bucket_deltas, request_settings
 from workers.engines import Speculation
 from workers.learner_pairs import DTYPE_NAMES
 from workers.spec import JobSpec
 
 if TYPE_CHECKING:
-    from drafter.loading import LoadedModel
+    from drafter.model.loading import LoadedModel
 
 log = logging.getLogger(__name__)
 SELECTORS = ("target", "draft")  # the weight-update runners this engine names; never SGLang's default "all"
@@ -133,7 +133,7 @@ class SglangEngine(ExternalEngine):
     def __init__(self, policy: CausalLM, tokenizer, spec: JobSpec, *, model_dir: str | Path | None = None,
                  engine_options: dict | None = None) -> None:
         self.sgl = self.import_package()
-        from drafter.head import new_head
+        from drafter.draft.head import new_head
 
         super().__init__(policy, tokenizer, spec)
         self.engine_options = dict(engine_options or {})
@@ -151,8 +151,8 @@ class SglangEngine(ExternalEngine):
     # ----- the engine's life ---------------------------------------------------------------------------
     def _launch(self) -> None:
         """(Re)start SGLang from the policy's current weights and the current draft (under _engine_lock)."""
-        from drafter.eagle3 import export_eagle3
-        from drafter.loading import save_hf_dir
+        from drafter.draft.eagle3 import export_eagle3
+        from drafter.model.loading import save_hf_dir
 
         self._shutdown()
         self._num_launches += 1
@@ -214,7 +214,7 @@ class SglangEngine(ExternalEngine):
 
     # ----- weights ---------------------------------------------------------------------------------------
     def load_policy(self, state: dict[str, Any], policy_version: int) -> None:
-        from drafter.loading import hf_tensors
+        from drafter.model.loading import hf_tensors
 
         state = self._load_policy_copy(state)
         self.policy_version, self._model_dir = policy_version, None  # a restart writes the current weights
@@ -227,8 +227,8 @@ class SglangEngine(ExternalEngine):
         if self.k:
             import torch
 
-            from drafter.eagle3 import eagle3_tensors
-            from drafter.head import head_from_state
+            from drafter.draft.eagle3 import eagle3_tensors
+            from drafter.draft.head import head_from_state
 
             head = head_from_state(head_config, as_tensors(state)).to(self.policy.dtype)
             tensors = eagle3_tensors(head)

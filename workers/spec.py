@@ -7,7 +7,7 @@ what goes down from there: to the driver actor, to each rollout worker actor (Ra
 processes; Redis only ever holds its JSON), and on to the engine, the leases, the scorer and GRPO.
 
 Every default lives here, with its reason where it is not obvious; drafter-training defaults live in
-drafter.config.TrainConfig (drafter/ imports nothing of ours) and DrafterSpec takes them from there.
+drafter.model.config.TrainConfig (drafter/ imports nothing of ours) and DrafterSpec takes them from there.
 Torch-free: the scheduler validates specs without importing torch.
 """
 
@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from drafter.config import PRESETS, SMOLLM2_SPEC, TrainConfig
+from drafter.model.config import PRESETS, SMOLLM2_SPEC, TrainConfig
 from workers.device import DEVICES
 from workers.engines import ALL_DRAFT_DTYPES, ENGINES, Speculation
 from workers.warm import STORE_REF
@@ -132,7 +132,7 @@ class JobSpec(BaseModel):
     # lax (the model is strict): the mode's name is what a JSON body and a dumped spec carry
     speculation: Speculation = Field(Speculation.ADAPTIVE, strict=False, description=(
         "with tlt on, how rollouts draft. adaptive: each worker picks k in 0..draft_k per live-batch-size bucket "
-        "from the tokens/s it measures for each (drafter.adaptive): speculation pays in the tail and can cost at "
+        "from the tokens/s it measures for each (drafter.draft.adaptive): speculation pays in the tail and can cost at "
         "large batches, by amounts that depend on the draft and the device; always: draft_k every step; off: plain"))
     idle_training: bool = Field(True, description=(
         "with tlt on, train the drafter on idle workers and hot-swap its new versions (TLT). false: speculate with "

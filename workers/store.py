@@ -25,8 +25,8 @@ import redis as redis_lib
 import torch
 from safetensors import safe_open
 
-from drafter.checkpoint import CheckpointError, DraftMeta, draft_path, load_draft, merge_drafts, save_draft
-from drafter.head import EagleHead, head_from_state
+from drafter.draft.head import EagleHead, head_from_state
+from drafter.train.checkpoint import CheckpointError, DraftMeta, draft_path, load_draft, merge_drafts, save_draft
 from workers.draft_index import DraftIndex, check_version, job_draft_dirs, parse_entry
 from workers.protocol.client import text
 from workers.protocol.keys import draft_namespaces, drafts_counter_key, drafts_index_key
@@ -35,7 +35,7 @@ STALE_TEMP_S = 3600.0  # a temp file untouched this long belongs to a crashed wr
 
 
 def merge_key(parent_version: int | None, head_config: dict, state: dict[str, torch.Tensor]) -> str:
-    """Hex digest of what copies must share to be averaged (drafter.checkpoint.merge_drafts): the parent,
+    """Hex digest of what copies must share to be averaged (drafter.train.checkpoint.merge_drafts): the parent,
     the head's configuration and every integer tensor (the draft vocabulary). Two first leases on
     different workers each pick a draft vocabulary from their own rollouts, so their keys differ."""
     h = hashlib.sha256(json.dumps([parent_version, head_config], sort_keys=True).encode())

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import redis as redis_lib
 
-from drafter.engine import EngineStats
+from drafter.decode.engine import EngineStats
 from workers.engine import RolloutEngine
 from workers.errors import one_line
 from workers.guard import Acceptance, Judgement, Verdict, judge

@@ -36,11 +36,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from drafter.buffer import RolloutBuffer
-from drafter.eagle3 import eagle3_config, eagle3_tensors, import_eagle3, read_eagle3_dir, write_eagle3_dir
-from drafter.head import head_from_state, new_head
-from drafter.loading import LoadedModel, hf_tensors, save_hf_dir
-from drafter.model import CausalLM
+from drafter.draft.eagle3 import eagle3_config, eagle3_tensors, import_eagle3, read_eagle3_dir, write_eagle3_dir
+from drafter.draft.head import head_from_state, new_head
+from drafter.model.causal_lm import CausalLM
+from drafter.model.loading import LoadedModel, hf_tensors, save_hf_dir
+from drafter.train.buffer import RolloutBuffer
 from workers.engine import Completion, ExternalEngine, ProgressCallback, as_tensors, bucket_deltas, request_settings
 from workers.engines import Speculation
 from workers.learner_pairs import DTYPE_NAMES
@@ -194,7 +194,7 @@ class VllmEngine(ExternalEngine):
             shutil.rmtree(self._dir / name, ignore_errors=True)
 
     def _first_draft(self, draft_dir: str | Path | None) -> Path:
-        """The draft vLLM starts with, as version 0: `draft_dir` (an EAGLE-3 directory, drafter.eagle3), else an
+        """The draft vLLM starts with, as version 0: `draft_dir` (an EAGLE-3 directory, drafter.draft.eagle3), else an
         untrained head as in the built-in engine, with its LM head zeroed. vLLM aliases a draft LM head equal to
         the target's at load (a full draft vocabulary initialised from the policy's rows), and every reload of
         the draft would then write into the policy."""

@@ -14,7 +14,7 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from drafter.config import DRAFT_FORMAT, cache_root, check_aux_layer_ids
+from drafter.model.config import DRAFT_FORMAT, cache_root, check_aux_layer_ids
 
 WARM_TRAIN_SEED = 1_001  # the task's prompts the head trains on (a job's own seed is usually small)
 WARM_EVAL_SEED = 2_002  # held-out prompts the warm start measures accepted length on
@@ -51,7 +51,7 @@ class WarmRecipe:
 
 def warm_cache_dir(model: str, task: str, recipe: WarmRecipe) -> Path:
     """Where a warm draft built by `recipe` for `model` on `task` is cached: under $TLT_CACHE_DIR (the
-    models' cache root, drafter.loading.default_cache_dir), keyed by all three."""
+    models' cache root, drafter.model.loading.default_cache_dir), keyed by all three."""
     return cache_root() / "drafters" / f"{task}-{recipe.key(model, task)}"
 
 
@@ -80,13 +80,13 @@ def build_warm_draft(model: str, task: str, out: str | Path, device: str, recipe
                      max_seconds: float | None = None, harvest_file: str | Path | None = None) -> dict:
     """Harvest the task's prompts (TRAIN_SEED) with `model` on `device`, train a head by `recipe` there, measure
     it on held-out prompts (EVAL_SEED) and save it as out/draft-v000001.safetensors; returns the warm start's
-    report (drafter.warmstart.WarmStartReport's fields, with the model, task and device). The one recipe of
+    report (drafter.train.warmstart.WarmStartReport's fields, with the model, task and device). The one recipe of
     `tlt drafter train --task`, `tlt demo`'s warm draft (through that command) and `tlt bench rl`'s.
-    max_seconds: a training time budget besides recipe.num_steps; harvest_file: drafter.warmstart's (the
+    max_seconds: a training time budget besides recipe.num_steps; harvest_file: drafter.train.warmstart's (the
     rollouts kept there, or read from it when it exists)."""
-    from drafter.config import TrainConfig
-    from drafter.loading import encode_text, load_model
-    from drafter.warmstart import HarvestConfig, warm_start
+    from drafter.model.config import TrainConfig
+    from drafter.model.loading import encode_text, load_model
+    from drafter.train.warmstart import HarvestConfig, warm_start
 
     texts = [task_prompts(task, seed, num, recipe.tail_fraction)  # a task that does not exist: before the load
              for seed, num in ((WARM_TRAIN_SEED, recipe.num_prompts), (WARM_EVAL_SEED, recipe.num_eval_prompts))]
@@ -125,7 +125,7 @@ def parse_store_ref(ref: str) -> tuple[str, int] | None:
 
 def check_fits(head_config: dict, policy_cfg, source: str) -> None:
     """ValueError naming warm_draft unless a draft with `head_config` can serve a policy with `policy_cfg`
-    (a drafter.config.ModelConfig): the same hidden size and vocabulary (the head shares the policy's
+    (a drafter.model.config.ModelConfig): the same hidden size and vocabulary (the head shares the policy's
     embedding, and its LM head scores the policy's tokens), this project's draft layout (DRAFT_FORMAT), a draft
     vocabulary within the policy's, and aux layers the policy has."""
     try:
@@ -154,7 +154,7 @@ def check_fits(head_config: dict, policy_cfg, source: str) -> None:
 def load_warm_draft(ref: str, redis, store_dir: str | Path, policy_cfg):
     """The weights and meta of `ref` (a draft file, or "store:JOBID:VERSION"), checksum-checked and
     checked to fit `policy_cfg`. ValueError naming warm_draft for anything that does not load or fit."""
-    from drafter.checkpoint import load_draft
+    from drafter.train.checkpoint import load_draft
     from workers.store import job_stores
 
     parsed = parse_store_ref(ref)

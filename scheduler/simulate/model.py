@@ -24,7 +24,7 @@ from workers.engines import Speculation
 from workers.protocol.states import LeaseState, Phase, WorkerState
 
 ARMS = ("plain", "frozen", "tlt")
-BUFFER_MAX_TOKENS = 1 << 22  # the rollout buffer is bounded (drafter/buffer.py); only the min matters here
+BUFFER_MAX_TOKENS = 1 << 22  # the rollout buffer is bounded (drafter/train/buffer.py); only the min matters here
 
 
 class Simulation:

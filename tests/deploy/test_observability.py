@@ -21,8 +21,8 @@ import pytest
 import ray
 import yaml
 
-from drafter.config import PRESETS
-from drafter.loading import random_model, save_hf_dir
+from drafter.model.config import PRESETS
+from drafter.model.loading import random_model, save_hf_dir
 from scheduler.app import Settings
 from scheduler.client import ClientError, call
 from scheduler.demo import start_server

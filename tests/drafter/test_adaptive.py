@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from drafter.adaptive import DraftLengthTuner, FixedDraftLength, arms_for, bucket_of
+from drafter.draft.adaptive import DraftLengthTuner, FixedDraftLength, arms_for, bucket_of
 
 
 def run(tuner, rates: dict[int, float], batch_size: int, num_steps: int, rng: random.Random,

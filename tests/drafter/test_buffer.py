@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drafter.buffer import RolloutBuffer, iter_batches
+from drafter.train.buffer import RolloutBuffer, iter_batches
 
 D = 4
 PER = 10 * 4 + 9 * D * 2  # bytes of a 10-token rollout: int32 tokens, bf16 hidden
@@ -235,7 +235,7 @@ def test_empty_buffer_and_bad_arguments():
 
 
 def block_diagonal_causal_mask(seq_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The attention a packed row allows, as SDPA's attn_mask (drafter.unroll builds it, step 0, inline): (R, T),
+    """The attention a packed row allows, as SDPA's attn_mask (drafter.train.unroll builds it, step 0, inline): (R, T),
     (R, T) -> (R, 1, T, T) bool, True where query t may attend key u, i.e. same segment and positions[u] <=
     positions[t]. A padding slot attends only to itself, so that no query row is fully masked."""
     R, T = seq_ids.shape

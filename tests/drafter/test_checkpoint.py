@@ -10,7 +10,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from drafter.checkpoint import (
+from drafter.draft.head import EagleConfig, EagleHead, head_config, head_from_state
+from drafter.model.config import ModelConfig
+from drafter.train.checkpoint import (
     CheckpointError,
     DraftMeta,
     _write,
@@ -21,8 +23,6 @@ from drafter.checkpoint import (
     save_draft,
     save_trainer_state,
 )
-from drafter.config import ModelConfig
-from drafter.head import EagleConfig, EagleHead, head_config, head_from_state
 
 TINY = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=16, max_position=256)
@@ -255,7 +255,7 @@ def test_head_from_state_holds_the_checkpoint_and_real_rotary_tables(tmp_path: P
     """The hot-swap load path builds on the meta device: the result must equal a head built the
     plain way, even when the rotary tables are computed for the first time inside that build, and
     sit on the device of the state it was given (its rotary tables too)."""
-    from drafter.model import rotary_tables
+    from drafter.model.causal_lm import rotary_tables
 
     head = EagleHead(TINY, EagleConfig(init_seed=3)).to(device)
     rotary_tables.cache_clear()

@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 # what the engine, drafting, harvest, training, warm start, evaluation, merging, swap and the learner run
-SCANNED = sorted({*(p.relative_to(ROOT).as_posix() for p in (ROOT / "drafter").glob("*.py")),
+SCANNED = sorted({*(p.relative_to(ROOT).as_posix() for p in (ROOT / "drafter").rglob("*.py")),
                   "workers/builtin_engine.py", "workers/grpo.py", "workers/learner_pairs.py", "workers/leases.py",
                   "workers/scoring.py", "workers/store.py", "workers/swap.py", "workers/warm.py", "bench/drafter.py"})
 
@@ -29,7 +29,7 @@ FACTORIES = frozenset({
 
 # (file, function): why its device-less factories stay.
 ALLOWED = {
-    ("drafter/head.py", "EagleHead.__init__"):
+    ("drafter/draft/head.py", "EagleHead.__init__"):
         "a module constructor: its vocab_ids buffer follows the construction device as nn.Linear's weights do "
         "(a torch.device context, e.g. head_from_state's meta device, or .to() after)",
 }
@@ -77,8 +77,9 @@ def test_every_tensor_factory_names_its_device():
 
 def test_the_guard_sees_a_new_factory():
     """A torch.zeros(3) added to the trainer is caught, with its place; one that names its device is not."""
-    source = (ROOT / "drafter" / "train.py").read_text()
+    source = (ROOT / "drafter" / "train" / "trainer.py").read_text()
     added = source + "\n\ndef fresh():\n    return torch.zeros(3), torch.zeros(3, device='cpu'), x.new_zeros(3)\n"
     assert violations(source) == []
     assert [(fn, call) for fn, _, call in violations(added)] == [("fresh", "torch.zeros")]
-    assert {"drafter/train.py", "drafter/engine.py", "drafter/model.py", "workers/builtin_engine.py"} <= set(SCANNED)
+    assert {"drafter/train/trainer.py", "drafter/decode/engine.py", "drafter/model/causal_lm.py",
+            "workers/builtin_engine.py"} <= set(SCANNED)

@@ -1,4 +1,4 @@
-"""Drafts in the standard EAGLE-3 layout (drafter/eagle3.py): export and import round trips, the config keys
+"""Drafts in the standard EAGLE-3 layout (drafter/draft/eagle3.py): export and import round trips, the config keys
 vLLM and SGLang read, an independent forward over the exported tensors as those engines compute it, the aux
 layers' numbering, and bad directories refused with a ValueError naming what is wrong."""
 
@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from drafter.config import check_aux_layer_ids, default_aux_layer_ids
-from drafter.eagle import EagleDrafter
-from drafter.eagle3 import (
+from drafter.decode.engine import Engine, Request
+from drafter.decode.sampling import SamplingParams
+from drafter.draft.eagle import EagleDrafter
+from drafter.draft.eagle3 import (
     ARCHITECTURE,
     eagle3_tensors,
     export_eagle3,
@@ -22,10 +23,9 @@ from drafter.eagle3 import (
     read_eagle3_dir,
     write_eagle3_dir,
 )
-from drafter.engine import Engine, Request
-from drafter.head import EagleHead, new_head
-from drafter.model import draft_features, int8_linear_available, quantize_int8
-from drafter.sampling import SamplingParams
+from drafter.draft.head import EagleHead, new_head
+from drafter.model.causal_lm import draft_features, int8_linear_available, quantize_int8
+from drafter.model.config import check_aux_layer_ids, default_aux_layer_ids
 from tests.conftest import random_prompts, tiny_model
 
 STANDARD_NAMES = {
@@ -198,7 +198,7 @@ def test_aux_layer_ids_number_the_residual_stream_as_vllm_and_hf_hidden_states_d
     with pytest.raises(ValueError, match="aux_layers"):
         model(seq, pos, None, aux_layers=(0, 1, L + 1))
     transformers = pytest.importorskip("transformers")
-    from drafter.loading import save_hf_dir
+    from drafter.model.loading import save_hf_dir
 
     save_hf_dir(model, None, tmp_path / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
@@ -285,10 +285,10 @@ def test_the_engine_serves_an_imported_head_losslessly_and_trains_it(tmp_path, d
     """A directory written by another EAGLE-3 trainer (here: our export of a head, default aux ids absent from
     its config, as vLLM then falls back to) loads, serves greedy output equal to plain decoding, and trains, on
     the policy's device (the directory is read on the CPU)."""
-    from drafter.buffer import RolloutBuffer
-    from drafter.config import TrainConfig
-    from drafter.train import DraftTrainer
-    from drafter.warmstart import HarvestConfig, harvest
+    from drafter.model.config import TrainConfig
+    from drafter.train.buffer import RolloutBuffer
+    from drafter.train.trainer import DraftTrainer
+    from drafter.train.warmstart import HarvestConfig, harvest
 
     model = tiny_model(seed=6).to(device)
     out = export_eagle3(perturbed_head(model, draft_vocab_size=None), model, tmp_path / "d")

@@ -5,17 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.adaptive import DraftLengthTuner
-from drafter.buffer import PackedBatch
-from drafter.config import default_aux_layer_ids
-from drafter.draft_state import MAX_SWAP_LOG
-from drafter.drafters import NgramDrafter
-from drafter.eagle import EagleDrafter, serving_dtype, serving_precision
-from drafter.engine import Engine, Request
-from drafter.head import EagleHead
-from drafter.model import CausalLM, draft_features, fast_bf16, int8_linear_available
-from drafter.sampling import SamplingParams
-from drafter.unroll import unrolled_predictions
+from drafter.decode.engine import Engine, Request
+from drafter.decode.sampling import SamplingParams
+from drafter.draft.adaptive import DraftLengthTuner
+from drafter.draft.draft_state import MAX_SWAP_LOG
+from drafter.draft.drafters import NgramDrafter
+from drafter.draft.eagle import EagleDrafter, serving_dtype, serving_precision
+from drafter.draft.head import EagleHead
+from drafter.model.causal_lm import CausalLM, draft_features, fast_bf16, int8_linear_available
+from drafter.model.config import default_aux_layer_ids
+from drafter.train.buffer import PackedBatch
+from drafter.train.unroll import unrolled_predictions
 from tests.conftest import on, random_prompts, tiny_model
 
 LENGTHS_8 = [1, 3, 5, 9, 2, 17, 4, 33]
@@ -162,7 +162,7 @@ def test_batch_output_equals_single_sequence_output(tiny):
 
 def fit_eagle_head(model: CausalLM, prompts: list[list[int]], steps: int = 200, num_unroll: int = 3) -> EagleHead:
     """Fit of a draft head on the policy's own greedy rollouts (a test-only trainer: plain cross-entropy on
-    the tokens, over drafter.unroll's training-time unrolling, which tests/drafter/test_train.py checks
+    the tokens, over drafter.train.unroll's training-time unrolling, which tests/drafter/test_train.py checks
     against inference), so that drafts past the first are accepted too."""
     outs = Engine(model).generate(greedy_requests(prompts, max_new_tokens=32))
     device = model.device  # the fit runs where the model is

@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drafter.drafters import NgramDrafter
-from drafter.engine import Engine, Request
-from drafter.head import EagleHead
-from drafter.model import (
+from drafter.decode.engine import Engine, Request
+from drafter.decode.sampling import SamplingParams
+from drafter.draft.drafters import NgramDrafter
+from drafter.draft.head import EagleHead
+from drafter.model.causal_lm import (
     Int8Linear,
     Linear,
     PackedWeight,
@@ -23,7 +24,6 @@ from drafter.model import (
     onednn_linear_available,
     quantize_int8,
 )
-from drafter.sampling import SamplingParams
 from tests.conftest import random_prompts, tiny_model
 
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN linear")
@@ -43,7 +43,7 @@ def test_packed_linear_matches_f_linear_for_every_row_count():
 
 @pytest.mark.skipif(not (onednn_linear_available() and native_cpu_bf16()), reason="no native bf16 on this CPU")
 def test_packed_bf16_linear_matches_f_linear():
-    """A draft head served in bf16 (drafter.eagle.serving_dtype) runs its linears on packed bf16 weights."""
+    """A draft head served in bf16 (drafter.draft.eagle.serving_dtype) runs its linears on packed bf16 weights."""
     torch.manual_seed(0)
     layer = Linear(64, 96, bias=False).to(torch.bfloat16)
     for rows in (1, 3, 7):
@@ -124,7 +124,7 @@ def test_mkl_and_onednn_engines_agree_on_greedy_speculative_output(monkeypatch):
 
 @pytest.mark.skipif(not int8_linear_available(), reason="no fbgemm/x86 int8 kernels in this torch")
 def test_int8_linear_is_close_to_float32_and_quantize_replaces_every_linear():
-    """Draft heads served with int8 weights (drafter.eagle.serving_precision): per-channel weights,
+    """Draft heads served with int8 weights (drafter.draft.eagle.serving_precision): per-channel weights,
     activations quantized per call. Close to float32, not equal: they only change what is drafted."""
     torch.manual_seed(0)
     for bias in (False, True):

@@ -19,7 +19,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from drafter.loading import (
+from drafter.model.causal_lm import CausalLM
+from drafter.model.loading import (
     PRESETS,
     LoadedModel,
     config_from_hf,
@@ -31,7 +32,6 @@ from drafter.loading import (
     sha256_file,
     smollm2_gguf_path,
 )
-from drafter.model import CausalLM
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)

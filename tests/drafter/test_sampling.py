@@ -15,15 +15,15 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import drafter.engine as engine_mod
-from drafter import sampling
-from drafter.drafters import Drafter, NgramDrafter, Proposal
-from drafter.eagle import EagleDrafter
-from drafter.engine import Engine, Request
-from drafter.head import EagleConfig, EagleHead
-from drafter.model import int8_linear_available
-from drafter.sampling import BatchSampling, SamplingParams, Verdict, token_probs
-from drafter.tree import Tree, TreeVerdict, verify_tree
+import drafter.decode.engine as engine_mod
+from drafter.decode import sampling
+from drafter.decode.engine import Engine, Request
+from drafter.decode.sampling import BatchSampling, SamplingParams, Verdict, token_probs
+from drafter.decode.tree import Tree, TreeVerdict, verify_tree
+from drafter.draft.drafters import Drafter, NgramDrafter, Proposal
+from drafter.draft.eagle import EagleDrafter
+from drafter.draft.head import EagleConfig, EagleHead
+from drafter.model.causal_lm import int8_linear_available
 from tests.conftest import tiny_model
 
 VOCAB, NEW, NUM_SAMPLES, ALPHA = 6, 3, 20_000, 1e-3
@@ -114,7 +114,7 @@ class NoisyPolicyDrafter(Drafter):
         return Tree.for_k(k, self.widths, 2) if self.widths else None
 
     def propose_tree(self, contexts, caps, sampling_, uniforms, tree):
-        """An independent reading of drafter.tree's contract: each node's candidates drawn without
+        """An independent reading of drafter.decode.tree's contract: each node's candidates drawn without
         replacement from the noisy policy at that node; a candidate past the draft's support is not proposed."""
         B, N = len(contexts), tree.num_nodes
         tokens, probs = torch.zeros(B, N, dtype=torch.long), torch.zeros(B, N, VOCAB)
@@ -197,7 +197,7 @@ class Cycle:
 @pytest.mark.parametrize("ks", [[0, 2], [1, 0, 3], [2, 1]])
 @pytest.mark.parametrize("drafter_name", ["eagle", "noisy-policy"])
 def test_draft_length_switching_step_to_step_stays_lossless(model, exact, ks, drafter_name):
-    """Adaptive speculation (drafter.adaptive) changes k between steps from what past steps measured."""
+    """Adaptive speculation (drafter.draft.adaptive) changes k between steps from what past steps measured."""
     reqs = [Request(PROMPT, SamplingParams(**PARAMS, max_new_tokens=NEW, seed=i)) for i in range(NUM_SAMPLES)]
     tuner = Cycle(ks)
     outs = Engine(model).generate(reqs, k=3, drafter=make_drafter(drafter_name, model), tuner=tuner)

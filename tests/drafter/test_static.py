@@ -1,4 +1,4 @@
-"""The static decode path (drafter.static, drafter.draft_graphs) against the eager one: same logits up to
+"""The static decode path (drafter.decode.static, drafter.draft.draft_graphs) against the eager one: same logits up to
 rounding, same tokens greedy and seeded, on CPU (where the same static path runs uncaptured) and on CUDA
 (captured in graphs)."""
 
@@ -9,14 +9,14 @@ import copy
 import pytest
 import torch
 
-from drafter.config import ModelConfig
-from drafter.drafters import NgramDrafter
-from drafter.eagle import EagleDrafter
-from drafter.engine import Engine, Request
-from drafter.head import EagleHead
-from drafter.model import CausalLM
-from drafter.sampling import SamplingParams
-from drafter.static import StaticRunner, batch_bucket, rotate_half_matrix, slot_bucket
+from drafter.decode.engine import Engine, Request
+from drafter.decode.sampling import SamplingParams
+from drafter.decode.static import StaticRunner, batch_bucket, rotate_half_matrix, slot_bucket
+from drafter.draft.drafters import NgramDrafter
+from drafter.draft.eagle import EagleDrafter
+from drafter.draft.head import EagleHead
+from drafter.model.causal_lm import CausalLM
+from drafter.model.config import ModelConfig
 from tests.conftest import random_prompts, structured_model, tiny_model
 
 LENGTHS = [1, 3, 5, 9, 2, 17, 4, 33]

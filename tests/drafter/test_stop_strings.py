@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from drafter.drafters import NgramDrafter
-from drafter.engine import Engine, Request
-from drafter.loading import encode_prompt, load_model
-from drafter.sampling import SamplingParams
+from drafter.decode.engine import Engine, Request
+from drafter.decode.sampling import SamplingParams
+from drafter.draft.drafters import NgramDrafter
+from drafter.model.loading import encode_prompt, load_model
 
 
 @pytest.fixture(scope="module")

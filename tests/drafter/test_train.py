@@ -11,18 +11,18 @@ import time
 import pytest
 import torch
 
-from drafter.buffer import PackedBatch, RolloutBuffer
-from drafter.checkpoint import DraftMeta, load_draft
-from drafter.config import TrainConfig, default_aux_layer_ids
-from drafter.eagle import EagleDrafter
-from drafter.engine import Engine, Request
-from drafter.evaluate import DRAFT_TEMPERATURES, calibrate_draft_temperature, expected_accepted_length
-from drafter.head import EagleConfig, EagleHead, draft_lm_weight, new_head
-from drafter.model import Int8Linear, draft_features, fast_bf16, int8_linear_available
-from drafter.sampling import SamplingParams
-from drafter.train import DraftTrainer, StopRequestedError, draft_loss
-from drafter.unroll import unrolled_predictions
-from drafter.warmstart import HarvestConfig, harvest, measure, warm_start
+from drafter.decode.engine import Engine, Request
+from drafter.decode.sampling import SamplingParams
+from drafter.draft.eagle import EagleDrafter
+from drafter.draft.head import EagleConfig, EagleHead, draft_lm_weight, new_head
+from drafter.model.causal_lm import Int8Linear, draft_features, fast_bf16, int8_linear_available
+from drafter.model.config import TrainConfig, default_aux_layer_ids
+from drafter.train.buffer import PackedBatch, RolloutBuffer
+from drafter.train.checkpoint import DraftMeta, load_draft
+from drafter.train.evaluate import DRAFT_TEMPERATURES, calibrate_draft_temperature, expected_accepted_length
+from drafter.train.trainer import DraftTrainer, StopRequestedError, draft_loss
+from drafter.train.unroll import unrolled_predictions
+from drafter.train.warmstart import HarvestConfig, harvest, measure, warm_start
 from tests.conftest import on, pattern_corpus, random_prompts, structured_model, tiny_model
 
 
@@ -318,7 +318,7 @@ def test_trainer_keeps_the_draft_lm_weight_and_rebuilds_it_when_the_policy_chang
 
 def test_rms_norm_of_bf16_activations_with_float32_weights():
     """Under autocast the head's norms see bf16 activations and float32 weights: normalised in float32."""
-    from drafter.model import RMSNorm
+    from drafter.model.causal_lm import RMSNorm
     norm = RMSNorm(16, 1e-5)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
@@ -389,7 +389,7 @@ def test_head_swap_mid_generation_is_lossless_and_takes_effect(structured):
 
 
 def test_offline_acceptance_tracks_online_decoding(structured):
-    """The scheduler's publish rule scores drafts on recorded rollouts (drafter/evaluate.py): it must
+    """The scheduler's publish rule scores drafts on recorded rollouts (drafter/train/evaluate.py): it must
     rank drafts as decoding does, and under greedy land near the accepted length decoding measures."""
     model, engine, buffer, held_out = structured
     head = new_head(model, None, None)
@@ -485,7 +485,7 @@ def test_a_training_step_does_not_wait_for_the_device(structured):
     model, _, buffer, _ = structured
     if model.device.type != "cuda":
         pytest.skip("host syncs are a GPU matter")
-    from drafter.unroll import LossIndex
+    from drafter.train.unroll import LossIndex
 
     trainer = DraftTrainer(model, new_head(model, None, 32), offline_cfg(bf16_autocast=True))
     cpu_batch = trainer.next_batch(buffer)
@@ -507,7 +507,7 @@ def test_a_training_step_does_not_wait_for_the_device(structured):
 def test_masked_attention_with_kv_heads_repeated_equals_grouped(device):
     """The GPU form (each KV head repeated per query head, for the fused kernels) computes what grouped SDPA
     does, gradients included."""
-    from drafter.unroll import masked_attention
+    from drafter.train.unroll import masked_attention
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 5, 8, generator=gen).to(device).requires_grad_() for h in (6, 2, 2))

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.eagle import EagleDrafter
-from drafter.engine import Engine, Request
-from drafter.head import EagleHead
-from drafter.model import draft_features
-from drafter.sampling import SamplingParams
-from drafter.tree import Tree, compact_path, parse_widths, tree_attention
+from drafter.decode.engine import Engine, Request
+from drafter.decode.sampling import SamplingParams
+from drafter.decode.tree import Tree, compact_path, parse_widths, tree_attention
+from drafter.draft.eagle import EagleDrafter
+from drafter.draft.head import EagleHead
+from drafter.model.causal_lm import draft_features
 from tests.conftest import on, random_prompts, tiny_model
 from tests.drafter.test_engine import EAGER, LENGTHS_8, fit_eagle_head, greedy_requests
 

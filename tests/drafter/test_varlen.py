@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.buffer import RolloutBuffer, iter_batches
-from drafter.config import default_aux_layer_ids
-from drafter.head import EagleConfig, EagleHead
-from drafter.model import draft_features
-from drafter.unroll import flash_varlen_kernel, unrolled_predictions, varlen_attention_reference, varlen_layout
+from drafter.draft.head import EagleConfig, EagleHead
+from drafter.model.causal_lm import draft_features
+from drafter.model.config import default_aux_layer_ids
+from drafter.train.buffer import RolloutBuffer, iter_batches
+from drafter.train.unroll import flash_varlen_kernel, unrolled_predictions, varlen_attention_reference, varlen_layout
 from tests.conftest import random_prompts, tiny_model
 
 

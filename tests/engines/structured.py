@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from drafter.buffer import RolloutBuffer
-from drafter.config import ModelConfig, TrainConfig
-from drafter.engine import Engine
-from drafter.head import EagleHead, new_head
-from drafter.model import CausalLM
-from drafter.train import DraftTrainer
-from drafter.warmstart import HarvestConfig, harvest
+from drafter.decode.engine import Engine
+from drafter.draft.head import EagleHead, new_head
+from drafter.model.causal_lm import CausalLM
+from drafter.model.config import ModelConfig, TrainConfig
+from drafter.train.buffer import RolloutBuffer
+from drafter.train.trainer import DraftTrainer
+from drafter.train.warmstart import HarvestConfig, harvest
 from tests.conftest import fit_patterns, pattern_corpus
 
 VOCAB = 48  # pattern_corpus's tokens

@@ -27,10 +27,10 @@ import types
 import pytest
 import torch
 
-from drafter.config import PRESETS
-from drafter.eagle3 import eagle3_tensors, export_eagle3
-from drafter.head import head_config, new_head
-from drafter.loading import load_model, random_model, save_hf_dir
+from drafter.draft.eagle3 import eagle3_tensors, export_eagle3
+from drafter.draft.head import head_config, new_head
+from drafter.model.config import PRESETS
+from drafter.model.loading import load_model, random_model, save_hf_dir
 from workers.engines import SGLANG_VERSION
 from workers.guard import Acceptance, Verdict, judge
 from workers.sglang_engine import SglangEngine, sampling_params, server_kwargs, weight_update_requests

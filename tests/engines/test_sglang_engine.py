@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from drafter.loading import load_model
+from drafter.model.loading import load_model
 from workers.engines import ENGINES, SGLANG_VERSION, unavailable_reason
 from workers.sglang_engine import SglangEngine, sampling_params, spec_counts, weight_update_requests
 from workers.spec import JobSpec

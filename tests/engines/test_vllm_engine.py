@@ -12,11 +12,11 @@ import threading
 import pytest
 import torch
 
-from drafter.eagle3 import export_eagle3
-from drafter.engine import Engine, Request
-from drafter.head import head_config
-from drafter.model import CausalLM
-from drafter.sampling import SamplingParams
+from drafter.decode.engine import Engine, Request
+from drafter.decode.sampling import SamplingParams
+from drafter.draft.eagle3 import export_eagle3
+from drafter.draft.head import head_config
+from drafter.model.causal_lm import CausalLM
 from tests.conftest import pattern_corpus
 from tests.engines.structured import CFG, VOCAB, held_out_prompts, structured_policy, trained_head
 from workers.guard import Acceptance, Verdict, judge
@@ -63,7 +63,7 @@ def plain(policy):
 
 @pytest.fixture(scope="module")
 def spec(policy, head, tmp_path_factory):
-    """Started from the trained draft's EAGLE-3 directory (drafter.eagle3), as version 0."""
+    """Started from the trained draft's EAGLE-3 directory (drafter.draft.eagle3), as version 0."""
     engine = make_engine(policy, "always", export_eagle3(head, policy, tmp_path_factory.mktemp("draft")))
     yield engine
     engine.close()
@@ -227,7 +227,7 @@ def test_stops_finish_reasons_and_progress(plain):
 
 
 def test_a_draft_directory_for_another_policy_is_refused_before_vllm_starts(policy, head, tmp_path):
-    """drafter.eagle3.import_eagle3 checks the directory against the policy: one line naming the key."""
+    """drafter.draft.eagle3.import_eagle3 checks the directory against the policy: one line naming the key."""
     draft_dir = export_eagle3(head, policy, tmp_path / "draft")
     config = json.loads((draft_dir / "config.json").read_text())
     config["rope_theta"] = float(config["rope_theta"]) * 2  # a draft trained for another policy's positions

@@ -107,8 +107,8 @@ def test_api_token_from_a_mounted_secret_file(tmp_path):
 
 
 def test_drafter_train_on_a_task_writes_a_loadable_checkpoint(tmp_path, capsys):
-    from drafter.checkpoint import load_draft
-    from drafter.head import head_from_state
+    from drafter.draft.head import head_from_state
+    from drafter.train.checkpoint import load_draft
 
     out = tmp_path / "warm"
     assert main(["drafter", "train", "--task", "arithmetic", "--model", "tiny", "--out", str(out),

@@ -24,8 +24,8 @@ import torch
 from fastapi.testclient import TestClient
 
 import workers.driver as driver_module
-from drafter.config import PRESETS
-from drafter.loading import random_model, save_hf_dir
+from drafter.model.config import PRESETS
+from drafter.model.loading import random_model, save_hf_dir
 from scheduler.app import Settings, create_app
 from tests.waiting import until
 from workers.actors import get_worker

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from drafter.checkpoint import DraftMeta
-from drafter.head import EagleConfig, EagleHead, head_config
+from drafter.draft.head import EagleConfig, EagleHead, head_config
+from drafter.train.checkpoint import DraftMeta
 from scheduler.policy import CopyView, group_copies
 from tests.conftest import tiny_model
 from workers.draft_index import DraftIndex

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from drafter.config import PRESETS
-from drafter.loading import random_model, save_hf_dir
+from drafter.model.config import PRESETS
+from drafter.model.loading import random_model, save_hf_dir
 from workers.protocol.keys import drafts_index_key, job_steps_key, job_tlt_key
 from workers.redis_server import PrivateRedis, free_port
 

@@ -16,8 +16,8 @@ import time
 import pytest
 import ray
 
-from drafter.checkpoint import DraftMeta
-from drafter.head import EagleHead, head_config
+from drafter.draft.head import EagleHead, head_config
+from drafter.train.checkpoint import DraftMeta
 from scheduler.jobs import JobStore
 from scheduler.policy import PolicySettings
 from scheduler.state import JobTLT

@@ -13,9 +13,9 @@ import pytest
 import ray
 from fastapi.testclient import TestClient
 
-from drafter.config import PRESETS
-from drafter.evaluate import DRAFT_TEMPERATURES
-from drafter.loading import random_model, save_hf_dir
+from drafter.model.config import PRESETS
+from drafter.model.loading import random_model, save_hf_dir
+from drafter.train.evaluate import DRAFT_TEMPERATURES
 from scheduler.app import Settings, create_app
 from scheduler.jobs import JobStore
 from scheduler.policy import PolicySettings

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from drafter.buffer import RolloutBuffer
-from drafter.head import head_config, new_head
+from drafter.draft.head import head_config, new_head
+from drafter.train.buffer import RolloutBuffer
 from tests.conftest import tiny_model
 from workers.builtin_engine import BuiltinEngine
 from workers.device import job_device

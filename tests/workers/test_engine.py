@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.buffer import RolloutBuffer
-from drafter.head import head_config, new_head
+from drafter.draft.head import head_config, new_head
+from drafter.train.buffer import RolloutBuffer
 from tests.conftest import tiny_model
 from workers.builtin_engine import BuiltinEngine
 from workers.engine import Completion, RolloutEngine

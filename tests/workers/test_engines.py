@@ -12,7 +12,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from drafter.engine import EngineStats
+from drafter.decode.engine import EngineStats
 from tests.conftest import tiny_model
 from workers.builtin_engine import BuiltinEngine
 from workers.engine import ExternalEngine, RolloutEngine, check_batch

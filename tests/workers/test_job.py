@@ -115,8 +115,8 @@ def test_shareable_state_puts_tied_weights_once():
 
     import torch
 
-    from drafter.config import PRESETS
-    from drafter.loading import random_model
+    from drafter.model.config import PRESETS
+    from drafter.model.loading import random_model
     from workers.driver import shareable_state
 
     cfg = PRESETS["tiny"]

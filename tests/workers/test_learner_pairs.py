@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from drafter.buffer import RolloutBuffer
+from drafter.train.buffer import RolloutBuffer
 from tests.conftest import tiny_model
 from workers.builtin_engine import BuiltinEngine
 from workers.grpo import grpo_update, response_mask, sequence_logprobs, update_rows

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from drafter.evaluate import DRAFT_TEMPERATURES, calibrate_draft_temperature
+from drafter.train.evaluate import DRAFT_TEMPERATURES, calibrate_draft_temperature
 from workers.protocol.keys import job_leases_key, job_scoring_key
 from workers.protocol.messages import LeaseOutcome, ScoringResult
 from workers.protocol.states import LeaseState, WorkerState

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.checkpoint import CheckpointError, DraftMeta, save_draft
-from drafter.loading import load_model
+from drafter.model.loading import load_model
+from drafter.train.checkpoint import CheckpointError, DraftMeta, save_draft
 from workers.policy_checkpoint import (
     has_policy_checkpoint,
     load_policy,

@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-from drafter.checkpoint import DraftMeta
-from drafter.engine import Request
-from drafter.head import head_config, new_head
-from drafter.sampling import SamplingParams
+from drafter.decode.engine import Request
+from drafter.decode.sampling import SamplingParams
+from drafter.draft.head import head_config, new_head
+from drafter.train.checkpoint import DraftMeta
 from workers.policy_sync import write_policy_file
 from workers.progress import read_events, read_progress
 from workers.protocol.states import LeaseState, WorkerState

@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from drafter.checkpoint import CheckpointError, DraftMeta, draft_path, save_draft
-from drafter.config import ModelConfig
-from drafter.head import EagleHead, head_config
+from drafter.draft.head import EagleHead, head_config
+from drafter.model.config import ModelConfig
+from drafter.train.checkpoint import CheckpointError, DraftMeta, draft_path, save_draft
 from workers.draft_index import DraftIndex
 from workers.message import ProtocolError
 from workers.protocol.keys import drafts_channel, drafts_counter_key, drafts_index_key, drafts_latest_key
@@ -128,7 +128,7 @@ def test_failed_file_write_leaves_redis_unchanged(redis_client, tmp_path, monkey
     def disk_full(*a, **kw):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr("drafter.checkpoint.save_file", disk_full)
+    monkeypatch.setattr("drafter.train.checkpoint.save_file", disk_full)
     with pytest.raises(OSError, match="No space"):
         store.publish(state, meta(cfg, parent=1))
     assert snapshot(redis_client) == before and drain(sub, 0.2) == []

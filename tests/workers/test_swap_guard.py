@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from drafter.loading import save_hf_dir
+from drafter.model.loading import save_hf_dir
 from scheduler.app import Settings, create_app
 from scheduler.jobs import JobStore
 from scheduler.metrics import RedisCollector, exposition
@@ -143,8 +143,8 @@ def test_with_nothing_to_go_back_to_the_collapse_is_recorded_and_the_draft_stays
     spec = JobSpec(model=str(model_dir), draft_k=K, speculation="always", draft_vocab_size=None,
                    swap_guard={"num_verify_steps": 16}, device=device)
     r = RolloutRunner("job2", "w1", spec, redis_client, str(tmp_path / "drafts"))
-    from drafter.checkpoint import DraftMeta
-    from drafter.head import head_config, new_head
+    from drafter.draft.head import head_config, new_head
+    from drafter.train.checkpoint import DraftMeta
 
     head = new_head(r.policy, None, None, seed=3)  # on the worker's device, as a lease's copy is
     meta = DraftMeta(version=0, parent_version=0, policy_version=0, num_steps=1, total_steps=1, num_tokens=1,

@@ -27,9 +27,9 @@ import pytest
 import ray
 import redis as redis_lib
 
-from drafter.checkpoint import DraftMeta, draft_path, save_draft
-from drafter.head import head_config, new_head
-from drafter.loading import load_model
+from drafter.draft.head import head_config, new_head
+from drafter.model.loading import load_model
+from drafter.train.checkpoint import DraftMeta, draft_path, save_draft
 from tests.waiting import until
 from tests.workers.test_job import job
 from workers.actors import get_worker

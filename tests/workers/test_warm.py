@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import ray
 
-from drafter.checkpoint import DraftMeta, save_draft
-from drafter.config import PRESETS
-from drafter.head import EagleConfig, EagleHead, head_config
+from drafter.draft.head import EagleConfig, EagleHead, head_config
+from drafter.model.config import PRESETS
+from drafter.train.checkpoint import DraftMeta, save_draft
 from workers.job_actor import start_driver
 from workers.progress import read_json_list, read_progress
 from workers.protocol.keys import job_result_key, job_steps_key

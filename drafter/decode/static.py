@@ -2,7 +2,7 @@
 synchronization inside a forward, and each (batch bucket, tokens, slot bucket) forward captured once in a
 CUDA graph and replayed (in the manner of nano-vllm's `capture_cudagraph` and gpt-fast's static KVCache).
 
-It runs the same CausalLM weights as the eager path (drafter.model) through a leaner layer: one rotary
+It runs the same CausalLM weights as the eager path (drafter.model.causal_lm) through a leaner layer: one rotary
 for q, k and v at once (v's tables are cos=1, sin=0), one cache write per layer, the residual adds fused
 into the output projections (in-place addmm_), 18 top-level ops per layer at one token. Outputs equal the eager
 path's up to float rounding (greedy tokens identical: tests/drafter/test_static.py).
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from drafter.config import ModelConfig
-from drafter.model import CausalLM, PackedWeight, draft_features, onednn_serves
+from drafter.model.causal_lm import CausalLM, PackedWeight, draft_features, onednn_serves
+from drafter.model.config import ModelConfig
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # past 128: multiples of 64
 MIN_SLOTS = 64  # slot buckets are powers of two from here (a multiple of 16: SDPA's mask alignment)
@@ -128,7 +128,7 @@ class LayerWeights:
 def project(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight,
             onednn: bool) -> torch.Tensor:
     """h (N, in) @ weight.T + bias -> (N, out), one op: oneDNN's GEMM on pre-packed weights on a CPU
-    (flat in N where MKL's grows, drafter.model.linear), else F.linear."""
+    (flat in N where MKL's grows, drafter.model.causal_lm.linear), else F.linear."""
     if onednn:
         return torch.ops.mkldnn._linear_pointwise(h, packed.get(weight), bias, "none", [], "")
     return F.linear(h, weight, bias)
@@ -200,7 +200,7 @@ class StaticRunner:
         self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         if self.cuda_graphs and device.type != "cuda":
             raise ValueError("cuda_graphs needs a model on a CUDA device")
-        # a CPU's GEMMs on oneDNN's packed weights, as the eager path's Linear layers (drafter.model.linear)
+        # a CPU's GEMMs on oneDNN's packed weights, as the eager path's Linear layers (drafter.model.causal_lm.linear)
         self.onednn = device.type == "cpu" and onednn_serves(dtype)
         self.cache = StaticCache(c, c.num_layers, batch_bucket(max_batch), max_len, dtype, device)
         B, T = self.cache.max_batch, MAX_GRAPH_TOKENS

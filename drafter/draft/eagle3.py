@@ -38,10 +38,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from drafter.checkpoint import save_file_atomic
-from drafter.config import DRAFT_FORMAT, NUM_AUX_LAYERS, ModelConfig, check_aux_layer_ids, default_aux_layer_ids
-from drafter.head import EagleConfig, EagleHead, head_from_state
-from drafter.model import CausalLM, Int8Linear
+from drafter.draft.head import EagleConfig, EagleHead, head_from_state
+from drafter.model.causal_lm import CausalLM, Int8Linear
+from drafter.model.config import DRAFT_FORMAT, NUM_AUX_LAYERS, ModelConfig, check_aux_layer_ids, default_aux_layer_ids
+from drafter.train.checkpoint import save_file_atomic
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"

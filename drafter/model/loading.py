@@ -23,8 +23,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from drafter.config import PRESETS, SMOLLM2_SPEC, ModelConfig, cache_root
-from drafter.model import CausalLM
+from drafter.model.causal_lm import CausalLM
+from drafter.model.config import PRESETS, SMOLLM2_SPEC, ModelConfig, cache_root
 
 log = logging.getLogger(__name__)
 

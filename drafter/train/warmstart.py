@@ -8,16 +8,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from drafter.buffer import RolloutBuffer
-from drafter.checkpoint import DraftMeta, draft_path, save_draft
-from drafter.config import TrainConfig
-from drafter.eagle import EagleDrafter
-from drafter.engine import Engine, Request
-from drafter.evaluate import calibrate_draft_temperature
-from drafter.head import EagleHead, head_config, new_head
-from drafter.model import CausalLM
-from drafter.sampling import SamplingParams
-from drafter.train import DraftTrainer
+from drafter.decode.engine import Engine, Request
+from drafter.decode.sampling import SamplingParams
+from drafter.draft.eagle import EagleDrafter
+from drafter.draft.head import EagleHead, head_config, new_head
+from drafter.model.causal_lm import CausalLM
+from drafter.model.config import TrainConfig
+from drafter.train.buffer import RolloutBuffer
+from drafter.train.checkpoint import DraftMeta, draft_path, save_draft
+from drafter.train.evaluate import calibrate_draft_temperature
+from drafter.train.trainer import DraftTrainer
 
 Progress = Callable[[str], None]
 

@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from drafter.buffer import Rollout, iter_batches
-from drafter.head import EagleHead
-from drafter.model import CausalLM
-from drafter.unroll import loss_mask, unrolled_predictions
+from drafter.draft.head import EagleHead
+from drafter.model.causal_lm import CausalLM
+from drafter.train.buffer import Rollout, iter_batches
+from drafter.train.unroll import loss_mask, unrolled_predictions
 
 ROW_TOKENS = 256  # pairs per packed row: long responses are cut into chunks of this many
 NUM_ROWS = 4  # rows per batch: bounds the (rows * tokens * vocab) logits held at once

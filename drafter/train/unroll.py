@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from drafter.buffer import PackedBatch
-from drafter.head import EagleHead
-from drafter.model import apply_rotary
+from drafter.draft.head import EagleHead
+from drafter.model.causal_lm import apply_rotary
+from drafter.train.buffer import PackedBatch
 
 # The attention backends the unrolled forward may use: all but cuDNN's. Under bf16 on Hopper, torch sends masked
 # SDPA to cuDNN attention, which builds an execution plan for every new shape, and packed batches bring new shapes

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter.sampling import BatchSampling, sample, token_probs
+from drafter.decode.sampling import BatchSampling, sample, token_probs
 
 
 class Tree:

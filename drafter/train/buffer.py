@@ -1,7 +1,7 @@
 """Harvested rollouts for drafter training: a byte-bounded buffer and sequence packing.
 
 A rollout x_0..x_{L-1} comes with f_0..f_{L-2}, the policy's features at each position (f_j produced
-x_{j+1}): drafter.model.draft_features, the three aux layers' states an EAGLE-3 head fuses, then the
+x_{j+1}): drafter.model.causal_lm.draft_features, the three aux layers' states an EAGLE-3 head fuses, then the
 final hidden state h_j (4D per position, in the buffer's hidden_dtype). The draft head trains on pairs
 j = (f_j, x_{j+1}); pair j's targets are h_{j+1} and x_{j+2}, so the last pair of a sequence has none.
 The buffer itself only checks that every rollout has the same feature width.
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from drafter.checkpoint import save_file_atomic
+from drafter.train.checkpoint import save_file_atomic
 
 HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # float32 for exact tests; bf16/fp16 halve the bytes
 TOKEN_DTYPE = torch.int32  # every vocabulary fits; half the bytes of int64

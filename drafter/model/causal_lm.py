@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafter.config import ModelConfig
+from drafter.model.config import ModelConfig
 
 
 class KVCache:
@@ -320,7 +320,7 @@ def tree_inputs(positions: torch.Tensor, cache: KVCache | None,
 def draft_features(hidden: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
     """The features the engine records per position for drafter training and hands an EAGLE-3 draft head:
     the aux layers' states (..., 3D), then the final-norm hidden state (..., D), concatenated (..., 4D). The
-    head fuses the first 3D (drafter.head.EagleHead.fuse); the last D is only a training target (the policy's
+    head fuses the first 3D (drafter.draft.head.EagleHead.fuse); the last D is only a training target (the policy's
     next-token distribution there is its LM head over it)."""
     return torch.cat([aux, hidden], dim=-1)
 
@@ -360,7 +360,7 @@ class CausalLM(nn.Module):
                 aux_layers: tuple[int, ...] | None = None) -> tuple:
         """input_ids, positions: (B, T). Writes K/V at `positions`; does not change cache.lens.
         cache=None: a self-contained causal forward (training, log-probabilities), differentiable.
-        tree: (slots (B, T), mask (B, 1, T, S)) for a draft tree (drafter.tree), whose siblings share
+        tree: (slots (B, T), mask (B, 1, T, S)) for a draft tree (drafter.decode.tree), whose siblings share
         a rotary position: K/V go to `slots` and attention follows `mask` instead of the positions.
 
         logits_for: "all" -> (B, T, V); "last" -> (B, 1, V); "none" -> None (prefill).

@@ -8,7 +8,7 @@ hidden itself; then a final `norm` and the head's own `lm_head` over its draft v
 distribution of t_{i+2}. Drafting a further token feeds the layer's output back as the next position's
 hidden, before the final norm and without `fc` (as vLLM's and SGLang's EAGLE-3 proposers do). The token
 embedding is the policy's (not stored with the head); the LM head is the head's own ([V', D], initialised
-from the policy's rows of the draft vocabulary by new_head). drafter.eagle3 writes and reads the standard
+from the policy's rows of the draft vocabulary by new_head). drafter.draft.eagle3 writes and reads the standard
 checkpoint directory.
 
 Also the head's factories: a fresh head (new_head), the config a checkpoint records (head_config)
@@ -22,9 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from drafter.buffer import RolloutBuffer
-from drafter.config import DRAFT_FORMAT, NUM_AUX_LAYERS, ModelConfig, check_aux_layer_ids, default_aux_layer_ids
-from drafter.model import (
+from drafter.model.causal_lm import (
     MLP,
     Attention,
     CausalLM,
@@ -34,12 +32,14 @@ from drafter.model import (
     Rotary,
     tree_inputs,
 )
+from drafter.model.config import DRAFT_FORMAT, NUM_AUX_LAYERS, ModelConfig, check_aux_layer_ids, default_aux_layer_ids
+from drafter.train.buffer import RolloutBuffer
 
 
 @dataclass
 class EagleConfig:
     # The policy layers whose hidden states the head fuses, as vLLM numbers EAGLE-3's aux states (id i: the
-    # residual stream entering layer i; drafter.config.default_aux_layer_ids). None: the policy's default,
+    # residual stream entering layer i; drafter.model.config.default_aux_layer_ids). None: the policy's default,
     # resolved (and recorded) when the head is built.
     aux_layer_ids: tuple[int, ...] | None = None
     # Score only this many tokens (the most frequent in rollouts, as EAGLE-3 does): the LM head is
@@ -49,7 +49,7 @@ class EagleConfig:
     # Sampled rows draft from the job's sampling distribution over logits / draft_temperature (0: the
     # argmax). Rejection sampling stays exact for any draft distribution q; what it accepts against the
     # target p, sum min(p, q), is highest for q = p, so a head whose q is flatter than p accepts more
-    # with a sharper q. Which one wins is measured: calibrate_draft_temperature (drafter.evaluate) on
+    # with a sharper q. Which one wins is measured: calibrate_draft_temperature (drafter.train.evaluate) on
     # held-out rollouts. SmolLM2's warm-started head scored best at 1.0 (docs/benchmarks.md).
     draft_temperature: float = 1.0
 
@@ -130,7 +130,8 @@ class EagleHead(nn.Module):
 
     @property
     def feature_size(self) -> int:
-        """Width of a recorded feature row (drafter.model.draft_features): the aux states, then the final hidden."""
+        """Width of a recorded feature row (drafter.model.causal_lm.draft_features): the aux states, then the final
+        hidden."""
         return (NUM_AUX_LAYERS + 1) * self.policy_cfg.hidden_size
 
     def set_vocab(self, token_counts: torch.Tensor, always: tuple[int, ...] = ()) -> None:
@@ -148,7 +149,7 @@ class EagleHead(nn.Module):
         self.lm_head.weight.copy_(draft_lm_weight(self, policy).to(self.lm_head.weight.dtype))
 
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:
-        """(..., >= 3D) recorded features (drafter.model.draft_features) -> (..., D): fc over the aux states,
+        """(..., >= 3D) recorded features (drafter.model.causal_lm.draft_features) -> (..., D): fc over the aux states,
         the hidden the head takes at a position the policy has verified."""
         return self.fc(feats[..., : NUM_AUX_LAYERS * self.policy_cfg.hidden_size])
 

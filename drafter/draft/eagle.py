@@ -1,4 +1,4 @@
-"""The drafting runtime: an EagleHead (drafter.head, EAGLE-3 layout) drafts up to k tokens per verify
+"""The drafting runtime: an EagleHead (drafter.draft.head, EAGLE-3 layout) drafts up to k tokens per verify
 step, one KV cache row per sequence, and is hot-swapped between decode steps without pausing generation.
 
 The head is fed the policy's true (aux layers' states, next token) pairs as the policy accepts them
@@ -15,13 +15,13 @@ import time
 
 import torch
 
-from drafter.draft_graphs import DraftGraphs
-from drafter.draft_state import DraftRows, PendingSwap, SwapStats
-from drafter.drafters import Drafter, Proposal
-from drafter.head import EagleHead
-from drafter.model import CausalLM, Int8Linear, KVCache, fast_bf16, int8_linear_available, quantize_int8
-from drafter.sampling import BatchSampling, draft_probs, sample
-from drafter.tree import Tree, parse_widths, tree_attention
+from drafter.decode.sampling import BatchSampling, draft_probs, sample
+from drafter.decode.tree import Tree, parse_widths, tree_attention
+from drafter.draft.draft_graphs import DraftGraphs
+from drafter.draft.draft_state import DraftRows, PendingSwap, SwapStats
+from drafter.draft.drafters import Drafter, Proposal
+from drafter.draft.head import EagleHead
+from drafter.model.causal_lm import CausalLM, Int8Linear, KVCache, fast_bf16, int8_linear_available, quantize_int8
 
 
 def serving_precision(policy: CausalLM, spec: torch.dtype | str | None) -> tuple[torch.dtype, bool]:
@@ -69,7 +69,7 @@ class EagleDrafter(Drafter):
         """dtype: the precision the head drafts in (see serving_dtype); the head passed in is never
         converted in place: a head in another dtype is served from a converted copy. tree: candidates
         at the first draft depths ("3,2": three at the first, two at the second; None or "": a chain),
-        each extra candidate heading a chain of tree_side_depth nodes (drafter.tree.Tree.for_k). A
+        each extra candidate heading a chain of tree_side_depth nodes (drafter.decode.tree.Tree.for_k). A
         tree is drafted only while at most tree_max_batch sequences are live: verifying a tree's extra
         nodes is nearly free at batch 1 (bound by reading the weights), not in a full batch."""
         self.policy = policy
@@ -79,13 +79,14 @@ class EagleDrafter(Drafter):
             raise ValueError(f"tree_side_depth must be >= 1 and tree_max_batch >= 0, got {tree_side_depth}, "
                              f"{tree_max_batch}")
         self.tree_side_depth, self.tree_max_batch = tree_side_depth, tree_max_batch
-        self.aux_layers = head.aux_layers  # the policy layers the engine hands over (drafter.model.draft_features)
+        # the policy layers the engine hands over (drafter.model.causal_lm.draft_features)
+        self.aux_layers = head.aux_layers
         self._install(self._prepare(head))
         self.version: int | None = None  # draft version serving, for progress reports
         self.pending = PendingSwap()
         self.swaps = SwapStats()
         self.rows = DraftRows()
-        # static: chains drafted on drafter.draft_graphs' path (bucketed head cache, CUDA graphs on a GPU); None
+        # static: chains drafted on drafter.draft.draft_graphs' path (bucketed head cache, CUDA graphs on a GPU); None
         # chooses it on CUDA. It drafts chains only: no tree is proposed while it is on
         on = policy.device.type == "cuda" if static is None else bool(static)
         self.graphs = DraftGraphs(self, policy.device.type == "cuda") if on else None

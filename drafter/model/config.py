@@ -71,8 +71,8 @@ PRESETS: dict[str, ModelConfig] = {  # random weights, for fast tests; copied (d
 }
 
 
-# The draft heads' layout and checkpoint format: the standard EAGLE-3 one (LlamaForCausalLMEagle3, drafter.head,
-# drafter.eagle3). Part of every cache key of a trained draft and of the head_config a checkpoint records, so a
+# The draft heads' layout and checkpoint format: the standard EAGLE-3 one (LlamaForCausalLMEagle3, drafter.draft.head,
+# drafter.draft.eagle3). Part of every cache key of a trained draft and of the head_config a checkpoint records, so a
 # draft of another layout (the EAGLE-1-style head before it) is never loaded as one of this layout.
 DRAFT_FORMAT = "eagle3"
 NUM_AUX_LAYERS = 3  # EAGLE-3 fuses three target layers' hidden states: a low, a middle and a high one

@@ -4,7 +4,7 @@ Loss per pair j = (a_j, x_{j+1}) (a_j: the policy's three aux layers' states at 
 cross-entropy of the head's draft distribution (its own LM head) against the policy's own distribution
 softmax(lm_head(h_{j+1})) over the draft vocabulary (h: the policy's final-norm hidden state), plus a
 smooth-L1 regression of the head's normed output onto h_{j+1}, for each step of the training-time
-unrolling (drafter.unroll), weighted by unroll_decay**s.
+unrolling (drafter.train.unroll), weighted by unroll_decay**s.
 
 Training runs in micro-steps (one optimizer step each); a stop request aborts the current micro-step
 before its optimizer update, so a trainer stops within one micro-step and never half-applies one.
@@ -21,12 +21,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from drafter.buffer import PackedBatch, RolloutBuffer, iter_batches
-from drafter.checkpoint import DraftMeta, load_trainer_state, save_trainer_state
-from drafter.config import TrainConfig
-from drafter.head import EagleHead, draft_lm_weight
-from drafter.model import CausalLM, fast_bf16
-from drafter.unroll import LossIndex, flash_varlen_kernel, loss_mask, unrolled_predictions
+from drafter.draft.head import EagleHead, draft_lm_weight
+from drafter.model.causal_lm import CausalLM, fast_bf16
+from drafter.model.config import TrainConfig
+from drafter.train.buffer import PackedBatch, RolloutBuffer, iter_batches
+from drafter.train.checkpoint import DraftMeta, load_trainer_state, save_trainer_state
+from drafter.train.unroll import LossIndex, flash_varlen_kernel, loss_mask, unrolled_predictions
 
 
 class StopRequestedError(Exception):
@@ -236,7 +236,7 @@ class DraftTrainer:
         return asdict(self.cfg)
 
     def save(self, path, meta: DraftMeta) -> str:
-        """Atomic, resumable checkpoint of head, optimizer and counters (see drafter.checkpoint)."""
+        """Atomic, resumable checkpoint of head, optimizer and counters (see drafter.train.checkpoint)."""
         trainer = {"step": self.step, "num_tokens": self.num_tokens, "epoch": self._epoch, "config": self.config_dict()}
         return save_trainer_state(path, self.head.state_dict(), self.optimizer, meta, trainer)
 

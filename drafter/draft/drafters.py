@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from drafter.sampling import BatchSampling
+from drafter.decode.sampling import BatchSampling
 
 
 @dataclass
@@ -24,13 +24,14 @@ class Proposal:
     tokens: torch.Tensor  # (B, K) long, padded with 0 past each row's length
     lens: torch.Tensor  # (B,) long, number of real draft tokens per row (<= caps)
     probs: torch.Tensor | None  # (B, K, V) the draft distribution q, None for deterministic drafters
-    # draft trees (drafter.tree): tokens[:, j - 1] is node j's; valid (B, N) marks the nodes row b proposed
+    # draft trees (drafter.decode.tree): tokens[:, j - 1] is node j's; valid (B, N) marks the nodes row b proposed
     valid: torch.Tensor | None = None
     host_lens: list[int] | None = None  # `lens` as the drafter knew them on the host (the engine reads none back)
 
 
 class Drafter(ABC):
-    needs_hidden: bool = False  # True when the drafter consumes the policy's features (drafter.model.draft_features)
+    # True when the drafter consumes the policy's features (drafter.model.causal_lm.draft_features)
+    needs_hidden: bool = False
     aux_layers: tuple[int, ...] | None = None  # the policy layers those features carry (EAGLE-3's aux states)
     name: str = "drafter"
 
@@ -44,7 +45,7 @@ class Drafter(ABC):
         """Draft up to caps[b] tokens after contexts[b]; uniforms (B, k) drive sampled drafts."""
 
     def tree_for(self, k: int, batch_size: int = 1):
-        """The draft tree (drafter.tree.Tree) this drafter proposes for draft depth k with batch_size
+        """The draft tree (drafter.decode.tree.Tree) this drafter proposes for draft depth k with batch_size
         sequences live, or None for a chain of k tokens through `propose`. At batch_size 1 it is the
         largest tree the drafter ever proposes for k."""
         return None

@@ -1,4 +1,4 @@
-"""The state an EagleDrafter (drafter.eagle) keeps while it serves, in small parts: the head waiting to be
+"""The state an EagleDrafter (drafter.draft.eagle) keeps while it serves, in small parts: the head waiting to be
 swapped in, what swaps have cost, and the live rows' draft state."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafter.head import EagleHead
-from drafter.model import KVCache
+from drafter.draft.head import EagleHead
+from drafter.model.causal_lm import KVCache
 
 MAX_SWAP_LOG = 64  # swaps remembered with their times: a job swaps once per draft version, readers want the recent
 
@@ -62,7 +62,7 @@ Chunk = tuple[torch.Tensor, int, int]  # (features (B, T, F), row r, count n): t
 class DraftRows:
     """Per-row draft state of the live batch: the head's KV cache over the true pairs fed so far, the
     true (policy features, token that followed) pairs not fed yet, and every true pair so far (the
-    history a newly swapped-in head is re-fed). Features: drafter.model.draft_features, (n, F) per row.
+    history a newly swapped-in head is re-fed). Features: drafter.model.causal_lm.draft_features, (n, F) per row.
 
     Features are kept as chunks of the tensors the engine handed over, not copied per row: observing a step
     costs no tensor op (it runs every decode step, drafting or not), and when every row's pending pairs are
@@ -75,7 +75,7 @@ class DraftRows:
     history_tokens: list[list[int]] = field(default_factory=list)
     # (features (B, T, F), counts): the one tensor all rows' pending pairs are in, row b's the first counts[b]
     fresh: tuple[torch.Tensor, list[int]] | None = None
-    # the static path (drafter.draft_graphs): the cache has a bucket of rows, compacted in place (graphs hold it)
+    # the static path (drafter.draft.draft_graphs): the cache has a bucket of rows, compacted in place (graphs hold it)
     static: bool = False
 
     def begin(self, prompts: list[list[int]], prefill_hidden: torch.Tensor | None, empty: torch.Tensor) -> None:

@@ -18,12 +18,12 @@ from typing import Protocol
 
 import torch
 
-from drafter.config import check_aux_layer_ids, default_aux_layer_ids
-from drafter.drafters import Drafter
-from drafter.model import CausalLM, draft_features
-from drafter.sampling import BatchSampling, SamplingParams, Verdict, verify
-from drafter.static import StaticRunner, slot_bucket
-from drafter.tree import Tree, compact_path, tree_attention, verify_tree
+from drafter.decode.sampling import BatchSampling, SamplingParams, Verdict, verify
+from drafter.decode.static import StaticRunner, slot_bucket
+from drafter.decode.tree import Tree, compact_path, tree_attention, verify_tree
+from drafter.draft.drafters import Drafter
+from drafter.model.causal_lm import CausalLM, draft_features
+from drafter.model.config import check_aux_layer_ids, default_aux_layer_ids
 
 
 @dataclass
@@ -41,7 +41,7 @@ class GenerationOutput:
     num_draft_tokens: int  # drafts proposed for it
     num_accepted: int  # drafts accepted
     text: str | None = None  # decoded, cut before a matched stop string
-    # (N, F): the policy's features (drafter.model.draft_features: the aux layers' states, then the final
+    # (N, F): the policy's features (drafter.model.causal_lm.draft_features: the aux layers' states, then the final
     # hidden state) at the position that produced token_ids[i]
     hidden_states: torch.Tensor | None = None
     prompt_hidden_states: torch.Tensor | None = None  # (P-1, F): features at prompt positions 0..P-2
@@ -82,7 +82,7 @@ class EngineStats:
 
 class DraftLengthChooser(Protocol):
     """Chooses each step's draft length from the live batch size and learns from what the step gave
-    (drafter.adaptive.DraftLengthTuner; FixedDraftLength for a fixed k)."""
+    (drafter.draft.adaptive.DraftLengthTuner; FixedDraftLength for a fixed k)."""
 
     def choose(self, batch_size: int) -> int: ...
 
@@ -140,7 +140,7 @@ def _find_stop(tokenizer, token_ids: list[int], stops: tuple[str, ...]) -> int:
 
 class Engine:
     def __init__(self, model: CausalLM, tokenizer=None, static: bool | None = None) -> None:
-        """static: run the policy on drafter.static's path (static KV cache, bucketed batches, CUDA graphs on a
+        """static: run the policy on drafter.decode.static's path (static KV cache, bucketed batches, CUDA graphs on a
         GPU) instead of the eager one. None: the static path wherever it applies, which is every call on a GPU
         and, on a CPU, every call that drafts no tree: there its GEMMs on oneDNN's packed weights and its lean
         layer beat the eager path's ops (docs/benchmarks.md, "Engine"). The static path drafts chains only;
@@ -190,8 +190,8 @@ class Engine:
                  tuner: DraftLengthChooser | None = None,
                  aux_layers: tuple[int, ...] | None = None) -> list[GenerationOutput]:
         """Generate for all requests as one batch. k: max draft tokens per step (0 = plain).
-        record_hidden: return each position's policy features (drafter.model.draft_features) over
-        `aux_layers` (None: the drafter's, else drafter.config.default_aux_layer_ids), the pairs a draft
+        record_hidden: return each position's policy features (drafter.model.causal_lm.draft_features) over
+        `aux_layers` (None: the drafter's, else drafter.model.config.default_aux_layer_ids), the pairs a draft
         head trains on; a drafter that consumes features gets the same ones. Neither: no layer is kept.
         on_step(num_finished, num_generated) is called after every step (progress reporting).
         tuner: chooses each step's draft length in [0, k] from the live batch size, and is told the
@@ -309,7 +309,7 @@ class Engine:
         self._advance(live, cache, verdict, draft_tokens, draft_lens, hidden, drafter)
 
     def _tree_step(self, live, cache, tree: Tree, drafter, sampling, uniforms, k, aux=None) -> None:
-        """One verify forward of [last, tree nodes] per row under the tree mask (drafter.tree), then
+        """One verify forward of [last, tree nodes] per row under the tree mask (drafter.decode.tree), then
         the accepted path's K/V moved to consecutive slots and its hidden states handed on in order."""
         model, device = self.model, self.model.device
         B, N = len(live), tree.num_nodes

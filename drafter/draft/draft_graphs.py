@@ -2,9 +2,9 @@
 verified and drafts k tokens, on a head KV cache of a bucketed batch, with no read-back; on CUDA each
 (batch bucket, pairs, k, slots, sampling mode) step is captured once in a CUDA graph and replayed.
 
-The head runs the static path's lean attention (drafter.static.attend: one rotary for q/k/v, one cache
+The head runs the static path's lean attention (drafter.decode.static.attend: one rotary for q/k/v, one cache
 write, SDPA's fused kernel under an additive mask) over the same weights, positions and pairs as
-EagleDrafter's eager loop (drafter.eagle), with the same draft distribution and uniforms: drafts agree up
+EagleDrafter's eager loop (drafter.draft.eagle), with the same draft distribution and uniforms: drafts agree up
 to float rounding. A step whose pending pairs outnumber k + 1 (a batch's first, after its prompt, or the
 first after a swap, which re-feeds the history) runs the same function uncaptured.
 """
@@ -14,9 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from drafter.drafters import Proposal
-from drafter.sampling import BatchSampling, draft_probs, sample
-from drafter.static import (
+from drafter.decode.sampling import BatchSampling, draft_probs, sample
+from drafter.decode.static import (
     StaticCache,
     additive_mask,
     attend,
@@ -27,6 +26,7 @@ from drafter.static import (
     slot_bucket,
     slot_buckets,
 )
+from drafter.draft.drafters import Proposal
 
 NUM_INTS = 3  # per-row integers after the pending tokens in the input buffer: num_pending, lens, caps
 
@@ -96,7 +96,7 @@ class DraftGraphs:
 
     def _layer(self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
                ) -> torch.Tensor:
-        """The head's decoder layer (drafter.head.Eagle3Layer) on the static cache: (B, T, D) -> (B, T, D)."""
+        """The head's decoder layer (drafter.draft.head.Eagle3Layer) on the static cache: (B, T, D) -> (B, T, D)."""
         head = self.drafter.head
         layer, cfg = head.midlayer, head.policy_cfg
         B, T, D = hidden.shape
