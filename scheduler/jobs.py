@@ -3,9 +3,10 @@
 A record is {job_id, state, spec, created_at, updated_at, error}; the steps a job has finished are
 the length of its steps list (job_steps_key, appended by the driver), never a copy in the record.
 The set running_jobs_key() holds every RUNNING job, the sorted set queued_jobs_key() every QUEUED one by its
-submission time (the queue: scheduler.queue admits its head), and owner_jobs_key(owner) the jobs an API token
-holds that have not ended (its quota): each changes in the same MULTI/EXEC as the record, so the watcher follows
-each running job, and the queue and the quotas stay true, however many jobs the store holds.
+submission time (the queue: scheduler.queue admits its head; a submit enters it as it is stored, JobStore.create),
+and owner_jobs_key(owner) the jobs an API token holds that have not ended (its quota): each changes in the same
+MULTI/EXEC as the record, so the watcher follows each running job, and the queue and the quotas stay true,
+however many jobs the store holds.
 """
 
 from __future__ import annotations
@@ -33,6 +34,15 @@ from workers.spec import JobSpec
 
 IDEMPOTENCY_TTL_S = 24 * 3600  # a client retrying a submit does so within minutes; a day is generous
 SCAN_BATCH = 1000  # job ids read per round trip when walking the whole index
+# the least two submission times differ by: above a float's resolution at today's epoch seconds (2.4e-7)
+MIN_SUBMISSION_STEP_S = 1e-6
+
+
+def submission_time(latest: list[tuple[str, float]]) -> float:
+    """A new job's created_at: now, and later than the newest job's (`latest`, the job index's last entry with its
+    score), so the order of the times is the order the jobs were stored in, whatever the clock did."""
+    now = time.time()
+    return max(now, latest[0][1] + MIN_SUBMISSION_STEP_S) if latest else now
 
 
 class IdempotencyKeyError(ValueError):
@@ -68,22 +78,24 @@ class JobStore:
         self.redis = redis
 
     def create(self, spec: JobSpec, idem_key: str | None = None, owner: str | None = None,
-               max_active: int | None = None) -> tuple[dict, bool]:
-        """Store a new PENDING job; returns (record, created). With an idempotency key already used for the
-        same spec, returns that job and creates nothing; IdempotencyKeyError (a ValueError) naming the key if
-        it was used for another spec. With `owner` (token_owner) and `max_active`: QuotaError, and nothing
-        stored, when the owner already has max_active jobs not ended (a replay is answered all the same). The
-        key, the record, the index entry and the owner's set are written in one MULTI/EXEC under WATCH, so
-        concurrent submits with one key create exactly one job, a quota is never exceeded, and a reader never
-        sees the key without the job."""
+               max_active: int | None = None, *, is_queued: bool = False) -> tuple[dict, bool]:
+        """Store a new PENDING job (with is_queued: QUEUED, in line); returns (record, created). With an
+        idempotency key already used for the same spec, returns that job and creates nothing;
+        IdempotencyKeyError (a ValueError) naming the key if it was used for another spec. With `owner`
+        (token_owner) and `max_active`: QuotaError, and nothing stored, when the owner already has max_active jobs
+        not ended (a replay is answered all the same). The key, the record, the index entry, the queue entry and
+        the owner's set are written in one MULTI/EXEC under WATCH, so concurrent submits with one key create
+        exactly one job, a quota is never exceeded, and a reader never sees the key without the job.
+        The submission time (created_at) is stamped under WATCH of the job index, later than every job stored
+        (submission_time): a submit that another one overtook is stamped again, so the index, the queue and
+        created_at all hold the order the submits were stored in, and the queue's head is never a job submitted
+        after one that is not in line yet (two submits 15 ms apart once started in the opposite order)."""
         job_id = uuid.uuid4().hex[:16]
-        now = time.time()
         dumped = spec.model_dump()
-        record = {"job_id": job_id, "state": JobState.PENDING.value, "spec": dumped, "created_at": now,
-                  "updated_at": now, "error": None, "owner": owner}
         owned = owner_jobs_key(owner) if owner is not None else None
         digest = hashlib.sha256(json.dumps(dumped, sort_keys=True).encode()).hexdigest()
         idem = idempotency_key(idem_key) if idem_key is not None else None
+        state = JobState.QUEUED if is_queued else JobState.PENDING
         with self.redis.pipeline(transaction=True) as pipe:
             while True:
                 try:
@@ -98,16 +110,22 @@ class JobStore:
                         if pipe.scard(owned) >= max_active:
                             pipe.unwatch()
                             raise QuotaError(max_active)
+                    pipe.watch(jobs_index_key())
+                    now = submission_time(pipe.zrange(jobs_index_key(), -1, -1, withscores=True))
+                    record = {"job_id": job_id, "state": state.value, "spec": dumped, "created_at": now,
+                              "updated_at": now, "error": None, "owner": owner}
                     pipe.multi()
                     if idem is not None:
                         pipe.set(idem, json.dumps({"job_id": job_id, "spec_sha256": digest}), ex=IDEMPOTENCY_TTL_S)
                     pipe.set(job_key(job_id), json.dumps(record))
                     pipe.zadd(jobs_index_key(), {job_id: now})
+                    if is_queued:
+                        pipe.zadd(queued_jobs_key(), {job_id: now})
                     if owned is not None:
                         pipe.sadd(owned, job_id)
                     pipe.execute()
                     return record, True
-                except redis_lib.WatchError:  # another submit claimed the key first: answer with its job
+                except redis_lib.WatchError:  # another submit was stored first: stamp again, after it
                     continue
 
     def _replay(self, claimed: str, digest: str, idem_key: str) -> dict:

@@ -8,7 +8,7 @@ the scheduler process, and a restarted scheduler finds it again by name. How a j
 record: the JobResult the driver writes to job_result_key before its run returns or raises. The
 launcher reads it once the driver's `run` (or, after a restart, `wait`) call resolves or fails; a
 driver that is gone without one failed, and the job says so in one line, with the step and phase it was in.
-A job the cluster can no longer hold (fewer GPUs than its rollout workers need, e.g. a node lost) and that
+A job the cluster can no longer hold (fewer GPUs than its rollout workers ask, e.g. a node lost) and that
 finishes no step for a grace period fails too; one that keeps finishing steps on the workers it has left runs
 on degraded (its driver drops the workers Ray cannot place, and its warning names them).
 """
@@ -22,7 +22,7 @@ import time
 import ray
 
 from scheduler.jobs import JobStore
-from scheduler.queue import Admitter, release_group, resumed_group, sweep_groups
+from scheduler.queue import MAX_UNPLACEABLE_S, Admitter, cluster_gpus, job_gpus, release_group, sweep_groups
 from scheduler.settings import Settings
 from workers.errors import MAX_ERROR_CHARS, one_line
 from workers.job_actor import start_driver
@@ -38,9 +38,7 @@ log = logging.getLogger(__name__)
 # that keeps dying, e.g. out of memory, would otherwise restart forever)
 MAX_DRIVER_RESTARTS = 2
 NAME_RELEASE_S = 30.0  # how long a new driver waits for a dead one's actor name to be released
-# a RUNNING job whose Ray cluster has had fewer GPUs than its num_workers for this long, without finishing a step
-# meanwhile, fails: stuck, not running degraded on the workers it has left; a node back sooner costs nothing
-MAX_UNPLACEABLE_S = 60.0
+__all__ = ["MAX_UNPLACEABLE_S", "Launcher", "StoppingError"]  # MAX_UNPLACEABLE_S: scheduler.queue's, the grace rule's
 PLACEMENT_CHECK_S = 2.0  # how often a followed job's driver call is polled, and the cluster's GPUs counted
 # how long a stopping scheduler waits for its job threads to let go of Ray (each looks every PLACEMENT_CHECK_S): a
 # thread still calling Ray after ray.shutdown() makes Ray's core worker end the process with status 1
@@ -60,7 +58,7 @@ class Launcher:
         # under it: a cancel that lands while a driver is being created kills it either way
         self._lock = threading.Lock()
         self.is_stopping = False  # the scheduler is shutting down: a driver call failing now ends no job
-        self.admitter = Admitter(store, self.launch)
+        self.admitter = Admitter(store, self.launch, self._fail)
         self._threads: list[threading.Thread] = []  # each job's: starting, resuming or following its driver
 
     def stop(self, join_s: float = STOP_JOIN_S) -> None:
@@ -83,29 +81,25 @@ class Launcher:
         self._threads.append(thread)
         thread.start()
 
-    @staticmethod
-    def cluster_gpus() -> int | None:
-        """GPUs the Ray cluster has (logical ones on CPU), None when this process has no Ray to ask."""
-        if not ray.is_initialized():
-            return None
-        return int(ray.cluster_resources().get("GPU", 0))
+    cluster_gpus = staticmethod(cluster_gpus)  # scheduler.queue's: the GPUs the Ray cluster has, None without Ray
 
     def start(self, record: dict) -> None:
-        """Queue a PENDING job: the Admitter starts it in its turn. On a scheduler without Ray it fails at once."""
-        job_id = record["job_id"]
+        """Queue a PENDING job (a submit is stored QUEUED already: JobStore.create) and wake the Admitter: it starts
+        the job in its turn. On a scheduler without Ray the job fails at once."""
+        job_id, state = record["job_id"], JobState(record["state"])
         if not ray.is_initialized():  # never let a driver's creation start a Ray of its own inside this process
-            self._fail(job_id, "the scheduler has no Ray cluster to run it on (started without Ray)", JobState.PENDING)
-        elif self.store.transition(job_id, JobState.QUEUED, {JobState.PENDING}) is not None:
+            self._fail(job_id, "the scheduler has no Ray cluster to run it on (started without Ray)", state)
+        elif state == JobState.QUEUED or self.store.transition(job_id, JobState.QUEUED, {JobState.PENDING}):
             self.admitter.wake()
 
     def launch(self, job_id: str, spec: dict, group=None) -> None:
-        """Start an admitted (RUNNING) job's driver in a thread of its own, its workers in placement group `group`."""
+        """Start an admitted or resumed (RUNNING) job's driver in a thread of its own, its workers in placement
+        group `group` (None: where Ray has GPUs, a resumed job whose group lost a node: queue.resumed_group)."""
         self._spawn(self._launch, (job_id, spec, group), f"job-{job_id}")
 
     def _launch(self, job_id: str, spec: dict, group=None) -> None:
-        """Start a RUNNING job's driver (it resumes from the job's policy checkpoint if there is one) and follow it.
-        Without `group` (a driver resumed): the job's placement group if Ray still holds it whole
-        (queue.resumed_group)."""
+        """Start a RUNNING job's driver (it resumes from the job's policy checkpoint if there is one) and follow
+        it."""
         if not ray.is_initialized():  # never let a driver's creation start a Ray of its own inside this process
             self._fail(job_id, "the scheduler has no Ray cluster to run it on (started without Ray)")
             return
@@ -113,7 +107,6 @@ class Launcher:
             return
         try:
             job_spec = JobSpec.from_stored(spec)  # the record's JSON, read back once; typed from here down
-            group = group if group is not None else resumed_group(job_id)
             driver = self._start_driver(job_id, job_spec, group)
             ref = driver.run.remote()
         except Exception as exc:  # the job boundary: recorded on the job, logged with its id
@@ -143,8 +136,8 @@ class Launcher:
 
     def _resume(self, job_id: str) -> bool:
         """A RUNNING job whose driver is gone without a result starts a new driver, which resumes from the
-        job's policy checkpoint: at most MAX_DRIVER_RESTARTS times, and only where there is a checkpoint.
-        Returns whether it did."""
+        job's policy checkpoint: at most MAX_DRIVER_RESTARTS times, and only where there is a checkpoint. The
+        Admitter starts it once the job's GPUs are placed again, before any queued job. Returns whether it will."""
         record = self.store.get(job_id)
         restarts = self.driver_restarts.get(job_id, 0)
         if (record is None or record["state"] != JobState.RUNNING or restarts >= MAX_DRIVER_RESTARTS
@@ -153,7 +146,7 @@ class Launcher:
         self.driver_restarts[job_id] = restarts + 1
         log.warning("job %s: its driver is gone; starting a new one from its policy checkpoint (restart %d of %d)",
                     job_id, restarts + 1, MAX_DRIVER_RESTARTS)
-        self._spawn(self._launch, (job_id, record["spec"]), f"job-{job_id}-resume{restarts + 1}")
+        self.admitter.resume(job_id, record["created_at"])
         return True
 
     def _follow(self, job_id: str, driver, ref) -> None:
@@ -202,7 +195,7 @@ class Launcher:
 
     def _wait(self, job_id: str, ref) -> str | None:
         """Wait until the driver's call resolves (None), or until the cluster has had fewer GPUs than the job's
-        rollout workers need for MAX_UNPLACEABLE_S with no step finished nor the job ended: then the one line
+        rollout workers ask for MAX_UNPLACEABLE_S with no step finished nor the job ended: then the one line
         it fails with."""
         short = None
         while not ray.wait([ref], timeout=PLACEMENT_CHECK_S)[0]:
@@ -226,24 +219,25 @@ class Launcher:
         record, gpus = self.store.get(job_id), self.cluster_gpus()
         if record is None or record["state"] != JobState.RUNNING or gpus is None:
             return None, None  # cancelled (its driver is being killed), gone from an emptied Redis, or no Ray to ask
-        num_workers = JobSpec.from_stored(record["spec"]).num_workers
-        if gpus >= num_workers:
+        spec = JobSpec.from_stored(record["spec"])
+        asked = job_gpus(spec)
+        if gpus >= asked:
             if short is not None:
-                log.info("job %s: the Ray cluster has %d GPUs again", job_id, gpus)
+                log.info("job %s: the Ray cluster has %g GPUs again", job_id, gpus)
             return None, None
         steps = self.store.num_steps([job_id])[0]
         if short is None:
-            log.warning("job %s: the Ray cluster has %d GPUs, fewer than its %d rollout workers need; it fails "
-                        "unless they are back, or it finishes a step, within %.0f s", job_id, gpus, num_workers,
+            log.warning("job %s: the Ray cluster has %g GPUs, fewer than the %g its rollout workers ask; it fails "
+                        "unless they are back, or it finishes a step, within %.0f s", job_id, gpus, asked,
                         MAX_UNPLACEABLE_S)
             return (now, steps), None
         if steps > short[1]:  # it finishes steps on the workers it has: degraded, not stuck
             return (now, steps), None
         if now - short[0] < MAX_UNPLACEABLE_S or self.result(job_id) is not None:
             return short, None
-        return short, (f"the Ray cluster has had {gpus} GPUs for {MAX_UNPLACEABLE_S:.0f} s, fewer than its "
-                       f"{num_workers} rollout workers need (a node lost?), and no step finished: stopped after "
-                       f"{steps} step{'' if steps == 1 else 's'}, kept")
+        return short, (f"the Ray cluster has had {gpus:g} GPUs for {MAX_UNPLACEABLE_S:.0f} s, fewer than the "
+                       f"{asked:g} its {spec.num_workers} rollout workers ask (a node lost?), and no step finished: "
+                       f"stopped after {steps} step{'' if steps == 1 else 's'}, kept")
 
     def where(self, job_id: str) -> str:
         """Where a job's driver last was, from its phase record: " (at step 3, rollout)", " (at start)" if it
@@ -289,8 +283,9 @@ class Launcher:
 
     def reattach(self) -> dict[str, str]:
         """After a (re)start: follow every RUNNING job's driver again, settle those that ended while no
-        scheduler was up, queue the PENDING ones, remove the placement groups of jobs that ended, and start
-        admitting the queue (kept in Redis: its order is the submissions'). Returns job id -> what was done."""
+        scheduler was up (or resume them, ahead of the queue), queue the PENDING ones, remove the placement groups
+        of jobs that ended, and start admitting the queue (kept in Redis: its order is the submissions').
+        Returns job id -> what was done."""
         done = {}
         for job_id in self.store.running_ids():
             if job_id in self.drivers:
@@ -298,8 +293,9 @@ class Launcher:
             try:
                 driver = ray.get_actor(driver_actor_name(job_id), namespace=RAY_NAMESPACE)
             except ValueError:  # no such actor: it ended (or died) while we were away
-                self.settle(job_id)
-                done[job_id] = "settled"
+                self.settle(job_id)  # resumed (first: the Admitter places its GPUs before the queue's) or ended
+                is_resumed = (self.store.get(job_id) or {}).get("state") == JobState.RUNNING
+                done[job_id] = "resumed ahead of the queue" if is_resumed else "settled"
                 continue
             self.drivers[job_id] = driver
             self._spawn(self._follow, (job_id, driver, driver.wait.remote(None)), f"job-{job_id}")

@@ -11,6 +11,7 @@ from scheduler.deps import AppSettings, Job, Launch, Redis, Store
 from scheduler.http_errors import ErrorOut, field_error
 from scheduler.jobs import IdempotencyKeyError, QuotaError, token_owner
 from scheduler.paths import job_roots, spec_path_errors
+from scheduler.queue import job_gpus
 from scheduler.schemas import EventOut, JobOut, StepOut, each_valid
 from workers.progress import STREAM_ID_RULE, read_events, read_json_list
 from workers.protocol.keys import ID_PATTERN, job_steps_key
@@ -43,16 +44,17 @@ def submit(spec: JobSpec, store: Store, launcher: Launch, settings: AppSettings,
     model_roots, data_roots = job_roots(settings.model_roots, settings.data_roots, settings.store_dir)
     errors = [(field, msg, "path_not_allowed") for field, msg in spec_path_errors(spec, model_roots, data_roots)]
     errors += [(field, msg, "over_budget") for field, msg in budget_errors(spec, settings.budget)]
-    gpus = launcher.cluster_gpus()
-    if gpus is not None and spec.num_workers > gpus:  # it could never be placed: QUEUED forever
-        errors.append(("num_workers", f"num_workers: more rollout workers than GPUs (each needs one): the Ray "
-                                      f"cluster has {gpus}", "not_placeable"))
+    gpus, asked = launcher.cluster_gpus(), job_gpus(spec)
+    if gpus is not None and asked > gpus:  # it could never be placed: QUEUED forever
+        errors.append(("num_workers", f"num_workers: the job asks {asked:g} GPUs ({spec.num_workers} rollout workers "
+                                      f"x gpus_per_worker {spec.gpus_per_worker:g}), more than the Ray cluster has "
+                                      f"({gpus:g})", "not_placeable"))
     if errors:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
                             [d for field, msg, kind in errors for d in field_error(field, msg, kind)])
     try:
         record, created = store.create(spec, idempotency_key, token_owner(settings.api_token),
-                                       settings.max_jobs_per_token)
+                                       settings.max_jobs_per_token, is_queued=True)  # in line as it is stored
     except QuotaError as exc:
         raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(exc),
                             headers={"Retry-After": str(QUOTA_RETRY_AFTER_S)}) from None
@@ -61,7 +63,7 @@ def submit(spec: JobSpec, store: Store, launcher: Launch, settings: AppSettings,
                             field_error("idempotency-key", f"idempotency-key {exc.reason}", where="header")) from None
     job_id = record["job_id"]
     if created:
-        launcher.start(record)  # QUEUED now (or FAILED at once on a scheduler without Ray)
+        launcher.start(record)  # the Admitter woken (or FAILED at once on a scheduler without Ray)
         record = store.get(job_id) or record
     else:
         response.status_code = status.HTTP_200_OK

@@ -97,7 +97,9 @@ def test_more_workers_than_the_cluster_has_gpus_is_a_422_not_a_job_stuck_running
     before = client.redis.zcard(jobs_index_key())
     r = client.post("/v1/jobs", json=TINY | {"num_workers": 5}, headers=AUTH)  # the fixture's Ray has 4
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "num_workers"]
-    assert "the Ray cluster has 4" in r.text and client.redis.zcard(jobs_index_key()) == before
+    assert r.json()["detail"][0]["msg"] == ("num_workers: the job asks 5 GPUs (5 rollout workers x gpus_per_worker "
+                                            "1), more than the Ray cluster has (4)")
+    assert client.redis.zcard(jobs_index_key()) == before
 
 
 def test_dataset_task_needs_a_path(client):

@@ -12,7 +12,15 @@ from scheduler.policy import PolicySettings
 from scheduler.state import JobTLT, read_classes
 from scheduler.watcher import Watcher
 from tests.scheduler.running import running_job
-from workers.protocol.keys import job_key, job_leases_key, job_steps_key, job_tlt_key, jobs_index_key, running_jobs_key
+from workers.protocol.keys import (
+    job_key,
+    job_leases_key,
+    job_steps_key,
+    job_tlt_key,
+    jobs_index_key,
+    queued_jobs_key,
+    running_jobs_key,
+)
 from workers.protocol.messages import LeaseOutcome
 from workers.protocol.states import JobState, LeaseState, Phase, WorkerState
 from workers.redis_server import PrivateRedis
@@ -130,3 +138,42 @@ def test_a_degraded_run_succeeds_with_its_warning_on_the_job(redis):
     Launcher(store, Settings(redis_url="redis://unused")).settle(job_id)
     record = store.get(job_id)
     assert record["state"] == JobState.SUCCEEDED and record["warning"] == warning and record["error"] is None
+
+
+def test_a_submit_overtaken_between_its_stamp_and_its_write_is_stamped_again_after_the_other(redis, monkeypatch):
+    """Issue 42, item 2: the queue's order is the order submits were stored in. Submit X stamps its time; submit Y
+    is stored before X writes; X's write is refused (WATCH on the job index) and X is stamped again, after Y. The
+    queue, the index and created_at agree, and X is in line, never behind a head that started first."""
+    import scheduler.jobs as jobs
+
+    kwargs = redis.connection_pool.connection_kwargs
+    store, other = JobStore(redis), JobStore(redis.__class__(host=kwargs["host"], port=kwargs["port"]))
+    stamp, overtaken, calls = jobs.submission_time, [], []
+
+    def overtaking_stamp(latest):
+        now = stamp(latest)
+        calls.append(now)
+        if len(calls) == 1:  # X's first stamp: Y is stamped and stored right after it
+            overtaken.append(other.create(JobSpec(model="tiny", seed=1), is_queued=True)[0])
+        return now
+
+    monkeypatch.setattr(jobs, "submission_time", overtaking_stamp)
+    x, _ = store.create(JobSpec(model="tiny"), is_queued=True)
+    [y] = overtaken
+    assert len(calls) == 3  # X, Y, X again
+    assert x["state"] == y["state"] == JobState.QUEUED
+    assert x["created_at"] > y["created_at"], (x["created_at"], y["created_at"])
+    assert redis.zrange(queued_jobs_key(), 0, -1) == [y["job_id"], x["job_id"]]
+    assert redis.zrange(jobs_index_key(), 0, -1) == [y["job_id"], x["job_id"]]
+    assert store.queue_positions([y["job_id"], x["job_id"]]) == [1, 2]
+
+
+def test_submission_times_increase_even_when_the_clock_steps_back(redis, monkeypatch):
+    import scheduler.jobs as jobs
+
+    store = JobStore(redis)
+    first = store.create(JobSpec(model="tiny"), is_queued=True)[0]
+    monkeypatch.setattr(jobs.time, "time", lambda: first["created_at"] - 30.0)  # NTP stepped the clock back
+    second = store.create(JobSpec(model="tiny", seed=1), is_queued=True)[0]
+    assert second["created_at"] == pytest.approx(first["created_at"] + jobs.MIN_SUBMISSION_STEP_S)
+    assert second["created_at"] > first["created_at"] and store.queue_head() == first["job_id"]

@@ -279,9 +279,9 @@ def test_a_job_the_cluster_cannot_hold_fails_only_after_the_grace_without_a_step
     assert check("j", (100.0, 3), 100.0 + MAX_UNPLACEABLE_S - 1) == ((100.0, 3), None)
     short, line = check("j", (100.0, 3), 100.0 + MAX_UNPLACEABLE_S)
     assert short == (100.0, 3) and line == (f"the Ray cluster has had {NUM_GPUS_PER_NODE} GPUs for "
-                                            f"{MAX_UNPLACEABLE_S:.0f} s, fewer than its {NUM_WORKERS} rollout "
-                                            f"workers need (a node lost?), and no step finished: stopped after 3 "
-                                            f"steps, kept")
+                                            f"{MAX_UNPLACEABLE_S:.0f} s, fewer than the {NUM_WORKERS} its "
+                                            f"{NUM_WORKERS} rollout workers ask (a node lost?), and no step "
+                                            f"finished: stopped after 3 steps, kept")
     store.steps = 4  # a step finished on the workers it has left: degraded, not stuck; the clock starts again
     assert check("j", (100.0, 3), 100.0 + MAX_UNPLACEABLE_S) == ((100.0 + MAX_UNPLACEABLE_S, 4), None)
     assert check("j", (100.0 + MAX_UNPLACEABLE_S, 4), 100.0 + 2 * MAX_UNPLACEABLE_S - 1)[1] is None
