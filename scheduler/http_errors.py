@@ -9,7 +9,9 @@
 - A request with both Content-Length and Transfer-Encoding gets a 400 and its connection closed (RFC 9112
   6.1), so a request smuggled after it on the connection is never read.
 - Bodies over MAX_BODY_BYTES are refused with 413 before they are parsed (Content-Length, or counted
-  as they arrive when it is absent).
+  as they arrive when it is absent); bodies that are not UTF-8 (UTF-16, UTF-32, Latin-1) with 422 json_invalid,
+  as malformed JSON is (RFC 8259 8.1: JSON between systems is UTF-8).
+  The app sees a body only once it is whole and passed both checks.
 """
 
 from __future__ import annotations
@@ -80,6 +82,18 @@ def validation_detail(errors) -> list[dict]:
     return out
 
 
+def not_utf8(body: bytes) -> str | None:
+    """Why `body` is not UTF-8 JSON text, or None. A NUL byte is never in UTF-8 JSON (control characters in its
+    strings are escaped) and always in UTF-16 or UTF-32 JSON (its structure is ASCII)."""
+    if b"\x00" in body:
+        return "not UTF-8 (UTF-16 or UTF-32?): JSON between systems is UTF-8 (RFC 8259, section 8.1)"
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"not UTF-8 (byte {exc.start}): JSON between systems is UTF-8 (RFC 8259, section 8.1)"
+    return None
+
+
 def field_error(field: str, message: str, kind: str = "value_error", where: str = "body") -> list[dict]:
     """A route's own 422 detail for one field of the body (or "query", "header"), in the shape validation
     errors have (what the OpenAPI schema declares for 422)."""
@@ -97,8 +111,11 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
 
 
 class BodyLimit:
-    """ASGI middleware: 413 for a request body over max_bytes (declared or counted); 400, closing the connection,
-    for a body framed both ways."""
+    """ASGI middleware: reads the whole body before the app sees any of it, then 413 for a body over max_bytes
+    (declared or counted), 422 (json_invalid) for one that is not UTF-8 (RFC 8259 8.1: UTF-16 and UTF-32 JSON,
+    which Python's json would read, are refused; a UTF-8 byte order mark is let through, as the RFC allows), and
+    400, closing the connection, for a body framed both ways. A refused body never reaches the app, so it changes
+    nothing."""
 
     def __init__(self, app, max_bytes: int = MAX_BODY_BYTES) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -122,33 +139,39 @@ class BodyLimit:
             if too_large:
                 await self._refuse(send, status.HTTP_413_CONTENT_TOO_LARGE, self._message())
                 return
-        received, over = 0, False
-
-        async def counted():
-            nonlocal received, over
-            if over:
-                return {"type": "http.request", "body": b"", "more_body": False}
+        chunks, received = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:  # stop reading: the app sees a cut body, the client gets the 413
-                    over = True
-                    return {"type": "http.request", "body": b"", "more_body": False}
-            return message
-
-        async def answered(message):
-            if not over:
-                await send(message)
-            elif message["type"] == "http.response.start":  # whatever the app made of the cut body
+            if message["type"] != "http.request":  # the client left (or the server timed its body out)
+                return
+            chunks.append(message.get("body", b""))
+            received += len(chunks[-1])
+            if received > self.max_bytes:  # stop reading: the rest is never looked at
                 await self._refuse(send, status.HTTP_413_CONTENT_TOO_LARGE, self._message())
+                return
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        if problem := not_utf8(body):  # malformed JSON text: answered as FastAPI answers any (422, json_invalid)
+            await self._refuse(send, status.HTTP_422_UNPROCESSABLE_CONTENT,
+                               [{"loc": ["body"], "msg": f"JSON decode error: {problem}", "type": "json_invalid"}])
+            return
+        is_sent = False
 
-        await self.app(scope, counted, answered)
+        async def replayed():
+            nonlocal is_sent
+            if is_sent:  # the body was read: what comes next is the client leaving
+                return await receive()
+            is_sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replayed, send)
 
     def _message(self) -> str:
         return f"request body over {self.max_bytes} bytes"
 
     @staticmethod
-    async def _refuse(send, code: int, detail: str, close: bool = False) -> None:
+    async def _refuse(send, code: int, detail: str | list[dict], close: bool = False) -> None:
         """Answer `code` with `detail`; `close`: and close the connection after it (what follows on it is unread)."""
         body = json.dumps({"detail": detail}).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]

@@ -74,6 +74,24 @@ def test_malformed_json_and_wrong_types(client):
     assert client.redis.zcard(jobs_index_key()) == before
 
 
+def test_json_that_is_not_utf8_gets_422_json_invalid_and_creates_nothing(client):
+    """RFC 8259 8.1: JSON between systems is UTF-8. Python's json reads UTF-16 and UTF-32 too; the API refuses
+    them (and Latin-1), before the app parses anything. A UTF-8 byte order mark is let through, as the RFC allows."""
+    before = client.redis.zcard(jobs_index_key())
+    spec = '{"model": "tiny", "num_steps": 1}'
+    for body in (spec.encode("utf-16"), spec.encode("utf-16-le"), spec.encode("utf-32"), spec.encode("utf-32-be"),
+                 '{"model": "tiny", "dataset_path": "caf\u00e9"}'.encode("latin-1")):
+        r = client.post("/v1/jobs", content=body, headers=AUTH)
+        assert_clean(r, 422)
+        [error] = r.json()["detail"]
+        assert error["loc"] == ["body"] and error["type"] == "json_invalid", error
+        assert "not UTF-8" in error["msg"] and "RFC 8259" in error["msg"], error
+    assert client.redis.zcard(jobs_index_key()) == before
+    r = client.post("/v1/jobs", content=spec.encode("utf-8-sig"), headers=AUTH)  # a UTF-8 byte order mark
+    assert r.status_code == 201, r.text
+    assert client.redis.zcard(jobs_index_key()) == before + 1
+
+
 def test_bodies_over_the_limit_get_413_before_parsing(client):
     before = client.redis.zcard(jobs_index_key())
     big = b'{"model": "' + b"x" * (MAX_BODY_BYTES + 10) + b'"}'
