@@ -2,8 +2,9 @@
 
 (c) batch 1, greedy and T=1, at each k (bench.drafter.sweep: prompt by prompt, the arms interleaved);
 (d) fixed batch sizes (every row runs the same number of tokens, so the batch never shrinks): plain, a
-    fixed k and the adaptive tuner (drafter.draft.adaptive), repeated in rotating order; greedy outputs are
-    compared with plain decoding's, token for token;
+    fixed k and the adaptive tuner (drafter.draft.adaptive, from a prior of the draft's measured acceptance),
+    each once untimed on the same requests, then repeated in rotating order; per cell ms per step and what the
+    timed runs captured or rebuilt (bench.gpu_cells); greedy outputs are compared with plain decoding's;
 (g) one rollout batch of the longtail task (workers.tasks: several responses per prompt, T=1, up to 512
     tokens, the short answers stopping at their line's end) decoded plain, with the frozen warm draft at a
     fixed k, and adaptively: the whole batch's time and its tail's (after 90% of the responses finished).
@@ -16,10 +17,11 @@ import time
 from collections.abc import Callable
 
 from bench.drafter import calibrate, sweep
+from bench.gpu_cells import RunCost, timed
 from bench.prompts import PROMPTS, synthetic_prompts
 from drafter.decode.engine import Engine, Request
 from drafter.decode.sampling import SamplingParams
-from drafter.draft.adaptive import DraftLengthTuner
+from drafter.draft.adaptive import DraftLengthTuner, StepCostPrior
 from drafter.draft.eagle import EagleDrafter
 from drafter.model.loading import encode_prompt, encode_text
 from workers.tasks import make_task
@@ -66,61 +68,95 @@ def sweep_b1(engine: Engine, tok, head, ks: tuple[int, ...], k: int, num_prompts
             "greedy_identical_fraction_b1": round(res["greedy_identical"] / max(res["greedy_compared"], 1), 4)}
 
 
-def _run(engine: Engine, reqs: list[Request], k: int, drafter, tuner=None, on_step=None):
-    t0 = time.perf_counter()
-    outs = engine.generate(reqs, k=k, drafter=drafter if k else None, tuner=tuner, on_step=on_step)
-    return outs, time.perf_counter() - t0
+def prior_from(sweep: dict | None, k: int, knee_tokens: float | None = None) -> StepCostPrior:
+    """The adaptive tuner's prior: the warm draft's accepted length at k as (c) measured it at batch 1, T=1 (the
+    RL setting; greedy where T=1 was not run), and the step costs (a) measured; the defaults where a part did
+    not run."""
+    costs = {} if knee_tokens is None else {"knee_tokens": knee_tokens}
+    cell = ((sweep or {}).get("sweep") or {})
+    for temp in ("temp1", "greedy"):
+        accepted = (cell.get(temp) or {}).get(f"warm_k{k}", {}).get("mean_accepted_length")
+        if accepted:
+            return StepCostPrior.from_accepted_length(min(max(accepted, 1.0), k + 1.0), k, **costs)
+    return StepCostPrior(**costs)
+
+
+def _cell(runs: dict[str, list[RunCost]], name: str) -> dict:
+    rs = runs[name]
+    seconds = sum(r.seconds for r in rs)
+    return {"tokens_per_s": round(sum(r.num_tokens for r in rs) / seconds, 2),
+            "ms_per_step": round(1000 * seconds / max(sum(r.num_steps for r in rs), 1), 3),
+            "mean_accepted_length": round(sum(r.num_tokens for r in rs) / max(sum(r.num_seq_steps for r in rs), 1), 3),
+            "graph_captures_timed": sum(r.captures for r in rs), "cache_rebuilds_timed": sum(r.rebuilds for r in rs),
+            "host_reads_per_step": round(sum(r.host_reads for r in rs) / max(sum(r.num_steps for r in rs), 1), 3)}
+
+
+def sweep_requests(tok, batch_size: int, temperature: float, new_tokens: int) -> list[Request]:
+    """(d)'s requests: batch_size synthetic prompts, each row run to new_tokens (EOS ignored: the batch never
+    shrinks), seeded per row."""
+    prompts = [encode_prompt(tok, t) for t in synthetic_prompts(batch_size, seed=21)]
+    return [Request(p, SamplingParams(temperature=temperature, max_new_tokens=new_tokens, ignore_eos=True, seed=i))
+            for i, p in enumerate(prompts)]
 
 
 def batch_sweep(engine: Engine, tok, head, batch_sizes: tuple[int, ...], k: int, new_tokens: int, repeats: int,
-                draft_dtype, progress: Callable[[str], None], tuners: dict | None = None) -> dict:
-    """(d): tokens/s of plain, fixed-k and adaptive decoding per batch size and temperature, the batch sizes
-    from the smallest up (the tuner drafts at a batch size only where a smaller one found it paid). The
-    adaptive arm is measured in steady state: one untimed run of full length at each batch size first does
-    its forced tries there, as a worker's earlier rollouts would have. tuners: filled with the tuner of
-    each temperature ({0.0: ..., 1.0: ...}), for (g) to start from."""
-    prompts = [encode_prompt(tok, t) for t in synthetic_prompts(max(batch_sizes), seed=21)]
+                draft_dtype, progress: Callable[[str], None], tuners: dict | None = None,
+                prior: StepCostPrior | None = None, suffix: str = "") -> dict:
+    """(d): plain, fixed-k and adaptive decoding per batch size and temperature, the batch sizes from the smallest
+    up. Every arm runs once untimed with the very requests it is then timed on (same shapes, same length: its
+    captures, and the adaptive tuner's forced tries, happen there), then `repeats` timed runs in rotating order.
+    Per cell: tokens/s, ms per decode step and their ratios to plain (`spec_step_cost`: a speculative step's ms
+    over a plain one's), accepted length, captures and rebuilds inside the timed runs, host reads per step.
+    tuners: filled with the tuner of each temperature ({0.0: ..., 1.0: ...}), for (g) to start from. suffix:
+    appended to the flat keys (`_bf16` for the bf16 policy)."""
     drafter = EagleDrafter(engine.model, head, draft_dtype)
     table: dict = {}
-    identical = compared = 0
+    flat: dict = {}
+    identical = compared = captures = rebuilds = 0
     for temp in (0.0, 1.0):
-        tuner = DraftLengthTuner(k)  # one per temperature, kept over batch sizes and repeats, as a worker keeps its own
+        tuner = DraftLengthTuner(k, prior=prior)  # one per temperature, kept over batch sizes, as a worker keeps it
         if tuners is not None:
             tuners[temp] = tuner
         arms = {"plain": (0, None), f"k{k}": (k, None), "adaptive": (k, tuner)}
         rows: dict = {}
         for B in sorted(batch_sizes):
-            reqs = [Request(prompts[i], SamplingParams(temperature=temp, max_new_tokens=new_tokens, ignore_eos=True,
-                                                       seed=i)) for i in range(B)]
-            short = [Request(r.prompt_ids, SamplingParams(temperature=temp, max_new_tokens=8, ignore_eos=True, seed=0))
-                     for r in reqs]
-            for kk, tn in arms.values():  # untimed: no arm pays for a first call at this batch size
-                _run(engine, short if tn is None else reqs, kk, drafter, tn)
+            reqs = sweep_requests(tok, B, temp, new_tokens)
+            for kk, tn in arms.values():  # untimed, identical to the timed runs
+                timed(engine, reqs, kk, drafter, tn)
             runs: dict = {name: [] for name in arms}
             for r in range(repeats):
                 for name in rotated(list(arms), r):
                     kk, tn = arms[name]
-                    runs[name].append(_run(engine, reqs, kk, drafter, tn))
-            tps = {name: sum(len(o.token_ids) for outs, _ in rs for o in outs) / sum(dt for _, dt in rs)
-                   for name, rs in runs.items()}
-            row = {name: {"tokens_per_s": round(v, 2), "ratio": round(v / tps["plain"], 3)} for name, v in tps.items()}
+                    runs[name].append(timed(engine, reqs, kk, drafter, tn))
+            row = {name: _cell(runs, name) for name in arms}
+            plain = row["plain"]
             for name in arms:
-                outs = [o for outs, _ in runs[name] for o in outs]
-                row[name]["mean_accepted_length"] = round(sum(len(o.token_ids) for o in outs)
-                                                          / max(sum(o.num_steps for o in outs), 1), 3)
+                row[name]["ratio"] = round(row[name]["tokens_per_s"] / plain["tokens_per_s"], 3)
+                row[name]["spec_step_cost"] = round(row[name]["ms_per_step"] / plain["ms_per_step"], 3)
+                captures += row[name]["graph_captures_timed"]
+                rebuilds += row[name]["cache_rebuilds_timed"]
                 if temp == 0.0 and name != "plain":
-                    plain = [o.token_ids for o in runs["plain"][0][0]]
-                    for outs_r, _ in runs[name]:
-                        compared += len(outs_r)
-                        identical += sum(o.token_ids == p for o, p in zip(outs_r, plain))
+                    want = [o.token_ids for o in runs["plain"][0].outputs]
+                    for run_ in runs[name]:
+                        compared += len(run_.outputs)
+                        identical += sum(o.token_ids == p for o, p in zip(run_.outputs, want))
             row["adaptive"]["k_served"] = tuner.summary()
+            row["adaptive"]["over_best"] = round(row["adaptive"]["tokens_per_s"]
+                                                 / max(plain["tokens_per_s"], row[f"k{k}"]["tokens_per_s"]), 3)
             rows[f"b{B}"] = row
-            progress(f"batch sweep T={temp} b{B}: " + ", ".join(f"{n} {row[n]['ratio']:.2f}x" for n in arms))
+            mode = "greedy" if temp == 0.0 else "t1"
+            flat[f"speedup_k{k}_{mode}_b{B}{suffix}"] = row[f"k{k}"]["ratio"]
+            if temp == 0.0:
+                flat[f"spec_step_cost_k{k}_b{B}{suffix}"] = row[f"k{k}"]["spec_step_cost"]
+            progress(f"batch sweep{suffix} T={temp} b{B}: " + ", ".join(
+                f"{n} {row[n]['ratio']:.2f}x ({row[n]['ms_per_step']:.1f} ms/step)" for n in arms))
         table["greedy" if temp == 0.0 else "temp1"] = rows
-    return {"table": table, "k": k, "new_tokens": new_tokens, "repeats": repeats,
-            "adaptive_min_ratio": min(row["adaptive"]["ratio"] for row in table["temp1"].values()),
-            "greedy_identical": identical == compared, "greedy_compared": compared,
-            "greedy_identical_fraction": round(identical / max(compared, 1), 4)}
+    return {"table": table, "k": k, "new_tokens": new_tokens, "repeats": repeats, **flat,
+            "prior": None if prior is None else vars(prior),
+            f"adaptive_min_ratio{suffix}": min(row["adaptive"]["over_best"] for t in table.values()
+                                               for row in t.values()),
+            f"greedy_identical_fraction{suffix}": round(identical / max(compared, 1), 4),
+            "greedy_compared": compared, "graph_captures_timed": captures, "cache_rebuilds_timed": rebuilds}
 
 
 def longtail_requests(tok, num_prompts: int, group: int, new_tokens: int) -> list[Request]:
@@ -132,17 +168,21 @@ def longtail_requests(tok, num_prompts: int, group: int, new_tokens: int) -> lis
 
 
 def longtail(engine: Engine, tok, head, num_prompts: int, group: int, new_tokens: int, k: int, repeats: int,
-             draft_dtype, progress: Callable[[str], None], tuner: DraftLengthTuner | None = None) -> dict:
-    """(g): the batch decoded plain, with the frozen warm draft at k, and adaptively, in rotating order. tuner:
-    the adaptive arm's, e.g. (d)'s at T=1 (a worker's, which has seen every batch size), else a fresh one
-    (a worker's first rollout: it decodes plainly until its batch is small, as the responses of one batch
-    that all run to the cap seldom let it become)."""
+             draft_dtype, progress: Callable[[str], None], tuner: DraftLengthTuner | None = None,
+             prior: StepCostPrior | None = None) -> dict:
+    """(g): the batch decoded plain, with the frozen warm draft at k, and adaptively, in rotating order, each arm
+    first once untimed on the same requests. tuner: the adaptive arm's, e.g. (d)'s at T=1 (a worker's, which
+    has seen every batch size), else a fresh one from `prior` (a worker's first rollout). The tail: what runs
+    after TAIL_FRACTION of the responses finished; its accepted length says whether adaptive speculated there."""
     reqs = longtail_requests(tok, num_prompts, group, new_tokens)
     drafter = EagleDrafter(engine.model, head, draft_dtype)
-    tuner_from = "fresh" if tuner is None else "the batch sweep's, T=1"
-    tuner = tuner or DraftLengthTuner(k)
+    tuner_from = "fresh, from the prior" if tuner is None else "the batch sweep's, T=1"
+    tuner = tuner or DraftLengthTuner(k, prior=prior)
     arms = {"plain": (0, None), f"k{k}": (k, None), "adaptive": (k, tuner)}
     num_before_tail = max(1, int(TAIL_FRACTION * len(reqs)))  # the tail: the last 10% of the responses
+    stats = engine.stats
+    for kk, tn in arms.values():
+        timed(engine, reqs, kk, drafter, tn)
     runs: dict = {name: [] for name in arms}
     for r in range(repeats):
         for name in rotated(list(arms), r):
@@ -150,28 +190,28 @@ def longtail(engine: Engine, tok, head, num_prompts: int, group: int, new_tokens
 
             def on_step(num_finished: int, num_generated: int, marks=marks) -> None:
                 if num_finished >= num_before_tail and "tail" not in marks:
-                    marks["tail"] = time.perf_counter()
+                    marks["tail"] = (time.perf_counter(), stats.num_generated, stats.num_seq_steps)
 
             kk, tn = arms[name]
-            outs, dt = _run(engine, reqs, kk, drafter, tn, on_step)
-            end = time.perf_counter()
-            tokens = sum(len(o.token_ids) for o in outs)
-            lengths = sorted(len(o.token_ids) for o in outs)
-            runs[name].append({"rollout_s": dt, "tail_s": end - marks.get("tail", end), "tokens": tokens,
-                               "max_len": lengths[-1], "median_len": statistics.median(lengths),
-                               "steps": sum(o.num_steps for o in outs)})
-            progress(f"long tail {name}: {dt:.1f} s, {tokens} tokens, tail {end - marks.get('tail', end):.1f} s")
+            cost = timed(engine, reqs, kk, drafter, tn, on_step)
+            end = (time.perf_counter(), stats.num_generated, stats.num_seq_steps)
+            tail = marks.get("tail", end)
+            lengths = sorted(len(o.token_ids) for o in cost.outputs)
+            runs[name].append({"cost": cost, "tail_s": end[0] - tail[0], "tail_tokens": end[1] - tail[1],
+                               "tail_seq_steps": end[2] - tail[2], "max_len": lengths[-1],
+                               "median_len": statistics.median(lengths)})
+            progress(f"long tail {name}: {cost.seconds:.1f} s, {cost.num_tokens} tokens, tail {end[0] - tail[0]:.1f} s")
     table = {}
     for name, rs in runs.items():
-        seconds = sum(x["rollout_s"] for x in rs)
-        table[name] = {"rollout_s": round(seconds / len(rs), 3),
+        cell = _cell({name: [x["cost"] for x in rs]}, name)
+        table[name] = {**cell, "rollout_s": round(sum(x["cost"].seconds for x in rs) / len(rs), 3),
                        "tail_s": round(sum(x["tail_s"] for x in rs) / len(rs), 3),
-                       "tokens_per_s": round(sum(x["tokens"] for x in rs) / seconds, 2),
-                       "mean_tokens": round(sum(x["tokens"] for x in rs) / len(rs), 1),
+                       "tail_accepted_length": round(sum(x["tail_tokens"] for x in rs)
+                                                     / sum(x["tail_seq_steps"] for x in rs), 3)
+                       if sum(x["tail_seq_steps"] for x in rs) else None,  # None: the tail ran no step
+                       "mean_tokens": round(sum(x["cost"].num_tokens for x in rs) / len(rs), 1),
                        "median_response_tokens": statistics.median(x["median_len"] for x in rs),
-                       "max_response_tokens": max(x["max_len"] for x in rs),
-                       "mean_accepted_length": round(sum(x["tokens"] for x in rs) / max(sum(x["steps"] for x in rs), 1),
-                                                     3)}
+                       "max_response_tokens": max(x["max_len"] for x in rs)}
     table["adaptive"]["k_served"] = tuner.summary()
     plain = table["plain"]["rollout_s"]
     return {"table": table, "num_responses": len(reqs), "max_new_tokens": new_tokens, "k": k, "repeats": repeats,
@@ -179,4 +219,7 @@ def longtail(engine: Engine, tok, head, num_prompts: int, group: int, new_tokens
             "longtail_rollout_speedup": round(plain / table["adaptive"]["rollout_s"], 3),
             "longtail_rollout_speedup_fixed_k": round(plain / table[f"k{k}"]["rollout_s"], 3),
             "longtail_tail_speedup": round(table["plain"]["tail_s"] / table["adaptive"]["tail_s"], 3)
-            if table["adaptive"]["tail_s"] > 0 else None}
+            if table["adaptive"]["tail_s"] > 0 else None,
+            "longtail_tail_accepted_length": table["adaptive"]["tail_accepted_length"],
+            "graph_captures_timed": sum(c["graph_captures_timed"] for c in table.values()),
+            "cache_rebuilds_timed": sum(c["cache_rebuilds_timed"] for c in table.values())}

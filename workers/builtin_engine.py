@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from drafter.decode.engine import Engine, EngineStats, Request
 from drafter.decode.sampling import SamplingParams
-from drafter.draft.adaptive import DraftLengthTuner, FixedDraftLength
+from drafter.draft.adaptive import DraftLengthTuner, FixedDraftLength, StepCostPrior
 from drafter.draft.eagle import EagleDrafter
 from drafter.draft.head import head_from_state, new_head
 from drafter.model.causal_lm import CausalLM
@@ -40,7 +40,8 @@ class BuiltinEngine(RolloutEngine):
         self.policy_version = 0
         # one chooser per speculation mode, kept across batches and RL steps; each measures tokens/s per
         # live-batch bucket (the adaptive one learns from it; the fixed ones are its baselines)
-        self.tuner = DraftLengthTuner(spec.draft_k)
+        # its prior: version 0 is untrained (acceptance 0: no speculation until a scored version arrives)
+        self.tuner = DraftLengthTuner(spec.draft_k, prior=StepCostPrior(acceptance=0.0))
         self.choosers = {Speculation.ADAPTIVE: self.tuner, Speculation.ALWAYS: FixedDraftLength(spec.draft_k),
                          Speculation.OFF: FixedDraftLength(0)}
         self._lock = threading.Lock()  # guards the counters below
@@ -80,12 +81,16 @@ class BuiltinEngine(RolloutEngine):
         return [Completion(o.prompt_ids, o.token_ids, o.text, o.finish_reason, o.num_steps, o.num_accepted, version,
                            dict(chosen), buckets) for o in outs]
 
-    def install_draft(self, version: int, state: dict[str, Any], head_config: dict) -> None:
+    def install_draft(self, version: int, state: dict[str, Any], head_config: dict,
+                      accepted_length: float = 0.0) -> None:
         head = head_from_state(head_config, as_tensors(state))
         # freshly built, so converted in place: request_swap then has no copy to make
         self.drafter.request_swap(self.drafter.convert(head), version)
         self.drafter.apply_pending_swap()  # between two of a running batch's draft-state updates
-        self.tuner.new_draft()  # what the old draft measured says little about the new one
+        # what the old draft measured says little about the new one; its score says what to expect of it
+        scored = 1.0 <= accepted_length <= self.draft_k + 1 and self.draft_k > 0
+        self.tuner.new_draft(StepCostPrior.from_accepted_length(accepted_length, self.draft_k) if scored
+                             else StepCostPrior())
         with self._lock:
             self._num_installs += 1
 

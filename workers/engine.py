@@ -116,9 +116,12 @@ class RolloutEngine(ABC):
         training pairs to this buffer, tagged with the policy version."""
 
     @abstractmethod
-    def install_draft(self, version: int, state: dict[str, Any], head_config: dict) -> None:
+    def install_draft(self, version: int, state: dict[str, Any], head_config: dict,
+                      accepted_length: float = 0.0) -> None:
         """Serve draft `version` (its weights and the head_config that rebuilds it) from the next draft
-        step on, without pausing a batch under way. Thread-safe: called from the swap listener."""
+        step on, without pausing a batch under way. Thread-safe: called from the swap listener.
+        accepted_length: its published score at the job's draft_k (0: none), what an engine that chooses k
+        from measured gains may start from."""
 
     @property
     @abstractmethod

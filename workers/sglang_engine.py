@@ -222,7 +222,8 @@ class SglangEngine(ExternalEngine):
             if self.engine is not None:
                 self._update("target", list(hf_tensors(state, self.policy.cfg).items()), flush_cache=True)
 
-    def install_draft(self, version: int, state: dict[str, Any], head_config: dict) -> None:
+    def install_draft(self, version: int, state: dict[str, Any], head_config: dict,
+                      accepted_length: float = 0.0) -> None:
         start = time.perf_counter()
         if self.k:
             import torch

@@ -94,11 +94,12 @@ class Swapper:
                 loaded_at = time.time()
                 if self.watch is None and self.last_version not in self.rejected:
                     self.fallback = self.last_version  # judged (or unjudgeable) and kept: the one to go back to
-                self.engine.install_draft(version, state, meta.head_config)
-                self._arm(version, float(meta.extra.get("accepted_length") or 0.0))
+                score = float(meta.extra.get("accepted_length") or 0.0)
+                self.engine.install_draft(version, state, meta.head_config, score)
+                self._arm(version, score)
                 self.log.append({"version": version, "published_at": published_at, "received_at": received_at,
                                  "loaded_at": loaded_at, "serving_at": time.time()})
-                self.draft_accepted_length = float(meta.extra.get("accepted_length") or 0.0)
+                self.draft_accepted_length = score
                 self.last_version, self.last_at = version, loaded_at
                 self.num_swaps += 1  # last: a record that counts this swap names its version
             finally:
@@ -142,8 +143,9 @@ class Swapper:
         if watch.previous >= 1:
             try:
                 state, meta = self.served.load(watch.previous)
-                self.engine.install_draft(watch.previous, state, meta.head_config)
-                self.draft_accepted_length = float(meta.extra.get("accepted_length") or 0.0)
+                score = float(meta.extra.get("accepted_length") or 0.0)
+                self.engine.install_draft(watch.previous, state, meta.head_config, score)
+                self.draft_accepted_length = score
                 self.last_version, self.last_at = watch.previous, time.time()
                 self.num_swaps += 1
                 rolled_back_to = watch.previous

@@ -235,7 +235,8 @@ class VllmEngine(ExternalEngine):
             path.unlink(missing_ok=True)
         self.last_policy_load_seconds = self._add_seconds("policy_load", start)
 
-    def install_draft(self, version: int, state: dict[str, Any], head_config: dict) -> None:
+    def install_draft(self, version: int, state: dict[str, Any], head_config: dict,
+                      accepted_length: float = 0.0) -> None:
         start = time.perf_counter()
         if self.k:
             head = head_from_state(head_config, as_tensors(state))

@@ -9,7 +9,6 @@ the policy (the correction or the bonus): n+1 new tokens for one policy forward.
 
 from __future__ import annotations
 
-import random
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -18,10 +17,11 @@ from typing import Protocol
 
 import torch
 
+from drafter.decode.rows import Row, find_stop
 from drafter.decode.sampling import BatchSampling, SamplingParams, Verdict, verify
-from drafter.decode.static import StaticRunner, slot_bucket
+from drafter.decode.static import ShapeCounts, StaticRunner, batch_bucket, slot_bucket
 from drafter.decode.tree import Tree, compact_path, tree_attention, verify_tree
-from drafter.draft.drafters import Drafter
+from drafter.draft.drafters import Drafter, widen
 from drafter.model.causal_lm import CausalLM, draft_features
 from drafter.model.config import check_aux_layer_ids, default_aux_layer_ids
 
@@ -89,55 +89,6 @@ class DraftLengthChooser(Protocol):
     def record(self, batch_size: int, k: int, num_tokens: int, seconds: float) -> None: ...
 
 
-class _Row:
-    """Live state of one sequence."""
-
-    def __init__(self, req: Request, eos_ids: tuple[int, ...], limit: int, record_hidden: bool) -> None:
-        p = req.params
-        self.req, self.params, self.limit = req, p, limit
-        self.tokens = list(req.prompt_ids)
-        self.num_prompt = len(self.tokens)
-        self.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
-        seed = p.seed if p.seed is not None else random.getrandbits(63)
-        self.gen = torch.Generator().manual_seed(seed)
-        self.steps = self.drafted = self.accepted = 0
-        self.finish_reason: str | None = None
-        self.hidden: list[torch.Tensor] | None = [] if record_hidden else None
-        self.prompt_hidden: torch.Tensor | None = None
-
-    @property
-    def generated(self) -> list[int]:
-        return self.tokens[self.num_prompt :]
-
-    def cap(self, k: int) -> int:
-        """Drafts worth proposing: never past max_new_tokens or the context."""
-        return max(0, min(k, self.limit - len(self.tokens) - 1))
-
-    def append(self, new: list[int], tokenizer) -> list[int]:
-        """Append tokens one at a time, stopping exactly where plain decoding would stop."""
-        taken = []
-        for t in new:
-            self.tokens.append(t)
-            taken.append(t)
-            if t in self.stop_ids or self._stop_string_hit(tokenizer):
-                self.finish_reason = "stop"
-            elif len(self.tokens) >= self.limit:
-                self.finish_reason = "length"
-            if self.finish_reason:
-                break
-        return taken
-
-    def _stop_string_hit(self, tokenizer) -> bool:
-        stops = self.params.stop_strings
-        return bool(stops) and _find_stop(tokenizer, self.generated, stops) >= 0
-
-
-def _find_stop(tokenizer, token_ids: list[int], stops: tuple[str, ...]) -> int:
-    text = tokenizer.decode(token_ids, skip_special_tokens=False)
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else -1
-
-
 class Engine:
     def __init__(self, model: CausalLM, tokenizer=None, static: bool | None = None) -> None:
         """static: run the policy on drafter.decode.static's path (static KV cache, bucketed batches, CUDA graphs on a
@@ -150,6 +101,8 @@ class Engine:
         self.static = True if static is None else bool(static)  # the path of the latest call
         self.runner: StaticRunner | None = None
         self.stats = EngineStats()
+        self.shapes = ShapeCounts()  # captures and rebuilds of the static path, host reads (the bench's counters)
+        self._aranges: dict[int, torch.Tensor] = {}
 
     def static_runner(self, num_rows: int, max_len: int) -> StaticRunner:
         """The static path's runner, reused while its cache holds num_rows rows of max_len slots (its captured
@@ -159,10 +112,16 @@ class Engine:
                 or runner.model is not self.model:
             self.runner = runner = None  # free the old cache first
             max_len = slot_bucket(max_len, self.model.cfg.max_position)
-            runner = self.runner = StaticRunner(self.model, num_rows, max_len)
+            runner = self.runner = StaticRunner(self.model, num_rows, max_len, shapes=self.shapes)
+            self.shapes.num_rebuilds += 1
         runner.check_weights()
         runner.cache.num_used = 0
         return runner
+
+    def shape_marks(self, drafter: Drafter | None) -> int:
+        """Captures and rebuilds so far, the engine's and the drafter's: a step that changes it was not steady."""
+        theirs = drafter.shape_counts() if drafter is not None else None
+        return self.shapes.total() + (theirs.total() if theirs is not None else 0)
 
     def validate(self, requests: list[Request], k: int, drafter: Drafter | None) -> None:
         if not isinstance(k, int) or k < 0:
@@ -195,15 +154,21 @@ class Engine:
         head trains on; a drafter that consumes features gets the same ones. Neither: no layer is kept.
         on_step(num_finished, num_generated) is called after every step (progress reporting).
         tuner: chooses each step's draft length in [0, k] from the live batch size, and is told the
-        tokens the step emitted and its seconds (drafting + verifying); None: k every step. The KV
-        caches are sized for k, so the choice may change from step to step; it depends only on past
-        steps, so the outputs stay the policy's (greedy: identical to plain decoding)."""
+        tokens each steady step emitted and its seconds (drafting + verifying; steps that captured a graph,
+        caught the draft up or followed a change of k are not steady: they say nothing of the arm's cost);
+        None: k every step. The choice depends only on past steps, so the outputs stay the policy's (greedy:
+        identical to plain decoding).
+
+        On the static path every step of a draft length has one shape: it drafts exactly k tokens and
+        verifies k + 1 per row (a row near its cap drafts fewer, masked), and a finished row stays in the
+        batch, masked, until the live rows fit a smaller batch bucket; only then is the batch compacted."""
         self.validate(requests, k, drafter)
         model, device = self.model, self.model.device
         drafter = drafter if k > 0 else None
         limits = [min(len(r.prompt_ids) + r.params.max_new_tokens, model.cfg.max_position) for r in requests]
-        rows = [_Row(r, model.cfg.eos_token_ids, lim, record_hidden) for r, lim in zip(requests, limits)]
-        order = list(range(len(rows)))  # live position -> index in `rows`
+        rows = [Row(list(r.prompt_ids), r.params, model.cfg.eos_token_ids, lim, record_hidden, self.tokenizer)
+                for r, lim in zip(requests, limits)]
+        order = list(range(len(rows)))  # batch position -> index in `rows` (finished rows too, until compacted)
         sampling = BatchSampling.from_params([r.params for r in requests], device)
         # the largest tree this call may draft, which only the eager path runs (it needs room for side slots)
         largest = drafter.tree_for(k) if drafter is not None else None
@@ -224,37 +189,54 @@ class Engine:
                 r.prompt_hidden = (prefill_hidden[b, :n].clone() if prefill_hidden is not None
                                    else torch.zeros(0, width, dtype=model.dtype, device=device))
         if drafter is not None:
-            drafter.begin([r.tokens for r in rows], prefill_hidden)
+            drafter.begin([r.tokens for r in rows], prefill_hidden, max_len=cache.max_len)
+        alive = torch.ones(len(rows), dtype=torch.long, device=device)  # (B,) 1 for a live row
+        last_k, num_finished = None, 0
         while order:
-            live = [rows[i] for i in order]
-            step_k = k if tuner is None or drafter is None else max(0, min(int(tuner.choose(len(live))), k))
-            num_before = sum(len(r.tokens) for r in live)
+            batch = [rows[i] for i in order]
+            num_live = len(batch) - sum(1 for r in batch if r.finish_reason)
+            step_k = k if tuner is None or drafter is None else max(0, min(int(tuner.choose(num_live)), k))
+            num_before = sum(len(r.tokens) for r in batch)
+            marks = self.shape_marks(drafter)
             start = time.perf_counter()
-            tree = drafter.tree_for(step_k, len(live)) if largest is not None else None  # the tail: a tree
+            tree = drafter.tree_for(step_k, len(batch)) if largest is not None else None  # the tail: a tree
             if tree is not None:
-                uniforms = None if sampling.all_greedy else self._uniforms(live, tree.num_uniforms + tree.num_nodes)
-                self._tree_step(live, cache, tree, drafter, sampling, uniforms, step_k, aux)
+                uniforms = None if sampling.all_greedy else self._uniforms(batch, tree.num_uniforms + tree.num_nodes)
+                self._tree_step(batch, cache, tree, drafter, sampling, uniforms, step_k, aux)
             else:
-                uniforms = None if sampling.all_greedy else self._uniforms(live, 2 * step_k + 1)
-                self._chain_step(live, cache, drafter, sampling, uniforms, step_k, aux)
-            if tuner is not None:
-                tuner.record(len(live), step_k, sum(len(r.tokens) for r in live) - num_before,
-                             time.perf_counter() - start)
-            done = [j for j, r in enumerate(live) if r.finish_reason]
+                uniforms = None if sampling.all_greedy else self._uniforms(batch, 2 * step_k + 1)
+                self._chain_step(batch, cache, drafter, sampling, uniforms, step_k, aux, alive)
+            seconds = time.perf_counter() - start
+            steady = step_k == last_k and marks == self.shape_marks(drafter)
+            if tuner is not None and steady:
+                tuner.record(num_live, step_k, sum(len(r.tokens) for r in batch) - num_before, seconds)
+            last_k = step_k
+            finished = [j for j, r in enumerate(batch) if r.finish_reason]
             if on_step is not None:
-                on_step(len(rows) - len(order) + len(done), sum(len(r.tokens) - r.num_prompt for r in rows))
-            if done:
-                # on the CPU: the drafter reorders its host-side rows by it; the caches get a device copy
-                keep = torch.tensor([j for j in range(len(live)) if not live[j].finish_reason], dtype=torch.long,
-                                    device="cpu")
-                order = [order[j] for j in keep.tolist()]
-                cache.keep_rows(keep.to(device))
-                sampling = sampling.select(keep.to(device))
-                if drafter is not None:
-                    drafter.keep_rows(keep)
-        if self.runner is not None and not self.runner.cuda_graphs:
-            self.runner = None  # no graphs to keep on a CPU: free the cache between calls, as the eager path does
+                num_done = len(rows) - len(order) + len(finished)
+                on_step(num_done, sum(len(r.tokens) - r.num_prompt for r in rows))
+            if len(finished) > num_finished:
+                num_finished = len(finished)
+                keep = [j for j in range(len(batch)) if not batch[j].finish_reason]
+                if not keep:
+                    break
+                # the static path keeps its bucket (a finished row is masked) until the live rows fit a smaller one
+                if not self.static or batch_bucket(len(keep)) < batch_bucket(len(batch)):
+                    order, alive = self._compact(order, keep, cache, drafter)
+                    sampling = sampling.select(torch.tensor(keep, dtype=torch.long).to(device))
+                    num_finished = 0
+                else:
+                    alive = torch.tensor([0 if r.finish_reason else 1 for r in batch], dtype=torch.long,
+                                         device="cpu").to(device, non_blocking=True)
         return [self._output(r) for r in rows]
+
+    def _compact(self, order: list[int], keep: list[int], cache, drafter) -> tuple[list[int], torch.Tensor]:
+        """Keep only the batch positions `keep`, in order, as positions 0..len(keep)-1 (cache rows moved)."""
+        rows = torch.tensor(keep, dtype=torch.long, device="cpu")  # the drafter reorders host-side rows by it
+        cache.keep_rows(rows.to(self.model.device))
+        if drafter is not None:
+            drafter.keep_rows(rows)
+        return [order[j] for j in keep], torch.ones(len(keep), dtype=torch.long, device=self.model.device)
 
     def _aux_layers(self, drafter: Drafter | None, record_hidden: bool,
                     aux_layers: tuple[int, ...] | None) -> tuple[int, ...] | None:
@@ -281,32 +263,39 @@ class Engine:
         logits, hidden, states = self.model(*args, aux_layers=aux, **kwargs)
         return logits, draft_features(hidden, states)  # (B, T, 4D)
 
-    def _chain_step(self, live, cache, drafter, sampling, uniforms, k, aux=None) -> None:
-        """One verify forward of [last, d_1..d_K] per row (K = 0: plain decoding; a drafter still
-        observes what the policy emitted, so it can draft again at a later step)."""
+    def _chain_step(self, batch, cache, drafter, sampling, uniforms, k, aux=None, alive=None) -> None:
+        """One verify forward of [last, d_1..d_k] per row (k = 0: plain decoding; a drafter still observes what
+        the policy emitted, so it can draft again at a later step). Every row verifies k + 1 tokens whatever
+        its draft length (a row near its cap, or finished, drafts fewer; its extra positions are masked)."""
         device = self.model.device
         if drafter is not None and k > 0:
-            caps = [r.cap(k) for r in live]
-            prop = drafter.propose([r.tokens for r in live], caps, sampling,
-                                   None if uniforms is None else uniforms[:, k + 1 :])
-            K = (max(prop.host_lens) if prop.host_lens is not None else int(prop.lens.max())) if len(live) else 0
-            draft_tokens, draft_lens = prop.tokens[:, :K].to(device), prop.lens.to(device)
-            draft_probs = None if prop.probs is None else prop.probs[:, :K]
+            caps = [r.cap(k) for r in batch]
+            prop = widen(drafter.propose([r.tokens for r in batch], caps, sampling,
+                                         None if uniforms is None else uniforms[:, k + 1 :], width=k), k)
+            K, draft_tokens, draft_lens = k, prop.tokens.to(device), prop.lens.to(device)
+            draft_probs = prop.probs
         else:
             K, draft_tokens, draft_lens, draft_probs = 0, None, None, None
-        last = torch.tensor([[r.tokens[-1]] for r in live], dtype=torch.long, device=device)  # (B, 1)
+        last = torch.tensor([[r.tokens[-1]] for r in batch], dtype=torch.long, device="cpu").to(device)  # (B, 1)
         input_ids = last if K == 0 else torch.cat([last, draft_tokens], dim=1)  # (B, K+1)
-        positions = cache.lens.unsqueeze(1) + torch.arange(K + 1, device=device)  # (B, K+1)
-        # rows drafting fewer than K tokens are padded; their pad slots lie past every real one
+        positions = cache.lens.unsqueeze(1) + self._steps(K + 1)  # (B, K+1)
+        # masked positions (past a row's draft, or a finished row's) lie past every real one, or at the last slot
         positions = positions.clamp_(max=cache.max_len - 1)
-        num_slots = min(max(len(r.tokens) for r in live) + K, cache.max_len)
+        num_slots = min(max(len(r.tokens) for r in batch) + K, cache.max_len)
         logits, hidden = self._forward(aux, input_ids, positions, cache, logits_for="all", num_slots=num_slots)
         if K == 0:
-            draft_tokens = torch.zeros(len(live), 0, dtype=torch.long, device=device)
-            draft_lens = torch.zeros(len(live), dtype=torch.long, device=device)
-        verify_u = None if uniforms is None else torch.cat([uniforms[:, :K], uniforms[:, k : k + 1]], dim=1)
+            draft_tokens = torch.zeros(len(batch), 0, dtype=torch.long, device=device)
+            draft_lens = torch.zeros(len(batch), dtype=torch.long, device=device)
+        verify_u = None if uniforms is None else uniforms[:, : K + 1]  # K acceptance tests, then the final draw
         verdict = verify(logits, draft_tokens, draft_lens, draft_probs, sampling, verify_u)
-        self._advance(live, cache, verdict, draft_tokens, draft_lens, hidden, drafter)
+        self._advance(batch, cache, verdict, draft_tokens, draft_lens, hidden, drafter, alive)
+
+    def _steps(self, n: int) -> torch.Tensor:
+        """arange(n) on the device, made once per n."""
+        t = self._aranges.get(n)
+        if t is None:
+            t = self._aranges[n] = torch.arange(n, device=self.model.device)
+        return t
 
     def _tree_step(self, live, cache, tree: Tree, drafter, sampling, uniforms, k, aux=None) -> None:
         """One verify forward of [last, tree nodes] per row under the tree mask (drafter.decode.tree), then
@@ -333,14 +322,14 @@ class Engine:
         self._advance(live, cache, Verdict(verdict.num_accepted, verdict.next_tokens), path_tokens,
                       valid.sum(1), path_hidden, drafter)
 
-    def _uniforms(self, live: list[_Row], n: int) -> torch.Tensor:
+    def _uniforms(self, live: list[Row], n: int) -> torch.Tensor:
         """(B, n) per row: for a chain of k, n = 2k+1: k acceptance tests, one final draw, k for sampled
         drafts; for a tree, its tests and final draw, then one per node. Drawn per row, so a row's
         random stream depends on its own seed only, not on what else is in the batch."""
         # drawn on the CPU, where each row's torch.Generator lives, then moved in one copy
         return torch.stack([torch.rand(n, generator=r.gen, device="cpu") for r in live]).to(self.model.device)
 
-    def _prefill(self, rows: list[_Row], cache, needs_hidden: bool, aux=None) -> torch.Tensor | None:
+    def _prefill(self, rows: list[Row], cache, needs_hidden: bool, aux=None) -> torch.Tensor | None:
         """Run prompt[:-1] of every row through the policy (no logits needed)."""
         P = max(len(r.tokens) - 1 for r in rows)
         cache.lens = torch.tensor([len(r.tokens) - 1 for r in rows], dtype=torch.long, device=cache.lens.device)
@@ -353,44 +342,46 @@ class Engine:
         _, hidden = self._forward(aux, ids, positions, cache, logits_for="none", num_slots=P)
         return hidden if needs_hidden else None
 
-    def _advance(self, live, cache, verdict, draft_tokens, draft_lens, hidden, drafter) -> None:
+    def _advance(self, batch, cache, verdict, draft_tokens, draft_lens, hidden, drafter, alive=None) -> None:
         B, K = draft_tokens.shape
-        # one read-back per step: accepted counts, next tokens, drafts and draft lengths together
+        # the step's one read-back: accepted counts, next tokens, drafts and draft lengths together
         packed = torch.cat([verdict.num_accepted.view(B, 1), verdict.next_tokens.view(B, 1),
                             draft_lens.view(B, 1), draft_tokens], dim=1).tolist()
-        num_acc, nxt, lens = [p[0] for p in packed], [p[1] for p in packed], [p[2] for p in packed]
-        drafts = [p[3:] for p in packed]
+        self.shapes.num_host_reads += 1
         new_tokens = []
         st = self.stats
         st.num_forwards += 1
-        for b, r in enumerate(live):
-            n = num_acc[b]
-            taken = r.append(drafts[b][:n] + [nxt[b]], self.tokenizer)
+        for r, (n, nxt, num_drafted, *drafts) in zip(batch, packed):
+            if r.finish_reason:  # finished before this step: masked, emits nothing
+                new_tokens.append([])
+                continue
+            taken = r.append(drafts[:n] + [nxt])
             new_tokens.append(taken)
             r.steps += 1
-            r.drafted += lens[b]
+            r.drafted += num_drafted
             r.accepted += n
             if r.hidden is not None:
-                r.hidden.append(hidden[b, : len(taken)].clone())
+                r.hidden.append(hidden[len(new_tokens) - 1, : len(taken)].clone())
             st.num_seq_steps += 1
             st.num_generated += len(taken)
-            st.num_draft_tokens += lens[b]
+            st.num_draft_tokens += num_drafted
             st.num_accepted += n
-            st.num_verify_steps += int(lens[b] > 0)
+            st.num_verify_steps += int(num_drafted > 0)
             st.accept_hist[n] += 1
-        cache.lens = cache.lens + verdict.num_accepted + 1
+        grown = verdict.num_accepted + 1
+        cache.lens = cache.lens + (grown if alive is None else grown * alive)  # a finished row's length stays
         if drafter is not None:
             drafter.observe(new_tokens, hidden)
 
-    def _output(self, r: _Row) -> GenerationOutput:
+    def _output(self, r: Row) -> GenerationOutput:
         gen = r.generated
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(gen, skip_special_tokens=True)
             if r.params.stop_strings:
                 full = self.tokenizer.decode(gen, skip_special_tokens=False)
-                cut = _find_stop(self.tokenizer, gen, r.params.stop_strings)
+                cut = find_stop(self.tokenizer, gen, r.params.stop_strings)
                 text = full[:cut] if cut >= 0 else text
         hidden = torch.cat(r.hidden)[: len(gen)] if r.hidden else None
-        return GenerationOutput(list(r.req.prompt_ids), gen, r.finish_reason or "length", r.steps, r.drafted,
+        return GenerationOutput(list(r.prompt_ids), gen, r.finish_reason or "length", r.steps, r.drafted,
                                 r.accepted, text, hidden, r.prompt_hidden)

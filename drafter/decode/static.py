@@ -32,6 +32,21 @@ MIN_SLOTS = 64  # slot buckets are powers of two from here (a multiple of 16: SD
 MAX_GRAPH_TOKENS = 16  # forwards of more tokens per row (a verify of k > 15) run uncaptured, as prefills do
 
 
+@dataclass
+class ShapeCounts:
+    """What a static path did that a steady decode should not: graphs captured and caches, buffers or graph
+    sets made anew (a first meeting of a shape does both; a second generate with the same sizes, neither),
+    and blocking device-to-host reads (the decode loop's one per step)."""
+
+    num_captures: int = 0
+    num_rebuilds: int = 0
+    num_host_reads: int = 0
+
+    def total(self) -> int:
+        """Captures and rebuilds: unchanged over a step means the step ran on shapes met before."""
+        return self.num_captures + self.num_rebuilds
+
+
 def batch_bucket(n: int) -> int:
     for b in BATCH_BUCKETS:
         if n <= b:
@@ -190,7 +205,8 @@ class StaticRunner:
     """Runs policy forwards on a StaticCache; on CUDA each (batch bucket, tokens, slots, outputs) forward of
     at most MAX_GRAPH_TOKENS tokens per row is captured in a CUDA graph on first use and replayed after."""
 
-    def __init__(self, model: CausalLM, max_batch: int, max_len: int, cuda_graphs: bool | None = None) -> None:
+    def __init__(self, model: CausalLM, max_batch: int, max_len: int, cuda_graphs: bool | None = None,
+                 shapes: ShapeCounts | None = None) -> None:
         if max_batch < 1 or max_len < 2:
             raise ValueError(f"max_batch must be >= 1 and max_len >= 2, got {max_batch}, {max_len}")
         if max_len > model.cfg.max_position:
@@ -212,6 +228,7 @@ class StaticRunner:
         self.is_rotated = rotated_heads(c.num_heads, c.num_kv_heads, device)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self.pool = None
+        self.shapes = shapes if shapes is not None else ShapeCounts()
         self._views: dict[tuple[int, int], list] = {}
         self._weights_key = None
         self.weights: list[LayerWeights] = []
@@ -227,6 +244,8 @@ class StaticRunner:
         key = self._key()
         if key == self._weights_key:
             return
+        if self.graphs:
+            self.shapes.num_rebuilds += 1
         self.graphs.clear()
         self.weights = [LayerWeights(layer.input_norm.weight, layer.attn.qkv_proj.weight, layer.attn.qkv_proj.bias,
                                      layer.attn.o_proj.weight, layer.post_attn_norm.weight,
@@ -345,3 +364,4 @@ class StaticRunner:
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[key] = (graph, outputs)
+        self.shapes.num_captures += 1

@@ -4,21 +4,27 @@ the accepted tokens per second each (bucket, k) measurably gives. Pure Python: n
 Speculation pays where a policy forward is cheap to widen (the tail: small batches) and can cost at large
 batches, where verifying k extra tokens per row is real compute; how much depends on the draft, the
 device and the model, so it is measured rather than set by a threshold. A `DraftLengthTuner` is an
-epsilon-greedy bandit per bucket, as in TLT:
-    1. forced tries: every eligible arm (k) is tried `num_tries` times in a bucket, round robin, and at
-       small batches more often, until it has emitted for `min_row_samples` rows (16 steps at batch 1);
+epsilon-greedy bandit per bucket, as in TLT, that learns from steady steps only (the engine reports no step
+that captured a graph, caught the draft up or followed a change of k) and so serves every arm in runs:
+    0. a prior (`StepCostPrior`: the draft's calibrated acceptance and the device's step costs) ranks the arms
+       before anything is measured: its best arm serves a bucket's first steps (a draft that pays at a batch
+       size is used there at once, in the tail too), and only the arms it expects to pay, and plain, are
+       tried in 1.; without a prior every eligible arm is;
+    1. forced tries: each arm is served in a run until it has `num_tries` steady steps in the bucket, and at
+       small batches more, until it has emitted for `min_row_samples` rows (16 steps at batch 1);
     2. then the arm with the best tokens/s estimate (an EMA of tokens over an EMA of seconds) serves, and a
        bounded share of steps (at most `explore_frac` of the bucket's steps, growing only as sqrt(steps)
-       later) re-measures the least recently tried other eligible arm: exploring costs at most
-       explore_frac x (best - worst) / best;
+       later) re-measures the least recently tried other eligible arm, in runs of `run_length` steps:
+       exploring costs at most explore_frac x (best - worst) / best;
     3. a new draft (`new_draft`: a hot swap) makes every speculative arm's estimate stale: each is
        tried again `num_retries` times (more at small batches, as in 1.) and its new samples replace the
        old estimate.
-Eligible arms: what a step gains from drafting k tokens shrinks as the batch grows (each row's extra k
-tokens are compute a wider batch no longer hides), so a bucket drafts k > 0 only where the nearest smaller
-bucket measured has found k faster than plain. The smallest bucket ("1", the end of every rollout that
-shrinks) tries every arm; a large batch is never slowed by trying drafts that a smaller batch already
-shows do not pay. A rollout reaches its small buckets last, so its first large-batch steps decode plainly.
+Eligible arms (without a prior, and beside the prior's): what a step gains from drafting k tokens shrinks as
+the batch grows (each row's extra k tokens are compute a wider batch no longer hides), so a bucket drafts
+k > 0 only where the nearest smaller bucket measured has found k faster than plain. The smallest bucket ("1",
+the end of every rollout that shrinks) tries every arm; a large batch is never slowed by trying drafts that a
+smaller batch already shows do not pay. A rollout reaches its small buckets last, so without a prior its first
+large-batch steps decode plainly.
 The engine asks `choose(batch_size)` before each step and reports `record(batch_size, k, num_tokens,
 seconds)` after it; the choice depends only on past steps, so verification stays lossless.
 """
@@ -57,6 +63,50 @@ def arms_for(k_max: int) -> tuple[int, ...]:
     return tuple(sorted({0, k_max} | {1 << i for i in range(5) if (1 << i) < k_max}))
 
 
+@dataclass(frozen=True)
+class StepCostPrior:
+    """What each k is expected to give before it is measured, relative to plain decoding at the same batch size.
+
+    Tokens per row per step with a draft accepted position by position with chance `acceptance`:
+        E(k) = 1 + a + a^2 + ... + a^k
+    A forward over n tokens in all costs 1 + n / knee_tokens one-token forwards (bound by reading the weights
+    until n nears the knee, by compute past it), and drafting k tokens k x draft_cost of one. So at batch B:
+        gain(B, k) = E(k) / ((1 + B (k + 1) / knee_tokens + k draft_cost) / (1 + B / knee_tokens))
+    Defaults: a weak draft and SmolLM2's measured costs (a 4-token verify at batch 1 costs 1.06-1.24 one-token
+    forwards on a CPU and an H100: knee 32; the head's k draft passes 3-5% of a forward each)."""
+
+    acceptance: float = 0.55
+    knee_tokens: float = 32.0
+    draft_cost: float = 0.04
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.acceptance < 1:
+            raise ValueError(f"acceptance must be in [0, 1), got {self.acceptance}")
+        if self.knee_tokens <= 0 or self.draft_cost < 0:
+            raise ValueError(f"knee_tokens must be > 0 and draft_cost >= 0, got {self.knee_tokens}, "
+                             f"{self.draft_cost}")
+
+    @classmethod
+    def from_accepted_length(cls, accepted_length: float, k: int, **costs: float) -> StepCostPrior:
+        """The prior of a draft measured to accept `accepted_length` tokens per step at k (its calibrated score,
+        the bonus token included): the acceptance a with E(k) = accepted_length, by bisection."""
+        if k < 1 or not 1 <= accepted_length <= k + 1:
+            raise ValueError(f"accepted_length must be in [1, k + 1] with k >= 1, got {accepted_length} at k={k}")
+        low, high = 0.0, 1.0 - 1e-9
+        for _ in range(60):
+            mid = (low + high) / 2
+            low, high = (mid, high) if sum(mid**j for j in range(k + 1)) < accepted_length else (low, mid)
+        return cls(acceptance=min(low, 0.999), **costs)
+
+    def expected_tokens(self, k: int) -> float:
+        return sum(self.acceptance**j for j in range(k + 1))
+
+    def gain(self, batch_size: int, k: int) -> float:
+        """Expected tokens/s of k over plain's at batch_size."""
+        plain = 1 + batch_size / self.knee_tokens
+        return self.expected_tokens(k) * plain / (1 + batch_size * (k + 1) / self.knee_tokens + k * self.draft_cost)
+
+
 @dataclass
 class _Arm:
     tokens: float = 0.0  # EMA of a step's tokens
@@ -76,6 +126,8 @@ class _Bucket:
     arms: dict[int, _Arm]
     num_steps: int = 0
     num_explored: int = 0
+    last_k: int | None = None  # the arm served last step
+    run_left: int = 0  # steps the exploring arm still serves in its run
     totals: dict[int, list[float]] = field(default_factory=dict)  # k -> [tokens, seconds], all time
 
 
@@ -130,7 +182,7 @@ class FixedDraftLength(_Meter):
             t[0] += num_tokens
             t[1] += max(seconds, 0.0)
 
-    def new_draft(self) -> None:
+    def new_draft(self, prior: StepCostPrior | None = None) -> None:
         return None
 
     def summary(self) -> dict[str, int]:
@@ -142,25 +194,43 @@ class DraftLengthTuner(_Meter):
     """Chooses k in arms_for(k_max) per live-batch bucket from measured tokens/s (see the module doc)."""
 
     def __init__(self, k_max: int, *, num_tries: int = 2, min_row_samples: int = 16, num_retries: int = 1,
-                 ema: float = 0.2, explore_frac: float = 0.02) -> None:
+                 ema: float = 0.2, explore_frac: float = 0.02, run_length: int = 4,
+                 prior: StepCostPrior | None = None) -> None:
         if num_tries < 1 or num_retries < 1:
             raise ValueError(f"num_tries and num_retries must be >= 1, got {num_tries}, {num_retries}")
+        if run_length < 2:
+            raise ValueError(f"run_length must be >= 2 (a run's first step is never steady), got {run_length}")
         if not 0 < ema <= 1:
             raise ValueError(f"ema must be in (0, 1], got {ema}")
         if not 0 <= explore_frac < 1:
             raise ValueError(f"explore_frac must be in [0, 1), got {explore_frac}")
         super().__init__(arms_for(k_max), num_tries, min_row_samples)
         self.k_max, self.num_retries, self.ema, self.explore_frac = k_max, num_retries, ema, explore_frac
+        self.run_length, self.prior = run_length, prior
+
+    def _expected(self, batch_size: int) -> dict[int, float]:
+        """The prior's gain of each arm at the bucket's smallest batch size (plain 1.0); {} without a prior."""
+        if self.prior is None:
+            return {}
+        low = bucket_low_edge(bucket_of(batch_size))
+        return {k: self.prior.gain(low, k) for k in self.arms}
 
     def _eligible(self, batch_size: int) -> tuple[int, ...]:
-        """The arms a bucket may serve: 0, and the k > 0 the nearest smaller bucket measured found faster than
-        plain (every arm in the smallest bucket). Called with the lock held."""
+        """The arms a bucket may serve: 0, the k > 0 the prior expects to pay, and the k > 0 the nearest smaller
+        bucket measured found faster than plain (every arm in the smallest bucket when there is no prior).
+        Called with the lock held."""
+        if self.prior is not None:
+            expected = self._expected(batch_size)
+            return tuple(sorted({0, *(k for k in self.arms if expected[k] > 1.0), *self._paying_below(batch_size)}))
+        return self._paying_below(batch_size, every_arm_at_first=True)
+
+    def _paying_below(self, batch_size: int, every_arm_at_first: bool = False) -> tuple[int, ...]:
         name = bucket_of(batch_size)
         order = [bucket_of(e) for e in BUCKET_EDGES] + [bucket_of(BUCKET_EDGES[-1] + 1)]
         smaller = [self._buckets.get(n) for n in order[: order.index(name)]]
         below = next((sb for sb in reversed(smaller) if sb is not None and sb.arms[0].num_samples > 0), None)
         if name == order[0]:
-            return self.arms
+            return self.arms if every_arm_at_first else (0,)
         if below is None:
             return (0,)
         plain = below.arms[0].rate
@@ -173,18 +243,28 @@ class DraftLengthTuner(_Meter):
             b.num_steps += 1
             eligible = self._eligible(batch_size)
             owed = [k for k in eligible if b.arms[k].num_tries_left > 0]
-            if owed:  # forced tries, round robin: the arm owed most, then the least recently tried
-                k = max(owed, key=lambda a: (b.arms[a].num_tries_left, -b.arms[a].last_step, -a))
-                b.arms[k].last_step = b.num_steps
-                return k
-            best = self._best(b, eligible)
+            if owed:  # forced tries, in runs: the arm served last while it owes; then the prior's best first
+                expected = self._expected(batch_size)
+                k = b.last_k if b.last_k in owed else max(
+                    owed, key=lambda a: (expected.get(a, 0.0), b.arms[a].num_tries_left, -b.arms[a].last_step, -a))
+                return self._serve(b, k)
+            if b.run_left > 0 and b.last_k in eligible:  # an exploring run goes on
+                b.run_left -= 1
+                b.num_explored += 1
+                return self._serve(b, b.last_k)
+            best = self._best(b, eligible, batch_size)
             others = [k for k in eligible if k != best]
             n = b.num_steps
             if others and b.num_explored < min(self.explore_frac * n, math.sqrt(n) * self.explore_frac * 10):
                 b.num_explored += 1
+                b.run_left = self.run_length - 1
                 best = min(others, key=lambda a: (b.arms[a].last_step, a))
-            b.arms[best].last_step = b.num_steps
-            return best
+            return self._serve(b, best)
+
+    @staticmethod
+    def _serve(b: _Bucket, k: int) -> int:
+        b.arms[k].last_step, b.last_k = b.num_steps, k
+        return k
 
     def record(self, batch_size: int, k: int, num_tokens: int, seconds: float) -> None:
         """A step with `batch_size` live drafted up to k tokens per row and emitted num_tokens in all."""
@@ -204,29 +284,36 @@ class DraftLengthTuner(_Meter):
             arm.num_samples += 1
             arm.num_tries_left = max(arm.num_tries_left - 1, 0)
 
-    def new_draft(self) -> None:
-        """A different draft serves from now on: the speculative arms' estimates are stale."""
+    def new_draft(self, prior: StepCostPrior | None = None) -> None:
+        """A different draft serves from now on: the speculative arms' estimates are stale. prior: what the new
+        draft is expected to give (its calibrated score; None keeps the prior as it is)."""
         with self._lock:
+            if prior is not None:
+                self.prior = prior
             for name, b in self._buckets.items():
                 retries = self._tries(name, self.num_retries)
                 for k, arm in b.arms.items():
                     if k > 0:
                         arm.num_samples, arm.num_tries_left = 0, max(arm.num_tries_left, retries)
 
-    @staticmethod
-    def _best(b: _Bucket, eligible: tuple[int, ...]) -> int:
-        """The eligible arm with the best tokens/s estimate; ties go to the shorter draft (cheaper)."""
-        measured = [k for k in eligible if b.arms[k].num_samples > 0] or [min(eligible)]
+    def _best(self, b: _Bucket, eligible: tuple[int, ...], batch_size: int) -> int:
+        """The eligible arm with the best tokens/s estimate; ties go to the shorter draft (cheaper). Before any
+        is measured: the prior's best (plain without a prior)."""
+        measured = [k for k in eligible if b.arms[k].num_samples > 0]
+        if not measured:
+            expected = self._expected(batch_size)
+            return max(eligible, key=lambda k: (expected.get(k, 1.0 if k == 0 else 0.0), -k))
         return max(measured, key=lambda k: (b.arms[k].rate, -k))
 
     def best(self, batch_size: int) -> int:
         with self._lock:
-            return self._best(self._bucket(batch_size), self._eligible(batch_size))
+            return self._best(self._bucket(batch_size), self._eligible(batch_size), batch_size)
 
     def summary(self) -> dict[str, int]:
         """{bucket: the k it serves now}, for the buckets seen (the step record's `speculation`)."""
         with self._lock:
-            return {name: self._best(b, self._eligible(bucket_low_edge(name))) for name, b in self._buckets.items()}
+            return {name: self._best(b, self._eligible(low := bucket_low_edge(name)), low)
+                    for name, b in self._buckets.items()}
 
     def estimates(self) -> dict[str, dict[int, float]]:
         """{bucket: {k: EMA tokens/s}} for the arms measured."""

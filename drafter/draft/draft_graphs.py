@@ -1,12 +1,19 @@
 """An EagleDrafter's chain drafting on the static path: one step feeds the true pairs the policy just
-verified and drafts k tokens, on a head KV cache of a bucketed batch, with no read-back; on CUDA each
-(batch bucket, pairs, k, slots, sampling mode) step is captured once in a CUDA graph and replayed.
+verified and drafts k tokens, on one head KV cache with no read-back; on CUDA each (batch bucket, pairs, k,
+slots, sampling mode) step is captured once in a CUDA graph and replayed.
+
+Shapes stay put for the drafter's life: `begin` sizes the head cache for the batch (rows of its bucket, slots
+for the policy's longest sequence plus a margin) and it is only ever made larger; every bucket's graphs read
+rows 0..bucket-1 of that one cache, so a batch that drops to a smaller bucket moves nothing but its live rows
+(DraftRows.keep, in place). Graph buffers are kept per k. A step always drafts k tokens (rows past their cap
+draft fewer: their draft length says so) after feeding k + 1 pairs per row, padded. A backlog of pairs (the
+prompts, steps the tuner served plain, a swapped-in head re-fed its history) is fed first in captured chunks
+of CHUNK pairs per row on CUDA, and in one uncaptured pass where no graph is kept (a CPU, top-k/top-p rows).
 
 The head runs the static path's lean attention (drafter.decode.static.attend: one rotary for q/k/v, one cache
 write, SDPA's fused kernel under an additive mask) over the same weights, positions and pairs as
 EagleDrafter's eager loop (drafter.draft.eagle), with the same draft distribution and uniforms: drafts agree up
-to float rounding. A step whose pending pairs outnumber k + 1 (a batch's first, after its prompt, or the
-first after a swap, which re-feeds the history) runs the same function uncaptured.
+to float rounding.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import torch.nn.functional as F
 
 from drafter.decode.sampling import BatchSampling, draft_probs, sample
 from drafter.decode.static import (
+    ShapeCounts,
     StaticCache,
     additive_mask,
     attend,
@@ -29,6 +37,7 @@ from drafter.decode.static import (
 from drafter.draft.drafters import Proposal
 
 NUM_INTS = 3  # per-row integers after the pending tokens in the input buffer: num_pending, lens, caps
+CHUNK = 32  # pairs per row a captured catch-up step feeds: a backlog of n pairs takes ceil(n / CHUNK) replays
 
 
 class DraftGraphs:
@@ -39,62 +48,65 @@ class DraftGraphs:
         self.cuda_graphs = cuda_graphs
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = None
-        self.bufs: dict[str, torch.Tensor] = {}
-        self._caches: dict[int, StaticCache] = {}  # per batch bucket
-        self._capacity = 0  # slots per row of every cache
+        self.shapes = ShapeCounts()
+        self.cache: StaticCache | None = None  # the head's, every bucket's rows in it
+        self.bufs: dict[int, dict[str, torch.Tensor]] = {}  # per k (0: catch-up): graph inputs and outputs
         self._head = None  # the head the graphs were captured on (they read its weights by address)
 
-    def _cache(self, Bp: int, needed: int) -> StaticCache:
-        """The head cache of bucket Bp, with room for `needed` slots. One cache per bucket lives as long as the
-        drafter (graphs hold their addresses): a new batch or a swap starts on it afresh (the rows' lengths
-        say what is valid), and a batch whose bucket changes moves its live rows to that bucket's cache. Room
-        grows geometrically; then every cache and graph is made anew."""
-        d, rows = self.drafter, self.drafter.rows
-        if needed > self._capacity:
-            self._capacity = slot_bucket(2 * needed, 1 << 30)
-            self._caches.clear()
-            self.graphs.clear()
-        cache = self._caches.get(Bp)
-        if cache is None:
-            cache = self._caches[Bp] = StaticCache(d.head.policy_cfg, 1, Bp, self._capacity, d.dtype, d.policy.device)
-            cache.num_used = self._capacity
-        old = rows.cache
-        if old is not None and old is not cache:  # the live rows (the batch's first len(lens)) move over
-            n = len(old.lens)
-            if old.kv.shape[-2] == cache.kv.shape[-2]:
-                cache.kv[:, :n] = old.kv[:, :n]
-            else:  # room grew: the old slots into the new room
-                cache.kv[:, :n, :, :, : old.kv.shape[-2]] = old.kv[:, :n]
-            cache.lens = old.lens
-        rows.cache = cache
+    # --- sizes ---------------------------------------------------------------------------------------
+    def begin(self, num_rows: int, max_len: int) -> None:
+        """A new batch of num_rows rows whose sequences stay within max_len slots: the cache made large enough
+        (a batch or a length larger than any before rebuilds it, and drops the graphs; else nothing changes)."""
+        self._ensure(batch_bucket(num_rows), max_len + 2 * CHUNK)
+
+    def _ensure(self, num_rows: int, num_slots: int) -> StaticCache:
+        d = self.drafter
+        cache = self.cache
+        if cache is None or cache.max_batch < num_rows or cache.max_len < num_slots:
+            rows = max(num_rows, cache.max_batch if cache is not None else 0)
+            slots = slot_bucket(max(num_slots, cache.max_len if cache is not None else 0), 1 << 30)
+            self.cache = self.bufs = None  # free the old ones first
+            self.cache = cache = StaticCache(d.head.policy_cfg, 1, rows, slots, d.dtype, d.policy.device)
+            cache.num_used = slots
+            self.bufs = {}
+            self._drop_graphs()
+            self.shapes.num_rebuilds += 1
         return cache
 
-    def _buffers(self, Bp: int, P: int, K: int) -> dict[str, torch.Tensor]:
-        """Graph inputs and outputs, grown (and graphs dropped) when a step needs more."""
-        b = self.bufs
-        shape = (Bp, P, K)
-        if not b or any(x > y for x, y in zip(shape, b["shape"])):
-            d = self.drafter
-            dev, V = d.policy.device, d.policy.cfg.vocab_size
-            B2, P2, K2 = (max(x, y) for x, y in zip(shape, b.get("shape", shape)))
+    def _drop_graphs(self) -> None:
+        if self.graphs:
             self.graphs.clear()
-            b = self.bufs = {
-                "shape": (B2, P2, K2),
-                "feats": torch.zeros(B2, P2, d.head.feature_size, dtype=d.dtype, device=dev),
-                "ints": torch.zeros(B2, P2 + NUM_INTS, dtype=torch.long, device=dev),  # tokens | NUM_INTS
-                "uniforms": torch.zeros(B2, K2, device=dev),
-                "temperature": torch.zeros(B2, device=dev),
-                "tokens": torch.zeros(B2, K2, dtype=torch.long, device=dev),
-                "probs": torch.zeros(B2, K2, V, device=dev),
-                "new_lens": torch.zeros(B2, dtype=torch.long, device=dev),
-                "draft_lens": torch.zeros(B2, dtype=torch.long, device=dev),
-                "steps": torch.arange(max(P2, K2) + 1, device=dev),
-                "rows": torch.arange(B2, device=dev),
-                "slots": torch.arange(2 * d.policy.cfg.max_position, device=dev),
-            }
+            self.shapes.num_rebuilds += 1
+
+    def _buffers(self, K: int, P: int | None = None) -> dict[str, torch.Tensor]:
+        """The graph buffers of draft length K (P = K + 1 pairs; K = 0: catch-up, CHUNK pairs), made on first
+        use; with P given (an uncaptured step of a longer backlog), scratch buffers for this step alone."""
+        b = self.bufs.get(K) if P is None else None
+        if b is not None:
+            return b
+        d = self.drafter
+        dev, V, B = d.policy.device, d.policy.cfg.vocab_size, self.cache.max_batch
+        P = P if P is not None else (K + 1 if K else CHUNK)
+        b = {
+            "P": P,
+            "feats": torch.zeros(B, P, d.head.feature_size, dtype=d.dtype, device=dev),
+            "ints": torch.zeros(B, P + NUM_INTS, dtype=torch.long, device=dev),  # tokens | NUM_INTS
+            "uniforms": torch.zeros(B, K, device=dev),
+            "temperature": torch.zeros(B, device=dev),
+            "tokens": torch.zeros(B, K, dtype=torch.long, device=dev),
+            "probs": torch.zeros(B, K, V, device=dev),
+            "new_lens": torch.zeros(B, dtype=torch.long, device=dev),
+            "draft_lens": torch.zeros(B, dtype=torch.long, device=dev),
+            "steps": torch.arange(max(P, K) + 1, device=dev),
+            "rows": torch.arange(B, device=dev),
+            "slots": torch.arange(self.cache.max_len, device=dev),
+        }
+        if (K + 1 if K else CHUNK) == P:
+            self.bufs[K] = b
         return b
 
-    def _layer(self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+    # --- the step ------------------------------------------------------------------------------------
+    def _layer(self, b, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
                ) -> torch.Tensor:
         """The head's decoder layer (drafter.draft.head.Eagle3Layer) on the static cache: (B, T, D) -> (B, T, D)."""
         head = self.drafter.head
@@ -106,27 +118,29 @@ class DraftGraphs:
         x_in = layer.attn_input(flat, embeds.reshape(B * T, D))  # (B*T, 2D)
         attn = layer.self_attn
         out = attend(attn.qkv_proj(x_in), rope, self._rotate, cache_l, keys, values,
-                     self.bufs["rows"][:B].view(B, 1), positions, mask, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim))
+                     b["rows"][:B].view(B, 1), positions, mask, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim))
         x = torch.addmm(flat, out, attn.o_proj.weight.t())  # residual + o_proj
         gate, up = layer.mlp.gate_up_proj(layer.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x.addmm_(F.silu(gate) * up, layer.mlp.down_proj.weight.t()).view(B, T, D)
 
-    def _step(self, Bp: int, P: int, K: int, S: int, greedy: bool, any_greedy: bool, truncates: bool) -> None:
-        """Feed P pending pairs per row, then draft K tokens: everything on the device (capturable)."""
-        d, b = self.drafter, self.bufs
+    def _step(self, b: dict, Bp: int, K: int, S: int, greedy: bool, any_greedy: bool, truncates: bool) -> None:
+        """Feed b's P pending pairs per row, then draft K tokens: everything on the device (capturable)."""
+        d, P = self.drafter, b["P"]
         head = d.head
-        h, layer = head.policy_cfg.num_kv_heads, self._caches[Bp].kv[0]  # (Bp, 2Hkv, G, S_max, D)
-        self._views = (layer, layer[:, :h].flatten(1, 2)[:, :, :S], layer[:, h:].flatten(1, 2)[:, :, :S])
+        h, layer = head.policy_cfg.num_kv_heads, self.cache.kv[0]  # (B_max, 2Hkv, G, S_max, D)
+        self._views = (layer, layer[:Bp, :h].flatten(1, 2)[:, :, :S], layer[:Bp, h:].flatten(1, 2)[:, :, :S])
         ints = b["ints"][:Bp]
         toks, num_pending, lens, caps = ints[:, :P], ints[:, P], ints[:, P + 1], ints[:, P + 2]
         slots = b["slots"][:S]
         positions = lens.view(Bp, 1) + b["steps"][:P].view(1, P)  # (Bp, P)
-        hidden = head.fuse(b["feats"][:Bp, :P])  # (Bp, P, 4D) -> (Bp, P, D)
+        hidden = head.fuse(b["feats"][:Bp])  # (Bp, P, 4D) -> (Bp, P, D)
         embeds = d.policy.embed_tokens(toks).to(d.dtype)
-        out = self._layer(hidden, embeds, positions, additive_mask(slots, positions, d.dtype))  # (Bp, P, D)
-        pred = out.gather(1, (num_pending - 1).clamp(min=0).view(Bp, 1, 1).expand(Bp, 1, out.shape[-1]))
+        out = self._layer(b, hidden, embeds, positions, additive_mask(slots, positions, d.dtype))  # (Bp, P, D)
         pos = lens + num_pending  # (Bp,): the first speculative slot
         b["new_lens"][:Bp].copy_(pos)
+        if K == 0:
+            return
+        pred = out.gather(1, (num_pending - 1).clamp(min=0).view(Bp, 1, 1).expand(Bp, 1, out.shape[-1]))
         b["draft_lens"][:Bp].copy_(torch.where(num_pending > 0, caps.clamp(max=K), 0))
         chain = pos.view(Bp, 1) + b["steps"][:K].view(1, K)  # (Bp, K): draft step j writes slot pos + j
         chain_mask = additive_mask(slots, chain, d.dtype)  # (Bp, 1, K, S)
@@ -150,33 +164,55 @@ class DraftGraphs:
             tokens[:, j] = x
             if j + 1 < K:
                 embeds = d.policy.embed_tokens(x.view(Bp, 1)).to(d.dtype)
-                pred = self._layer(pred, embeds, chain[:, j : j + 1], chain_mask[:, :, j : j + 1])
+                pred = self._layer(b, pred, embeds, chain[:, j : j + 1], chain_mask[:, :, j : j + 1])
 
-    def propose(self, caps: list[int], sampling: BatchSampling, uniforms: torch.Tensor | None) -> Proposal:
+    def _run(self, b: dict, key: tuple, captured: bool) -> None:
+        """Replay the graph of `key` (captured on first use, with every slot bucket of its shape: the batch goes
+        through them all), or run the step uncaptured."""
+        if not captured:
+            self._step(b, *key)
+            return
+        if key not in self.graphs:
+            Bp, K, _, *mode = key
+            for s in slot_buckets(self.cache.max_len):
+                self._capture(b, (Bp, K, s, *mode))
+        self.graphs[key].replay()
+
+    # --- propose -------------------------------------------------------------------------------------
+    def propose(self, caps: list[int], sampling: BatchSampling, uniforms: torch.Tensor | None, K: int) -> Proposal:
         d, rows = self.drafter, self.drafter.rows
-        B, K = len(caps), max(caps)
+        B = len(caps)
         device, V = d.policy.device, d.policy.cfg.vocab_size
         num_pending = [len(t) for t in rows.pending_tokens]
-        P = max(num_pending)
-        if P == 0 or K == 0:
+        if max(num_pending) == 0 or K == 0:
             return Proposal(torch.zeros(B, K, dtype=torch.long, device=device),
                             torch.zeros(B, dtype=torch.long, device=device),
-                            None if sampling.all_greedy else torch.zeros(B, K, V, device=device))
+                            None if sampling.all_greedy else torch.zeros(B, K, V, device=device), host_lens=[0] * B)
         # a row's head cache holds every true pair not pending: known here, never read back
         lens = [len(h) - n for h, n in zip(rows.history_tokens, num_pending)]
         Bp = batch_bucket(B)
-        truncates = sampling.truncates(d.head.lm_head.weight.shape[0])
-        captured = self.cuda_graphs and P <= K + 1 and not truncates
-        P = K + 1 if captured else P  # captured steps feed a fixed k + 1 pairs per row, padded
-        cache = self._cache(Bp, max(lens) + P + K + 1)
-        S = slot_bucket(max(lens) + P + K, cache.max_len)
-        b = self._buffers(Bp, P, K)
+        cache = self._ensure(Bp, max(lens) + max(num_pending) + CHUNK + 2 * K + 2)
+        rows.cache = cache
         if self._head is not d.head:  # graphs read the head's weights by address
-            self.graphs.clear()
+            self._drop_graphs()
             self._head = d.head
             self._rotate = rotate_half_matrix(d.head.policy_cfg.head_dim, d.dtype, device)
             self._rotated = rotated_heads(d.head.policy_cfg.num_heads, d.head.policy_cfg.num_kv_heads, device)
-        self._fill(b, Bp, P, num_pending, lens, caps)
+        truncates = sampling.truncates(d.head.lm_head.weight.shape[0])
+        captured = self.cuda_graphs and not truncates and K + 1 <= CHUNK
+        done = [0] * B  # pairs of each row fed so far this step
+        if captured:  # the backlog beyond the last k + 1 pairs, in captured chunks
+            backlog = [max(n - (K + 1), 0) for n in num_pending]
+            while any(x > y for x, y in zip(backlog, done)):
+                counts = [min(CHUNK, x - y) for x, y in zip(backlog, done)]
+                b = self._buffers(0)
+                self._fill(b, Bp, done, counts, lens, [0] * B)
+                self._run(b, (Bp, 0, self._slots(lens, done, CHUNK, 0), True, True, False), True)
+                done = [x + y for x, y in zip(done, counts)]
+        counts = [n - x for n, x in zip(num_pending, done)]
+        P = max(counts)
+        b = self._buffers(K) if P <= K + 1 else self._buffers(K, P)
+        self._fill(b, Bp, done, counts, lens, caps)
         greedy = sampling.all_greedy
         if not greedy:
             b["temperature"][:Bp].zero_()
@@ -184,54 +220,53 @@ class DraftGraphs:
             b["uniforms"][:B, :K].copy_(uniforms[:, :K])
         if truncates:
             self._truncating = _padded(sampling, Bp)
-        key = (Bp, P, K, S, greedy, sampling.any_greedy, truncates)
-        if captured:
-            if key not in self.graphs:  # every slot bucket of this shape at once: the batch goes through them
-                for s in slot_buckets(cache.max_len):
-                    self._capture((Bp, P, K, s, *key[4:]))
-            self.graphs[key].replay()
-        else:
-            self._step(*key)
+        key = (Bp, K, self._slots(lens, done, b["P"], K), greedy, sampling.any_greedy, truncates)
+        self._run(b, key, captured and b["P"] == K + 1)
         cache.lens = b["new_lens"][:B].clone()
         rows.clear_pending(d._empty())
         host_lens = [min(c, K) if n > 0 else 0 for c, n in zip(caps, num_pending)]
         return Proposal(b["tokens"][:B, :K].clone(), b["draft_lens"][:B].clone(),
                         None if greedy else b["probs"][:B, :K].clone(), host_lens=host_lens)
 
-    def _fill(self, b: dict, Bp: int, P: int, num_pending: list[int], lens: list[int], caps: list[int]) -> None:
-        """The step's inputs into the graph's buffers: pending features (one copy when they are one step's
-        output), and tokens and counts in one host-to-device copy."""
-        rows, B = self.drafter.rows, len(num_pending)
-        feats = b["feats"][:Bp, :P]
+    def _slots(self, lens: list[int], done: list[int], P: int, K: int) -> int:
+        """The slot bucket a step reads: past every position it writes (pairs padded to P, then K drafts)."""
+        return slot_bucket(max(n + x for n, x in zip(lens, done)) + P + K, self.cache.max_len)
+
+    def _fill(self, b: dict, Bp: int, start: list[int], counts: list[int], lens: list[int], caps: list[int]) -> None:
+        """Rows' pending pairs [start, start + count) into b (one copy when they are one step's output whole),
+        with tokens and counts in one host-to-device copy; padded rows feed and draft nothing."""
+        rows, B, P = self.drafter.rows, len(counts), b["P"]
+        feats = b["feats"][:Bp]
         fresh = rows.fresh
-        if fresh is not None and fresh[0].shape[0] == B:
+        if fresh is not None and fresh[0].shape[0] == B and not any(start) and counts == fresh[1]:
             n = min(fresh[0].shape[1], P)
             feats[:B, :n] = fresh[0][:, :n]  # past a row's count: pairs the mask and the gather never use
         else:
             empty = self.drafter._empty()
             for r in range(B):
-                t = rows.pending_hidden(r, empty)
-                if len(t):
-                    feats[r, : len(t)] = t
+                if counts[r]:
+                    feats[r, : counts[r]] = rows.pending_hidden(r, empty)[start[r] : start[r] + counts[r]]
         pad = [0] * P
-        host = [(t + pad)[:P] + [n, s, c] for t, n, s, c in zip(rows.pending_tokens, num_pending, lens, caps)]
+        host = [(t[s : s + c] + pad)[:P] + [c, n + s, cap]
+                for t, s, c, n, cap in zip(rows.pending_tokens, start, counts, lens, caps)]
         host += [pad + [0] * NUM_INTS] * (Bp - B)  # padded rows: nothing pending, nothing drafted
         b["ints"][:Bp, : P + NUM_INTS].copy_(torch.tensor(host, dtype=torch.long, device="cpu"), non_blocking=True)
 
-    def _capture(self, key: tuple) -> None:
+    def _capture(self, b: dict, key: tuple) -> None:
         """Capture one shape. Its warm-up runs on the step's real inputs (what it writes, the replay that
         follows writes again)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm up outside the capture (idempotent: same inputs, same writes)
-            self._step(*key)
+            self._step(b, *key)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self._step(*key)
+            self._step(b, *key)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[key] = graph
+        self.shapes.num_captures += 1
 
 
 def _padded(sampling: BatchSampling, Bp: int) -> BatchSampling:

@@ -35,14 +35,16 @@ class Drafter(ABC):
     aux_layers: tuple[int, ...] | None = None  # the policy layers those features carry (EAGLE-3's aux states)
     name: str = "drafter"
 
-    def begin(self, prompts: list[list[int]], prefill_hidden: torch.Tensor | None) -> None:
-        """A new batch starts. prefill_hidden (B, P, F): the policy's features at prompt[:-1], right-padded."""
+    def begin(self, prompts: list[list[int]], prefill_hidden: torch.Tensor | None, max_len: int = 0) -> None:
+        """A new batch starts. prefill_hidden (B, P, F): the policy's features at prompt[:-1], right-padded.
+        max_len: the policy cache's slots per row (no row grows past it), for drafters that size a cache."""
         return None
 
     @abstractmethod
     def propose(self, contexts: list[list[int]], caps: list[int], sampling: BatchSampling,
-                uniforms: torch.Tensor | None) -> Proposal:
-        """Draft up to caps[b] tokens after contexts[b]; uniforms (B, k) drive sampled drafts."""
+                uniforms: torch.Tensor | None, width: int | None = None) -> Proposal:
+        """Draft up to caps[b] tokens after contexts[b]; uniforms (B, k) drive sampled drafts. width: the
+        proposal's columns (the engine's k, which every step of a draft length keeps; None: max(caps))."""
 
     def tree_for(self, k: int, batch_size: int = 1):
         """The draft tree (drafter.decode.tree.Tree) this drafter proposes for draft depth k with batch_size
@@ -64,13 +66,30 @@ class Drafter(ABC):
         """Keep only `rows` of the batch, in that order."""
         return None
 
+    def shape_counts(self):
+        """The drafter's static-path counters (drafter.decode.static.ShapeCounts), None where it keeps none."""
+        return None
 
-def pad_proposal(drafts: list[list[int]], device: torch.device | str = "cpu") -> Proposal:
-    """Token lists as a Proposal on `device`, right-padded with 0."""
-    width = max((len(d) for d in drafts), default=0)
+
+def pad_proposal(drafts: list[list[int]], device: torch.device | str = "cpu", width: int | None = None
+                 ) -> Proposal:
+    """Token lists as a Proposal on `device`, right-padded with 0 to `width` (None: the longest)."""
+    width = max((len(d) for d in drafts), default=0) if width is None else width
     tokens = torch.tensor([d + [0] * (width - len(d)) for d in drafts], dtype=torch.long, device=device)
     lens = torch.tensor([len(d) for d in drafts], dtype=torch.long, device=device)
     return Proposal(tokens.view(len(drafts), width), lens, None)
+
+
+def widen(prop: Proposal, width: int) -> Proposal:
+    """`prop` with exactly `width` draft columns (a drafter may return fewer: padded with token 0, q 0)."""
+    have = prop.tokens.shape[1]
+    if have > width:
+        raise ValueError(f"the drafter proposed {have} tokens per row; at most {width} were asked for")
+    if have == width:
+        return prop
+    probs = None if prop.probs is None else torch.nn.functional.pad(prop.probs, (0, 0, 0, width - have))
+    return Proposal(torch.nn.functional.pad(prop.tokens, (0, width - have)), prop.lens, probs, prop.valid,
+                    prop.host_lens)
 
 
 class NgramDrafter(Drafter):
@@ -96,5 +115,5 @@ class NgramDrafter(Drafter):
                 return seq[start : start + k].tolist()
         return []
 
-    def propose(self, contexts, caps, sampling, uniforms) -> Proposal:
-        return pad_proposal([self.lookup(c, cap) for c, cap in zip(contexts, caps)])
+    def propose(self, contexts, caps, sampling, uniforms, width=None) -> Proposal:
+        return pad_proposal([self.lookup(c, cap) for c, cap in zip(contexts, caps)], width=width)

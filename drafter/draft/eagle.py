@@ -86,9 +86,13 @@ class EagleDrafter(Drafter):
         self.pending = PendingSwap()
         self.swaps = SwapStats()
         self.rows = DraftRows()
-        # static: chains drafted on drafter.draft.draft_graphs' path (bucketed head cache, CUDA graphs on a GPU); None
-        # chooses it on CUDA. It drafts chains only: no tree is proposed while it is on
-        on = policy.device.type == "cuda" if static is None else bool(static)
+        # static: chains drafted on drafter.draft.draft_graphs' path (one head cache kept between calls, CUDA graphs
+        # on a GPU); None chooses it wherever it applies, as the engine does: on CUDA, and on a CPU unless a tree
+        # or int8 weights (CPU-only, eager) are asked for. It drafts chains only: no tree is proposed while it is on
+        on = (policy.device.type == "cuda" or not (any(w > 1 for w in self.tree_widths) or self.int8)) \
+            if static is None else bool(static)
+        if on and self.int8:
+            raise ValueError("int8 drafting runs on the eager path only: leave static unset (None) or False")
         self.graphs = DraftGraphs(self, policy.device.type == "cuda") if on else None
         self.rows.static = on
         # held by every step of the decode loop that touches the draft state (begin, propose,
@@ -155,9 +159,11 @@ class EagleDrafter(Drafter):
         self.rows.replay(self._empty())
         self.swaps.record(self.version, time.perf_counter() - start)
 
-    def begin(self, prompts, prefill_hidden) -> None:
+    def begin(self, prompts, prefill_hidden, max_len: int = 0) -> None:
         with self._serve_lock:
             self.rows.begin(prompts, prefill_hidden, self._empty())
+            if self.graphs is not None:
+                self.graphs.begin(len(prompts), max_len)
 
     def observe(self, new_tokens, hidden) -> None:
         with self._serve_lock:
@@ -166,6 +172,9 @@ class EagleDrafter(Drafter):
     def keep_rows(self, rows: torch.Tensor) -> None:
         with self._serve_lock:
             self.rows.keep(rows)
+
+    def shape_counts(self):
+        return self.graphs.shapes if self.graphs is not None else None
 
     def _empty(self) -> torch.Tensor:
         return torch.zeros(0, self.head.feature_size, dtype=self.policy.dtype, device=self.policy.device)
@@ -176,9 +185,9 @@ class EagleDrafter(Drafter):
             return None
         return Tree.for_k(k, self.tree_widths, self.tree_side_depth)
 
-    def propose(self, contexts, caps, sampling: BatchSampling, uniforms) -> Proposal:
+    def propose(self, contexts, caps, sampling: BatchSampling, uniforms, width: int | None = None) -> Proposal:
         with self._serve_lock:
-            return self._propose(contexts, caps, sampling, uniforms)
+            return self._propose(contexts, caps, sampling, uniforms, width=width)
 
     def propose_tree(self, contexts, caps, sampling: BatchSampling, uniforms, tree: Tree) -> Proposal:
         with self._serve_lock:
@@ -210,14 +219,15 @@ class EagleDrafter(Drafter):
         return pred, num_pending, cache
 
     @torch.inference_mode()
-    def _propose(self, contexts, caps, sampling: BatchSampling, uniforms, tree: Tree | None = None) -> Proposal:
+    def _propose(self, contexts, caps, sampling: BatchSampling, uniforms, tree: Tree | None = None,
+                 width: int | None = None) -> Proposal:
         self._apply_swap()
         if tree is not None:
             return self._propose_tree(contexts, caps, sampling, uniforms, tree)
         if self.graphs is not None:
-            return self.graphs.propose(caps, sampling, uniforms)
+            return self.graphs.propose(caps, sampling, uniforms, max(caps) if width is None else width)
         B, device = len(contexts), self.policy.device
-        K = max(caps)
+        K = max(caps) if width is None else width
         vocab_ids = self.head.vocab_ids
         tokens = torch.zeros(B, K, dtype=torch.long, device=device)
         probs = None if sampling.all_greedy else torch.zeros(B, K, self.policy.cfg.vocab_size, device=device)

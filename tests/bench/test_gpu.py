@@ -77,12 +77,22 @@ def test_the_cpu_form_runs_end_to_end_without_the_control_planes_packages(tmp_pa
     # the batch sweep: each arm at each batch size, plain the reference; greedy speculation is lossless
     sweep = result["batch_sweep"]
     assert set(sweep["table"]["temp1"]) == {"b1", "b2"} and sweep["table"]["temp1"]["b2"]["plain"]["ratio"] == 1.0
-    assert result["adaptive_min_ratio"] == min(r["adaptive"]["ratio"] for r in sweep["table"]["temp1"].values())
-    assert result["greedy_identical"] is True and sweep["greedy_compared"] == 2 * (1 + 2)  # 2 arms, b1 + b2 rows
+    cells = [r for out in (sweep, result["batch_sweep_bf16"]) for t in out["table"].values() for r in t.values()]
+    assert result["adaptive_min_ratio"] == min(r["adaptive"]["over_best"] for r in cells)
+    assert result["greedy_identical_fraction"] == result["greedy_identical_fraction_bf16"] == 1.0
+    assert sweep["greedy_compared"] == 2 * (1 + 2)  # 2 arms, b1 + b2 rows
+    cell = sweep["table"]["greedy"]["b2"]
+    assert result["spec_step_cost_k4_b2"] == cell["k4"]["spec_step_cost"] > 0 and "speedup_k4_t1_b1_bf16" in result
+    assert cell["plain"]["host_reads_per_step"] == 1.0  # one blocking read per decode step
+    # warm-ups identical to the timed runs: nothing captured or rebuilt inside them, in any part
+    assert result["graph_captures_timed"] == 0 and result["cache_rebuilds_timed"] == 0
+    assert result["profile_b4"]["steps"] > 0 and result["profile_b4"]["top"]
     # the long tail: 2 prompts x 2 responses per arm
     tail = result["longtail"]
     assert tail["num_responses"] == 4 and tail["table"]["plain"]["max_response_tokens"] <= 16
     assert tail["tuner"] == "the batch sweep's, T=1"  # a worker's tuner, which has seen every batch size
+    tail_accepted = result["longtail_tail_accepted_length"]
+    assert result["tuner_prior"]["acceptance"] >= 0 and (tail_accepted is None or tail_accepted >= 1.0)
     assert result["longtail_rollout_speedup"] == pytest.approx(
         tail["table"]["plain"]["rollout_s"] / tail["table"]["adaptive"]["rollout_s"], rel=0.01)
     assert result["train_fp32_tokens_per_s"] > 0 and result["train_bf16_tokens_per_s"] > 0

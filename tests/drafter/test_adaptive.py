@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from drafter.draft.adaptive import DraftLengthTuner, FixedDraftLength, arms_for, bucket_of
+from drafter.draft.adaptive import DraftLengthTuner, FixedDraftLength, StepCostPrior, arms_for, bucket_of
 
 
 def run(tuner, rates: dict[int, float], batch_size: int, num_steps: int, rng: random.Random,
@@ -39,10 +39,9 @@ def test_buckets_and_arms():
 
 
 def test_explores_every_arm_first_and_respects_k_max():
-    tuner = DraftLengthTuner(3, num_tries=2)
+    tuner = DraftLengthTuner(3, num_tries=2, min_row_samples=0)
     chosen = run(tuner, {0: 100, 1: 120, 2: 130, 3: 125}, 1, 8, random.Random(0))
-    assert sorted(chosen) == [0, 0, 1, 1, 2, 2, 3, 3]  # every arm its forced tries, round robin
-    assert chosen[:4] == [0, 1, 2, 3]
+    assert chosen == [0, 0, 1, 1, 2, 2, 3, 3]  # every arm its forced tries, each in a run
     assert max(run(tuner, {0: 100, 1: 120, 2: 130, 3: 125}, 1, 500, random.Random(1))) <= 3
 
 
@@ -112,7 +111,7 @@ def test_a_new_draft_is_retried_and_can_win():
     assert tuner.best(1) == 0
     tuner.new_draft()
     chosen = run(tuner, {0: 30, 1: 40, 2: 55}, 1, 200, rng)
-    assert sorted(chosen[:2]) == [1, 2]  # each speculative arm retried at once
+    assert sorted(chosen[:32]) == [1] * 16 + [2] * 16 and len(set(chosen[:16])) == 1  # retried at once, in runs
     assert tuner.best(1) == 2 and chosen[-50:].count(2) >= 45
 
 
@@ -124,3 +123,38 @@ def test_fixed_draft_length_measures_per_bucket():
     fixed.new_draft()
     assert fixed.summary() == {"1": 2, "33+": 2}
     assert fixed.throughput() == {"1": {2: pytest.approx(30.0)}, "33+": {2: pytest.approx(40.0)}}
+
+
+def test_the_prior_reads_a_calibrated_score_and_shrinks_with_the_batch():
+    prior = StepCostPrior.from_accepted_length(2.5, 4)
+    assert prior.expected_tokens(4) == pytest.approx(2.5, abs=1e-6)
+    gains = [prior.gain(b, 4) for b in (1, 4, 16, 64)]
+    assert gains == sorted(gains, reverse=True) and gains[0] > 1.5 and gains[-1] < 1.0
+    with pytest.raises(ValueError, match="accepted_length"):
+        StepCostPrior.from_accepted_length(6.0, 4)
+    with pytest.raises(ValueError, match="acceptance"):
+        StepCostPrior(acceptance=1.0)
+    with pytest.raises(ValueError, match="run_length"):
+        DraftLengthTuner(2, run_length=1)
+
+
+def test_a_draft_the_prior_expects_to_pay_serves_from_the_first_step():
+    """A strong draft's prior: bucket 1 (the tail) and 3-4 speculate at once, before anything is measured there;
+    at batch 64 speculation loses, and after its forced tries the tuner decodes plainly."""
+    tuner = DraftLengthTuner(4, prior=StepCostPrior.from_accepted_length(3.0, 4))
+    rng = random.Random(8)
+    assert run(tuner, {0: 100, 1: 150, 2: 190, 4: 230}, 1, 1, rng) == [4]
+    assert run(tuner, {0: 100, 1: 140, 2: 170, 4: 190}, 4, 1, rng)[0] > 0
+    chosen = run(tuner, {0: 1000, 1: 800, 2: 700, 4: 500}, 64, 300, rng)
+    assert 4 not in chosen and chosen[-250:].count(0) >= 245  # the prior never expected k=4 to pay there
+
+
+@pytest.mark.parametrize(("pays", "expect_spec"), [(True, True), (False, False)])
+def test_the_tuner_follows_a_fake_clock_not_its_prior(pays, expect_spec):
+    """The prior only orders the first tries: where the clock says speculation pays the tuner speculates, where
+    it says it does not the tuner refuses it, whatever the prior expected."""
+    tuner = DraftLengthTuner(2, prior=StepCostPrior(acceptance=0.6))
+    rates = {0: 100, 1: 130, 2: 160} if pays else {0: 100, 1: 70, 2: 50}
+    chosen = run(tuner, rates, 2, 600, random.Random(9))
+    assert (tuner.best(2) > 0) == expect_spec
+    assert chosen[-100:].count(tuner.best(2)) >= 95

@@ -52,14 +52,15 @@ def test_greedy_speculative_equals_plain(tiny, drafter_name, k, lengths, device)
 
 
 class CycleK:
-    """A chooser that switches the draft length every step, through `ks` (0 included), and logs the steps."""
+    """A chooser that switches the draft length through `ks` (0 included), and logs the steps it is told of."""
 
     def __init__(self, ks: list[int]) -> None:
-        self.ks, self.num_steps, self.log = ks, 0, []
+        self.ks, self.num_steps, self.log, self.chosen = ks, 0, [], []
 
     def choose(self, batch_size: int) -> int:
         self.num_steps += 1
-        return self.ks[(self.num_steps - 1) % len(self.ks)]
+        self.chosen.append(self.ks[(self.num_steps - 1) % len(self.ks)])
+        return self.chosen[-1]
 
     def record(self, batch_size: int, k: int, num_tokens: int, seconds: float) -> None:
         self.log.append((batch_size, k, num_tokens, seconds))
@@ -68,7 +69,8 @@ class CycleK:
 @pytest.mark.parametrize("drafter_name", ["ngram", "eagle", "eagle-tree"])
 def test_greedy_adaptive_draft_length_equals_plain(tiny, drafter_name, device):
     """k switching step to step (0, the most, between; a tree at small batches) leaves greedy outputs
-    identical to plain decoding; the chooser hears every step, capped at the engine's k."""
+    identical to plain decoding; the chooser hears of the steady steps only (the same k as the step before, no
+    capture or rebuild: on a CPU exactly those), capped at the engine's k."""
     model = on(tiny, device)
     engine = Engine(model, **(EAGER if drafter_name == "eagle-tree" else {}))
     requests = greedy_requests(random_prompts(LENGTHS_8, tiny.cfg.vocab_size, seed=11))
@@ -76,12 +78,15 @@ def test_greedy_adaptive_draft_length_equals_plain(tiny, drafter_name, device):
     drafter = (EagleDrafter(model, EagleHead(tiny.cfg), tree="3,2", **EAGER) if drafter_name == "eagle-tree"
                else make_drafter(drafter_name, model))
     assert drafter_name != "eagle-tree" or drafter.tree_for(4, 1) is not None
-    cycle = CycleK([0, 4, 1, 0, 9, 2, 3])
+    cycle = CycleK([0, 0, 4, 4, 1, 1, 0, 9, 4, 2, 2, 3, 3, 3])
     spec = engine.generate(requests, k=4, drafter=drafter, tuner=cycle)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert [o.finish_reason for o in spec] == [o.finish_reason for o in plain]
-    assert len(cycle.log) == cycle.num_steps and {k for _, k, _, _ in cycle.log} == {0, 1, 2, 3, 4}
-    assert sum(n for _, _, n, _ in cycle.log) == sum(len(o.token_ids) for o in plain)
+    served = [min(k, 4) for k in cycle.chosen]
+    steady = [k for prev, k in zip(served, served[1:]) if k == prev]
+    assert {k for _, k, _, _ in cycle.log} == {0, 1, 2, 3, 4} and len(cycle.log) <= len(steady)
+    if device == "cpu":  # no graph to capture: every step that kept its k is steady
+        assert [k for _, k, _, _ in cycle.log] == steady
     assert all(s > 0 for *_, s in cycle.log) and cycle.log[0][0] == len(requests)
     tuner = DraftLengthTuner(4)
     adaptive = engine.generate(requests, k=4, drafter=make_drafter(drafter_name.removesuffix("-tree"), model),

@@ -97,7 +97,7 @@ class NoisyPolicyDrafter(Drafter):
         logits, _ = self.model(ids, torch.arange(L).expand(B, L), self.model.new_cache(B, L))
         return token_probs(logits[torch.arange(B), lens - 1].unsqueeze(1), sampling_)[:, 0]  # (B, V)
 
-    def propose(self, contexts, caps, sampling_, uniforms):
+    def propose(self, contexts, caps, sampling_, uniforms, width=None):
         B, K = len(contexts), max(caps)
         ctx = [list(c) for c in contexts]
         tokens = torch.zeros(B, K, dtype=torch.long)
