@@ -17,8 +17,12 @@ uvicorn on loopback (scheduler.demo.start_server), with an API token.
     memory at its first step; crafted cursors, ranges and malformed framing never a 5xx.
 (7) queue (bench/faults_queue.py): N + 3 one-GPU jobs on N GPUs: N run, 3 wait QUEUED without a driver, all finish
     in order. Leaks (bench/faults_service.py): every anonymous route and error scanned.
-(8) liveness: /healthz with Redis hung; a real `tlt serve`: clients that never finish their headers, both framings,
-    SIGTERM with clients polling (exit code, 5xx, processes left).
+    A 25 s submit-and-cancel storm from 4 clients: jobs that started before one submitted earlier.
+(8) liveness: /healthz with Redis hung; a real `tlt serve`: clients that never finish their headers, a body that stops
+    short of its Content-Length, both framings, SIGTERM with clients polling (exit code, 5xx, processes left), to
+    the scheduler alone, then (another one) to its whole process group, its private redis-server and Ray's included.
+(9) restart (bench/faults_restart.py): one GPU, a job running and two queued, SIGTERM and a new scheduler on the
+    same Redis: GPUs over-committed, seconds until the resumed job steps again; then SIGTERM to its process group.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from bench.faults_count import (
     NUM_CLUSTER_GPUS,
     NUM_EXTRA_JOBS,
     TOKEN,
+    collect_figures,
     goals_met,
     is_server_error,
     leak_markers,
@@ -186,7 +191,9 @@ def bench_faults(num_requests: int = 1200) -> dict:
 
     from bench import faults_budget, faults_service
     from bench import faults_live as live
-    from bench.faults_queue import queue_case
+    from bench.faults_queue import queue_case, storm
+    from bench.faults_restart import restart_with_queue
+    from bench.faults_sockets import slow_clients, smuggling, stalled_body
     from scheduler.app import Settings
     from scheduler.demo import start_server
     from scheduler.serve import HEADER_TIMEOUT_S
@@ -232,6 +239,8 @@ def bench_faults(num_requests: int = 1200) -> dict:
                     log(f"(7) queue: {NUM_CLUSTER_GPUS} GPUs, {NUM_CLUSTER_GPUS + NUM_EXTRA_JOBS} one-GPU jobs; leaks")
                     with httpx.Client(base_url=url, timeout=60) as client:
                         result["queue"] = queue_case(client, AUTH, NUM_CLUSTER_GPUS)
+                        log("    a 25 s submit-and-cancel storm from 4 clients")
+                        result["storm"] = storm(url, AUTH)
                         redis_port = redis_server.url.rsplit(":", 1)[1].split("/")[0]
                         result["leaks"] = faults_service.anonymous_leaks(
                             client, some_job, TOKEN, (*markers, str(work_dir), f"127.0.0.1:{redis_port}"))
@@ -242,37 +251,24 @@ def bench_faults(num_requests: int = 1200) -> dict:
         finally:
             ray.shutdown()
         try:
-            log("(8) liveness with Redis hung; a real tlt serve: slow clients, both framings, SIGTERM")
+            log("(8) liveness with Redis hung; a real tlt serve: slow clients, a stalled body, both framings, SIGTERM")
             result["liveness"] = faults_service.healthz_with_redis_hung(str(work_dir / "liveness"))
             (work_dir / "serve").mkdir()
             with faults_service.served(work_dir / "serve") as (proc, port, serve_url, _):
-                result["slow_clients"] = faults_service.slow_clients(port, NUM_SLOW_CLIENTS, HEADER_TIMEOUT_S + 3)
-                result["smuggling"] = faults_service.smuggling(port)
+                result["slow_clients"] = slow_clients(port, NUM_SLOW_CLIENTS, HEADER_TIMEOUT_S + 3)
+                result["stalled_body"] = stalled_body(port)
+                result["smuggling"] = smuggling(port)
                 result["shutdown"] = faults_service.sigterm(proc, serve_url)
+            with faults_service.served(work_dir / "serve") as (proc, _, serve_url, _):  # its Redis in the group too
+                result["shutdown_group"] = faults_service.sigterm(proc, serve_url, is_group=True)
+            log("(9) a restart with a queue on one GPU, then SIGTERM to the process group")
+            (work_dir / "restart").mkdir()
+            with PrivateRedis() as redis_server:
+                result["restart"] = restart_with_queue(work_dir / "restart", redis_server.url)
         finally:
             shutil.rmtree(work_dir, ignore_errors=True)
     result["fuzz"] = tally.to_dict()
-    hostile, sweep = result["hostile"], result["sweep"]
-    figures = {"fuzz_requests": tally.num_requests, "fuzz_server_errors": tally.num_server_errors,
-               "schema_violations": tally.num_schema_violations,
-               "hostile_inputs_accepted": hostile["num_accepted"],
-               "tracebacks_exposed": tally.num_leaks + hostile["num_leaks"] + sweep["num_leaks"],
-               "redis_outage_jobs_lost": result["redis_outage"]["jobs_lost"],
-               "redis_recovery_s": result["redis_outage"]["recovery_s"],
-               "redis_outage_rollouts_lost": result["redis_outage"]["rollouts_lost"],  # reported, no goal
-               "driver_kill_steps_lost": result["driver_kill"]["steps_lost"],
-               "idempotent_duplicates": result["idempotency"]["duplicates"],
-               "oversized_jobs_accepted": result["budget"]["oversized_jobs_accepted"],
-               "driver_rss_mb_before_first_step": result["budget"]["driver_rss_mb_before_first_step"],
-               "queued_jobs_without_driver": result["queue"]["queued_jobs_without_driver"],
-               "queue_fcfs_violations": result["queue"]["fcfs_violations"],
-               **{k: result["shutdown"][k] for k in ("sigterm_exit_code", "sigterm_5xx", "processes_left_after_exit")},
-               "anonymous_leaks": result["leaks"]["anonymous_leaks"],
-               "slow_clients_held": result["slow_clients"]["num_held"],
-               "healthz_p99_s_with_redis_hung": result["liveness"]["healthz_p99_s_with_redis_hung"],
-               "server_errors": (tally.num_server_errors + result["cursors"]["server_errors"]
-                                 + result["protocol"]["server_errors"] + result["leaks"]["server_errors"]
-                                 + int((result["smuggling"]["status"] or 0) >= 500))}
+    figures = collect_figures(result)
     result.update(figures)
     result["goals"] = GOALS
     result["met"] = goals_met(figures, live.CONFIG["checkpoint_every"])

@@ -18,7 +18,7 @@ import time
 import ray
 
 from bench.faults_count import is_accepted
-from bench.faults_service import SMUGGLED
+from bench.faults_sockets import SMUGGLED
 from workers.protocol.keys import RAY_NAMESPACE, driver_actor_name, job_phase_key
 
 TINY = {"model": "tiny", "num_workers": 1, "tlt": False}

@@ -4,16 +4,16 @@ the counts (tests/scheduler/test_serve.py, test_anonymous.py, test_liveness.py):
 - leaks: every route a client reaches without the token, and every error, scanned for paths, addresses,
   tracebacks, the token and echoes of what was sent (`anonymous_leaks`);
 - liveness: /healthz latency while Redis hangs (SIGSTOP) and Redis-bound requests fill the thread pool;
-- a real `tlt serve` subprocess (`served`): clients that never finish their headers, a request with both
-  Content-Length and Transfer-Encoding, and SIGTERM (or SIGINT) with a job RUNNING mid-run and clients polling
-  it (exit code, seconds to exit, 5xx, processes left: redis-server, Ray's servers, its workers and the driver).
+- a real `tlt serve` subprocess (`served`, its own process group), and SIGTERM (or SIGINT) to it, or to its
+  whole process group, with a job RUNNING mid-run and clients polling it (exit code, seconds to exit, 5xx,
+  processes left: redis-server, Ray's servers, its workers and the driver). Its raw-socket probes (slow headers
+  and bodies, both framings) are in bench/faults_sockets.py, the restart with a queue in bench/faults_restart.py.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,8 +32,6 @@ SIGNAL_SPEC = {"model": "tiny", "num_prompts_per_step": 2, "group_size": 2, "max
                "num_steps": 1000, "checkpoint_every": 1}
 JOB_START_S = 120.0  # the driver loads torch and the model, its worker too, on a loaded 2-core box
 MAX_EXIT_S = 60.0  # signal to exit: requests in flight (serve.GRACEFUL_SHUTDOWN_S at most) and Ray's shutdown
-SMUGGLED = (b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
-            b"0\r\n\r\nGET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
 
 
 def p99(values: list[float]) -> float:
@@ -136,7 +134,7 @@ def served(work_dir: Path, gpus: int = 1, redis_url: str | None = None
     log = open(work_dir / "serve.log", "a+")  # noqa: SIM115 - closed below; a restart's lines follow
     proc = subprocess.Popen([sys.executable, "-m", "scheduler.cli", "serve", "--host", "127.0.0.1", "--port",
                              str(port), "--gpus", str(gpus), "--store-dir", str(work_dir / "drafts")],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + SERVE_START_S
@@ -156,52 +154,6 @@ def served(work_dir: Path, gpus: int = 1, redis_url: str | None = None
             proc.kill()
             proc.wait(30)
         log.close()
-
-
-def exchange(port: int, raw: bytes, timeout_s: float) -> tuple[bytes, float]:
-    """Send `raw`, read until the server closes the connection; (what came back, seconds until the close)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
-        t0 = time.monotonic()
-        s.sendall(raw)
-        got = b""
-        while chunk := s.recv(65536):
-            got += chunk
-        return got, time.monotonic() - t0
-
-
-def smuggling(port: int) -> dict:
-    """Both Content-Length and Transfer-Encoding, then a second request on the same connection: the first must get
-    a 4xx and the second no answer at all (RFC 9112 6.1)."""
-    got, _ = exchange(port, SMUGGLED, timeout_s=10)
-    status = int(got.split(b" ", 2)[1]) if got.startswith(b"HTTP/1.1 ") else None
-    return {"status": status, "num_answers": got.count(b"HTTP/1.1 ")}
-
-
-def slow_clients(port: int, num_clients: int, wait_s: float) -> dict:
-    """`num_clients` connections that send a partial request line and headers and then a byte a second, never
-    finishing them; after `wait_s`, how many the server still holds open."""
-    socks = []
-    for _ in range(num_clients):
-        s = socket.create_connection(("127.0.0.1", port), timeout=5)
-        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
-        socks.append(s)
-    deadline, is_open = time.monotonic() + wait_s, [True] * num_clients
-    while time.monotonic() < deadline and any(is_open):
-        for i, s in enumerate(socks):
-            if not is_open[i]:
-                continue
-            try:
-                s.sendall(b"X")
-                if s.recv(1, socket.MSG_DONTWAIT) == b"":
-                    is_open[i] = False
-            except BlockingIOError:
-                pass
-            except OSError:
-                is_open[i] = False
-        time.sleep(1.0)
-    for s in socks:
-        s.close()
-    return {"num_clients": num_clients, "num_held": sum(is_open), "wait_s": wait_s}
 
 
 def running_job(url: str, spec: dict = SIGNAL_SPEC, min_steps: int = 1, timeout_s: float = JOB_START_S) -> dict:
@@ -238,7 +190,7 @@ def job_with_steps(url: str, job_id: str, min_steps: int, timeout_s: float = JOB
 
 
 def sigterm(proc: subprocess.Popen, url: str, sig: signal.Signals = signal.SIGTERM, job: dict | None = None,
-            num_pollers: int = 4, before_s: float = 2.0) -> dict:
+            num_pollers: int = 4, before_s: float = 2.0, is_group: bool = False) -> dict:
     """`sig` while a job runs mid-run (SIGNAL_SPEC's, started here unless `job` is given) and `num_pollers`
     clients poll its record, its steps and the job list: the exit code, the seconds to exit, the 5xx answers,
     and the processes the server started (every descendant alive at the signal: redis-server, gcs_server,
@@ -269,7 +221,10 @@ def sigterm(proc: subprocess.Popen, url: str, sig: signal.Signals = signal.SIGTE
     tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)  # at the signal
     names = sorted({p.name() for p in tree[1:]})
     t0 = time.monotonic()
-    proc.send_signal(sig)
+    if is_group:  # to every process of its group, as systemd and `docker stop` do (`served` starts it as a leader)
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
     try:
         code = proc.wait(timeout=MAX_EXIT_S)
     except subprocess.TimeoutExpired:

@@ -80,7 +80,7 @@ async def lifespan(app: FastAPI):
     app.state.collector = RedisCollector(store)
     app.state.registry.register(app.state.collector)
     # the launcher records how jobs end: its own client waits out a Redis outage instead of losing the record
-    app.state.launcher = Launcher(JobStore(connect(settings.redis_url, patient=True)), settings)
+    app.state.launcher = Launcher(JobStore(connect(settings.redis_url, patient=True)), settings, reader=store)
     if ray.is_initialized():
         app.state.launcher.reattach()
     else:  # never let a lookup start a Ray of its own and settle live jobs as lost

@@ -50,15 +50,19 @@ class StoppingError(Exception):
 
 
 class Launcher:
-    def __init__(self, store: JobStore, settings: Settings) -> None:
+    def __init__(self, store: JobStore, settings: Settings, reader: JobStore | None = None) -> None:
+        """`store` records jobs' ends (a patient client: it waits out a Redis outage); `reader` (default `store`)
+        serves the loops that only look and look again, the Admitter's and the GPU count's, on a client that
+        fails at once: a thread caught in a patient client's minute of retries cannot let go at a shutdown."""
         self.store, self.settings = store, settings
+        self.reader = reader if reader is not None else store
         self.drivers: dict[str, object] = {}
         self.driver_restarts: dict[str, int] = {}  # job id -> drivers started again from its policy checkpoint
         # a driver is registered and its job's state read under this lock, and a cancel looks for the driver
         # under it: a cancel that lands while a driver is being created kills it either way
         self._lock = threading.Lock()
         self.is_stopping = False  # the scheduler is shutting down: a driver call failing now ends no job
-        self.admitter = Admitter(store, self.launch, self._fail)
+        self.admitter = Admitter(self.reader, self.launch, self._fail)
         self._threads: list[threading.Thread] = []  # each job's: starting, resuming or following its driver
 
     def stop(self, join_s: float = STOP_JOIN_S) -> None:
@@ -66,13 +70,21 @@ class Launcher:
         without it. A job whose driver call fails from now on stays as it is (RUNNING, no result): the next
         scheduler reattaches it or resumes it from its policy checkpoint; the queue stays in Redis for it.
         Returns once the job threads have stopped calling Ray (`join_s` at most), so Ray can go."""
-        self.is_stopping = True
+        self.let_go()
         self.admitter.stop()
         deadline = time.monotonic() + join_s
         for thread in list(self._threads):
             thread.join(max(0.0, deadline - time.monotonic()))
         if left := [t.name for t in self._threads if t.is_alive()]:
             log.warning("stopping: job threads still calling Ray after %.0f s: %s", join_s, left)
+
+    def let_go(self) -> None:
+        """The first half of stop(), at the signal (scheduler.serve): admit nothing more, and let each job's thread
+        let go of its driver at its next look (every PLACEMENT_CHECK_S), before the requests in flight finish. With
+        the whole process group signalled, Redis and Ray go meanwhile: a thread still following its driver then
+        settled it in a patient client's minute of retries, and held the exit STOP_JOIN_S."""
+        self.is_stopping = True
+        self.admitter.stop(join_s=0.0)
 
     def _spawn(self, target, args: tuple, name: str) -> None:
         """A job's thread, kept so that stop() waits for it."""
@@ -173,7 +185,7 @@ class Launcher:
             cause = exc
             log.info("job %s: its driver's call ended with %s", job_id, one_line(exc))
         self.drivers.pop(job_id, None)
-        if self.is_stopping and self.result(job_id) is None:  # Ray is going with the scheduler: left as it is
+        if self.is_stopping:  # left as it is: the next scheduler settles it from its JobResult, or resumes it
             return
         if unplaceable is not None:
             self._fail(job_id, unplaceable)
@@ -216,7 +228,7 @@ class Launcher:
         finishing a step, and its step count then; or None), and the line the job fails with once that is
         MAX_UNPLACEABLE_S ago and it has not ended, else None. A step finished restarts the clock: the job runs
         degraded on the workers it has left (its driver dropped those Ray cannot place)."""
-        record, gpus = self.store.get(job_id), self.cluster_gpus()
+        record, gpus = self.reader.get(job_id), self.cluster_gpus()
         if record is None or record["state"] != JobState.RUNNING or gpus is None:
             return None, None  # cancelled (its driver is being killed), gone from an emptied Redis, or no Ray to ask
         spec = JobSpec.from_stored(record["spec"])
@@ -225,7 +237,7 @@ class Launcher:
             if short is not None:
                 log.info("job %s: the Ray cluster has %g GPUs again", job_id, gpus)
             return None, None
-        steps = self.store.num_steps([job_id])[0]
+        steps = self.reader.num_steps([job_id])[0]
         if short is None:
             log.warning("job %s: the Ray cluster has %g GPUs, fewer than the %g its rollout workers ask; it fails "
                         "unless they are back, or it finishes a step, within %.0f s", job_id, gpus, asked,

@@ -122,7 +122,15 @@ class GuardedH11Protocol(H11Protocol):
 
 class Server(uvicorn.Server):
     """uvicorn's server, without re-raising the signal that stopped it: the shutdown it asked for is done, so
-    the process exits 0 (uvicorn re-raises it under the previous handler, which killed the process with it)."""
+    the process exits 0 (uvicorn re-raises it under the previous handler, which killed the process with it).
+    At the signal, before the requests in flight finish, the app's launcher lets go of its jobs' drivers
+    (Launcher.let_go): Redis and Ray may be going at the same moment (a process-group SIGTERM)."""
+
+    def handle_exit(self, sig: int, frame) -> None:
+        super().handle_exit(sig, frame)
+        launcher = getattr(getattr(self.config.app, "state", None), "launcher", None)
+        if launcher is not None:
+            launcher.let_go()
 
     @contextlib.contextmanager
     def capture_signals(self):

@@ -13,6 +13,15 @@ from bench.faults_count import (
     steps_lost,
 )
 
+ALL_MET = {"fuzz_requests": 1350, "fuzz_server_errors": 0, "schema_violations": 0, "hostile_inputs_accepted": 0,
+           "tracebacks_exposed": 0, "redis_outage_jobs_lost": 0, "redis_recovery_s": 0.4,
+           "driver_kill_steps_lost": 2, "idempotent_duplicates": 0, "oversized_jobs_accepted": 0,
+           "driver_rss_mb_before_first_step": 310.0, "queued_jobs_without_driver": 3, "queue_fcfs_violations": 0,
+           "sigterm_exit_code": 0, "sigterm_5xx": 0, "processes_left_after_exit": 0, "anonymous_leaks": 0,
+           "slow_clients_held": 0, "healthz_p99_s_with_redis_hung": 0.004, "server_errors": 0,
+           "restart_gpus_overcommitted": 0, "restart_resumed_progress_s": 30.0, "fcfs_violations": 0,
+           "stalled_body_held_s": 10.0, "sigterm_group_exit_s": 4.0, "sigterm_group_exit_code": 0,
+           "sigterm_group_processes_left": 0}  # every goal met
 TRACEBACK = """Traceback (most recent call last):
   File "/work/main/.venv/lib/python3.11/site-packages/ray/_private/worker.py", line 2961, in get
     raise value
@@ -45,12 +54,7 @@ def test_steps_lost_after_a_driver_kill():
 
 def test_duplicates_and_goals():
     assert duplicates(["a"] * 20) == 0 and duplicates(["a", "b", "a", "c"]) == 2 and duplicates([]) == 0
-    figures = {"fuzz_requests": 1350, "fuzz_server_errors": 0, "schema_violations": 0, "hostile_inputs_accepted": 0,
-               "tracebacks_exposed": 0, "redis_outage_jobs_lost": 0, "redis_recovery_s": 0.4,
-               "driver_kill_steps_lost": 2, "idempotent_duplicates": 0, "oversized_jobs_accepted": 0,
-               "driver_rss_mb_before_first_step": 310.0, "queued_jobs_without_driver": 3, "queue_fcfs_violations": 0,
-               "sigterm_exit_code": 0, "sigterm_5xx": 0, "processes_left_after_exit": 0, "anonymous_leaks": 0,
-               "slow_clients_held": 0, "healthz_p99_s_with_redis_hung": 0.004, "server_errors": 0}
+    figures = dict(ALL_MET)
     assert all(goals_met(figures, checkpoint_every=2).values())
     met = goals_met(figures | {"driver_kill_steps_lost": 3, "redis_recovery_s": None, "fuzz_requests": 999,
                                "sigterm_exit_code": 134, "queued_jobs_without_driver": 2,
@@ -67,3 +71,15 @@ def test_first_come_first_served():
     assert fcfs_violations([job(1, 10), job(2, 11), job(3, 30), job(4, 20)]) == 1  # the 4th started before the 3rd
     assert fcfs_violations([job(1, 10), job(2, None), job(3, 12)]) == 0  # a job cancelled while queued never started
     assert fcfs_violations([job(2, 12), job(1, 10)]) == 0 and fcfs_violations([]) == 0
+
+
+def test_the_goals_of_issue_42():
+    figures = dict(ALL_MET)
+    assert all(goals_met(figures, checkpoint_every=2).values())
+    failing = {"restart_gpus_overcommitted": 1, "restart_resumed_progress_s": None, "fcfs_violations": 1,
+               "stalled_body_held_s": 40.0}
+    met = goals_met(figures | failing, 2)
+    assert sorted(k for k, ok in met.items() if not ok) == sorted(failing)
+    for group in ({"sigterm_group_exit_s": 17.7}, {"sigterm_group_exit_code": 1}, {"sigterm_group_processes_left": 2},
+                  {"sigterm_group_exit_s": None}):  # slow, or quick but not clean: not met
+        assert not goals_met(figures | group, 2)["sigterm_group_exit_s"], group

@@ -1,5 +1,6 @@
-"""The job queue (issue 34, item 2): admission by Ray placement groups, first come first served, no driver for a
-queued job, cancel, a restart, the per-token quota. A real local Ray (2 logical GPUs), real redis-servers, the
+"""The job queue (issue 34, item 2; issue 42, items 2 and 6): admission by Ray placement groups, first come first
+served (under a submit-and-cancel storm too), no driver for a queued job, cancel, a restart, the per-token quota,
+GPU shares. A real local Ray (2 logical GPUs), real redis-servers, the
 real app; tiny one-step jobs."""
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.faults_count import fcfs_violations
-from bench.faults_queue import NUM_EXTRA_JOBS, QUEUE_SPEC, has_driver, queue_case, records, wait_for
+from bench.faults_queue import NUM_EXTRA_JOBS, QUEUE_SPEC, has_driver, queue_case, records, storm, wait_for
 from scheduler.app import Settings, create_app
+from scheduler.demo import start_server
 from scheduler.jobs import JobStore, QuotaError, token_owner
 from scheduler.queue import job_group
 from workers.protocol.keys import jobs_index_key, owner_jobs_key, placement_group_name, queued_jobs_key
@@ -122,3 +124,38 @@ def test_store_quota_counts_jobs_not_ended_and_replays_pass(cluster):
         store.transition(first["job_id"], JobState.CANCELLED, {JobState.QUEUED})
         assert store.queue_head() is None and store.create(JobSpec(model="tiny", seed=2), None, owner, 1)[1]
         assert job_group("nojob", {}, is_created=False) is None
+
+
+def test_a_job_of_gpu_shares_is_compared_by_the_gpus_it_asks_and_placed(cluster, tmp_path):
+    """Issue 42, item 6: 4 workers x 0.5 GPU ask 2 GPUs and fit the 2 here (they were refused: 4 workers > 2 GPUs);
+    5 x 0.5 ask 2.5: a 422 naming num_workers and saying so, nothing stored."""
+    with PrivateRedis() as server, app_on(server.url, str(tmp_path)) as client:
+        redis = server.client()
+        r = client.post("/v1/jobs", json=LONG | {"num_workers": 5, "gpus_per_worker": 0.5}, headers=AUTH)
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "num_workers"], r.text
+        assert "the job asks 2.5 GPUs (5 rollout workers x gpus_per_worker 0.5)" in r.text, r.text
+        assert redis.zcard(jobs_index_key()) == 0
+        r = client.post("/v1/jobs", json=LONG | {"num_workers": 4, "gpus_per_worker": 0.5}, headers=AUTH)
+        assert r.status_code == 201, r.text
+        job_id = r.json()["job_id"]
+        wait_for(lambda: records(client, [job_id], AUTH)[0]["state"] == "RUNNING", 120, "the job to be placed")
+        table = ray.util.placement_group_table(job_group(job_id, None, is_created=False))
+        assert table["state"] == "CREATED" and len(table["bundles"]) == 4, table
+        assert client.post(f"/v1/jobs/{job_id}/cancel", headers=AUTH).json()["state"] == "CANCELLED"
+        wait_for(lambda: placement_group_name(job_id) not in groups_left(), 30, "its group to go")
+
+
+def test_a_submit_and_cancel_storm_starts_jobs_in_submission_order(cluster, tmp_path):
+    """Issue 42, item 2: 4 clients submit and cancel for 10 s on a live server (the bench's storm, shorter): every
+    job that started did so after each job submitted before it that started."""
+    with PrivateRedis() as server:
+        url, uvicorn_server = start_server(Settings(redis_url=server.url, api_token=TOKEN, store_dir=str(tmp_path),
+                                                    start_ray=False, watch=False))
+        try:
+            figures = storm(url, AUTH, seconds=10.0)
+        finally:
+            uvicorn_server.should_exit = True
+            uvicorn_server.thread.join(30)
+    assert figures["num_started"] >= NUM_GPUS + 1 and figures["num_submitted"] > figures["num_started"], figures
+    assert figures["fcfs_violations"] == 0, figures
+    wait_for(lambda: not {g for g in groups_left() if g.startswith("tlt-pg-")}, 60, "the groups to go")
