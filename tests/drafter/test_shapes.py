@@ -105,3 +105,18 @@ def test_switching_between_plain_and_speculation_is_exact_and_cheap(model_and_he
     assert catch_ups == 0 if torch.device(device).type == "cpu" else 0 <= catch_ups <= switches
     assert set(passes) <= {0, 3} and CHUNK >= 6 + 4  # six plain steps' pairs and a step's own fit one chunk
     assert switching.log and set(switching.log) <= {0, 3}
+
+
+def test_bf16_speculation_equals_bf16_plain(model_and_head, device):
+    """The usual RL setting: the policy in bf16, the head served in it too; greedy speculative outputs are bf16
+    plain decoding's, token for token, rows finishing at different steps."""
+    model, head = model_and_head
+    model = copy.deepcopy(model).to(device=device, dtype=torch.bfloat16)
+    engine = Engine(model)
+    drafter = EagleDrafter(model, copy.deepcopy(head).to(device))
+    assert drafter.dtype == torch.bfloat16 and drafter.graphs is not None
+    requests = _requests(8, model.cfg.vocab_size)
+    plain = engine.generate(requests)
+    spec = engine.generate(requests, k=4, drafter=drafter)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert engine.stats.num_accepted > 0  # it did speculate
