@@ -78,7 +78,7 @@ def resumed_group(job_id: str, spec: JobSpec) -> PlacementGroup | None:
     if pg is None:
         return job_group(job_id, spec)
     state = ray.util.placement_group_table(pg).get("state")
-    if state in ("CREATED", "PENDING"):
+    if state in ("CREATED", "PENDING", "PREPARED"):  # placed, or on its way to be
         return pg
     log.warning("job %s: its placement group is %s (a node lost?): the resumed driver runs on what Ray can place",
                 job_id, state)
