@@ -5,12 +5,14 @@ real app; tiny one-step jobs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
 import ray
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from ray.util.placement_group import placement_group, remove_placement_group
 
 from bench.faults_count import fcfs_violations
 from bench.faults_queue import NUM_EXTRA_JOBS, QUEUE_SPEC, has_driver, queue_case, records, storm, wait_for
@@ -159,3 +161,51 @@ def test_a_submit_and_cancel_storm_starts_jobs_in_submission_order(cluster, tmp_
     assert figures["num_started"] >= NUM_GPUS + 1 and figures["num_submitted"] > figures["num_started"], figures
     assert figures["fcfs_violations"] == 0, figures
     wait_for(lambda: not {g for g in groups_left() if g.startswith("tlt-pg-")}, 60, "the groups to go")
+
+
+def test_a_resumed_job_is_placed_before_the_queue_and_requeued_or_failed_when_it_cannot_be(cluster, monkeypatch):
+    """Issue 42, item 1, the Admitter's side with a real Ray: a RUNNING job to resume whose group cannot be placed
+    (another group holds a GPU) keeps a queued job that would fit from starting; after MAX_UNPLACEABLE_S it is
+    requeued at its place, first in line, with a warning; placed, its driver is launched in its group; one asking
+    more GPUs than the cluster has is failed, saying so."""
+    import scheduler.queue as queue
+
+    monkeypatch.setattr(queue, "MAX_UNPLACEABLE_S", 2.0)
+    blocker = placement_group([{"GPU": 1}], name="tlt-test-blocker")
+    assert blocker.wait(30)
+    with PrivateRedis() as server:
+        store, launched, failed, ids = JobStore(server.client()), [], [], []
+        admitter = queue.Admitter(store, lambda job_id, spec, pg: launched.append((job_id, pg)),
+                                  lambda job_id, line: failed.append((job_id, line)))
+        resumed = store.create(JobSpec(model="tiny", num_workers=2))[0]  # asks both GPUs: one is held
+        store.transition(resumed["job_id"], JobState.RUNNING, {JobState.PENDING})
+        waiting = store.create(JobSpec(model="tiny", num_workers=1), is_queued=True)[0]  # fits the free GPU
+        ids += [resumed["job_id"], waiting["job_id"]]
+        admitter.resume(resumed["job_id"], resumed["created_at"])
+        try:
+            assert not admitter.admit_next(wait_s=0.5)  # the resumed job's group waits; the queue waits behind it
+            wait_for(lambda: admitter.admit_next(wait_s=0.5), 30, "the resumed job to leave the resume line")
+            record = store.get(resumed["job_id"])
+            assert record["state"] == JobState.QUEUED and record["warning"].startswith(
+                "requeued: its 2 rollout GPUs were not free again within 2 s of its driver's loss"), record
+            assert store.queued_ids(2) == [resumed["job_id"], waiting["job_id"]] and not launched
+            assert store.get(waiting["job_id"])["state"] == JobState.QUEUED
+
+            store.transition(resumed["job_id"], JobState.RUNNING, {JobState.QUEUED})
+            admitter.resume(resumed["job_id"], resumed["created_at"])
+            remove_placement_group(blocker)  # its GPU is back: the resumed job's group is placed, its driver starts
+            wait_for(lambda: admitter.admit_next(wait_s=1.0), 30, "the resumed job's group to be placed")
+            assert [job_id for job_id, _ in launched] == [resumed["job_id"]] and launched[0][1] is not None
+
+            too_big = store.create(JobSpec(model="tiny", num_workers=3))[0]  # the cluster has 2 GPUs now
+            ids.append(too_big["job_id"])
+            store.transition(too_big["job_id"], JobState.RUNNING, {JobState.PENDING})
+            admitter.resume(too_big["job_id"], too_big["created_at"])
+            wait_for(lambda: admitter.admit_next(wait_s=0.5), 30, "the job too big to leave the resume line")
+            assert failed == [(too_big["job_id"], "its 3 rollout GPUs were not placed again after its driver was "
+                                                  "lost: the Ray cluster has 2")]
+        finally:
+            for job_id in ids:
+                queue.release_group(job_id)
+            with contextlib.suppress(Exception):
+                remove_placement_group(blocker)
