@@ -46,6 +46,9 @@ class DraftGraphs:
     def __init__(self, drafter, cuda_graphs: bool) -> None:
         self.drafter = drafter
         self.cuda_graphs = cuda_graphs
+        # feed a backlog in chunks of CHUNK pairs (fixed shapes: what graphs need); where no graph is kept, one
+        # pass over it all is cheaper. A switch, so a CPU test can run the chunked path uncaptured
+        self.chunked = cuda_graphs
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.shapes = ShapeCounts()
@@ -199,15 +202,16 @@ class DraftGraphs:
             self._rotate = rotate_half_matrix(d.head.policy_cfg.head_dim, d.dtype, device)
             self._rotated = rotated_heads(d.head.policy_cfg.num_heads, d.head.policy_cfg.num_kv_heads, device)
         truncates = sampling.truncates(d.head.lm_head.weight.shape[0])
-        captured = self.cuda_graphs and not truncates and K + 1 <= CHUNK
+        chunked = self.chunked and not truncates and K + 1 <= CHUNK
+        captured = chunked and self.cuda_graphs
         done = [0] * B  # pairs of each row fed so far this step
-        if captured:  # the backlog beyond the last k + 1 pairs, in captured chunks
+        if chunked:  # the backlog beyond the last k + 1 pairs, in (captured) chunks
             backlog = [max(n - (K + 1), 0) for n in num_pending]
             while any(x > y for x, y in zip(backlog, done)):
                 counts = [min(CHUNK, x - y) for x, y in zip(backlog, done)]
                 b = self._buffers(0)
                 self._fill(b, Bp, done, counts, lens, [0] * B)
-                self._run(b, (Bp, 0, self._slots(lens, done, CHUNK, 0), True, True, False), True)
+                self._run(b, (Bp, 0, self._slots(lens, done, CHUNK, 0), True, True, False), captured)
                 done = [x + y for x, y in zip(done, counts)]
         counts = [n - x for n, x in zip(num_pending, done)]
         P = max(counts)

@@ -120,3 +120,27 @@ def test_bf16_speculation_equals_bf16_plain(model_and_head, device):
     spec = engine.generate(requests, k=4, drafter=drafter)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert engine.stats.num_accepted > 0  # it did speculate
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "t1"])
+def test_a_backlog_fed_in_chunks_drafts_what_one_pass_does(model_and_head, device, temperature):
+    """CUDA feeds a backlog (here the prompts, and six plain steps' pairs) in fixed chunks of CHUNK pairs; on a
+    CPU the same chunked path runs uncaptured when asked: its drafts, and so the outputs, equal one pass's."""
+    model, head = model_and_head
+    model = copy.deepcopy(model).to(device)
+    prompts = random_prompts([40, 70, 3, 35], model.cfg.vocab_size, seed=5)  # prompts longer than a chunk
+    requests = [Request(p, SamplingParams(max_new_tokens=24, ignore_eos=True, seed=i, temperature=temperature))
+                for i, p in enumerate(prompts)]
+    outs, passes = [], []
+    for chunked in (False, True):
+        engine = Engine(model, static=True)
+        drafter = EagleDrafter(model, copy.deepcopy(head).to(device), static=True)
+        drafter.graphs.chunked = chunked
+        seen = []
+        original = drafter.graphs._run
+        drafter.graphs._run = lambda b, key, captured, seen=seen, original=original: (seen.append(key[1]),
+                                                                                    original(b, key, captured))[1]
+        outs.append(engine.generate(requests, k=3, drafter=drafter, tuner=Sequence([3, 3] + [0] * 6 + [3])))
+        passes.append(seen)
+    assert [o.token_ids for o in outs[1]] == [o.token_ids for o in outs[0]]
+    assert passes[1].count(0) >= 3 > passes[0].count(0) == 0  # 70 - 4 prompt pairs: three chunks of 32
