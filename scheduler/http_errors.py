@@ -49,6 +49,8 @@ JOB_ROUTE_ERRORS = {
     400: _documented("a body that cannot be read (malformed framing, nesting too deep, a bad Content-Length)"),
     401: _documented("a token is configured and the request has none, or a wrong one"),
     404: _documented("no such job"),
+    408: _documented("a body not complete 10 s after its headers (`tlt serve`: scheduler.serve.BODY_TIMEOUT_S); "
+                     "the connection is closed"),
     409: _documented("the job already ended (cancel)"),
     413: _documented(f"a body over {MAX_BODY_BYTES} bytes"),
     503: _documented("the scheduler's Redis is unreachable; retry after Retry-After seconds"),
