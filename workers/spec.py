@@ -39,8 +39,13 @@ class DrafterSpec(BaseModel):
 
     lr: float = Field(_T.lr, gt=0, le=1)
     num_unroll: int = Field(_T.num_unroll, ge=1, le=16, description="draft positions trained per pair")
+    position_loss: Literal["decay", "reach"] = Field(_T.position_loss, description=(
+        "how the positions weigh: decay (unroll_decay**s) or reach (by the chance the chain's earlier drafts are "
+        "accepted)"))
     max_tokens_per_row: int = Field(_T.max_tokens_per_row, ge=2, le=65_536, description="pairs per packed row")
     num_rows: int = Field(_T.num_rows, ge=1, le=1024, description="rows per micro-step; smaller ones stop sooner")
+    tokens_per_step: int | None = Field(_T.tokens_per_step, ge=1, le=1 << 22, description=(
+        "pairs per micro-step; null: num_rows rows on a CPU, TrainConfig's GPU_TOKENS_PER_STEP on a GPU"))
     anneal_to_budget: bool = Field(_T.anneal_to_budget, description="decay the rate to its floor by the deadline")
     bf16_autocast: bool | None = Field(_T.bf16_autocast, description="bf16 autocast in training; null: where native")
 

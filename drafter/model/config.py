@@ -108,6 +108,12 @@ def check_aux_layer_ids(ids, num_layers: int) -> tuple[int, int, int]:
     return out  # type: ignore[return-value]
 
 
+POSITION_LOSSES = ("decay", "reach")  # how TrainConfig weighs the unrolled draft positions (drafter.train.loss)
+# a GPU micro-step's pairs: at 1k pairs an H100 ran the head's step launch-bound (24k tokens/s, issue 39); 32k pairs
+# (128 rows of 256) keep its matmuls large while one step's forward and backward stay well under a second
+GPU_TOKENS_PER_STEP = 32_768
+
+
 @dataclass
 class TrainConfig:
     lr: float = 1e-3  # a freshly initialised 1-layer head tolerates a high rate; EAGLE fine-tunes use 3e-5
@@ -117,12 +123,23 @@ class TrainConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     max_grad_norm: float = 0.5  # the unrolled loss has occasional spikes early on
-    num_unroll: int = 3  # draft positions trained per pair; inference uses k up to about this
+    num_unroll: int = 6  # draft positions trained per pair: as many as inference drafts (k up to 6)
+    # how the positions weigh (drafter.train.loss): "decay": step s by unroll_decay**s; "reach": each pair by the
+    # chance its chain's earlier drafts are accepted (where acceptance is lost), at least reach_floor. "reach" gave
+    # 2.36 expected tokens per step at k=6, T=1, against decay's 2.13 (tiny structured policy, held out, 40 steps);
+    # not yet measured on SmolLM2, so the default stays decay and the GPU recipes ask for reach
+    position_loss: str = "decay"
     unroll_decay: float = 0.8  # weight of unroll step s is decay**s: early drafts matter most
+    reach_floor: float = 0.1  # "reach": a position no chain reaches yet still learns at this weight
     hidden_loss_weight: float = 0.1  # EAGLE-3 drops it; a little regression steadies early training
     max_tokens_per_row: int = 256  # pairs per packed row; short rows keep micro-steps (and stops) fast
     varlen_attention: bool = True  # flash-attn's varlen kernel for unroll step 0, when installed on a GPU
-    num_rows: int = 4
+    num_rows: int = 4  # rows per micro-step where tokens_per_step does not size it (a CPU's default)
+    # pairs per micro-step, in rows of max_tokens_per_row; None: num_rows rows on a CPU (small steps stop fast),
+    # GPU_TOKENS_PER_STEP on a GPU (a step of 1k pairs is bound by kernel launches, not by the chip)
+    tokens_per_step: int | None = None
+    stats_every: int = 16  # micro-steps between host reads of the loss and stats: each read waits for the device
+    tf32: bool = True  # on CUDA, float32 training matmuls on TF32 tensor cores (the loss tolerates 10-bit mantissas)
     seed: int = 0
     # Anneal within each train() call: the cosine's progress is the spent fraction of the call's own
     # budget (max_seconds or max_steps, whichever runs out first) instead of step / total_steps, so it
@@ -145,3 +162,18 @@ class TrainConfig:
             raise ValueError("max_tokens_per_row must be >= 2 and num_rows >= 1")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.position_loss not in POSITION_LOSSES:
+            raise ValueError(f"position_loss must be one of {POSITION_LOSSES}, got {self.position_loss!r}")
+        if not 0 < self.reach_floor <= 1:
+            raise ValueError(f"reach_floor must be in (0, 1], got {self.reach_floor}")
+        if self.tokens_per_step is not None and self.tokens_per_step < 1:
+            raise ValueError(f"tokens_per_step must be >= 1 (or None), got {self.tokens_per_step}")
+        if self.stats_every < 1:
+            raise ValueError(f"stats_every must be >= 1, got {self.stats_every}")
+
+    def rows_per_step(self, device_type: str) -> int:
+        """Rows of max_tokens_per_row pairs in one micro-step on a device of `device_type` ("cpu", "cuda")."""
+        tokens = self.tokens_per_step
+        if tokens is None and device_type == "cuda":
+            tokens = GPU_TOKENS_PER_STEP
+        return self.num_rows if tokens is None else max(1, tokens // self.max_tokens_per_row)

@@ -51,10 +51,30 @@ def calibrate_draft_temperature(head: EagleHead, policy: CausalLM, rollouts: lis
     return candidates[best], dict(zip(candidates, scores))
 
 
-@torch.no_grad()
 def expected_accepted_lengths(head: EagleHead, policy: CausalLM, rollouts: list[Rollout], k: int,
                               greedy: bool = True, draft_temperatures: tuple[float, ...] = (1.0,)) -> list[float]:
     """expected_accepted_length for each draft temperature (sampled; greedy ignores them), in one pass."""
+    survived, count = _survival(head, policy, rollouts, k, greedy, draft_temperatures)
+    return (1.0 + survived.sum(1) / count).tolist()
+
+
+def acceptance_by_position(head: EagleHead, policy: CausalLM, rollouts: list[Rollout], k: int, greedy: bool = True,
+                           draft_temperature: float | None = None) -> list[float]:
+    """Per draft position j = 1..k, the chance that draft j is accepted given drafts 1..j-1 were (greedy, or
+    sampled at temperature 1 with draft_temperature, by default the head's own): where a chain's acceptance is
+    lost. Their running product summed, plus one, is expected_accepted_length. A position no chain reaches scores
+    0."""
+    tau = head.cfg.draft_temperature if draft_temperature is None else draft_temperature
+    survived, count = _survival(head, policy, rollouts, k, greedy, (tau,))
+    reached = torch.cat([count.view(1), survived[0, :-1]])  # (k,): chains whose first j-1 drafts were accepted
+    return torch.where(reached > 0, survived[0] / reached.clamp(min=1e-12), 0.0).tolist()
+
+
+@torch.no_grad()
+def _survival(head: EagleHead, policy: CausalLM, rollouts: list[Rollout], k: int, greedy: bool,
+              draft_temperatures: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed over every chain start whose k targets are in the sequence: per draft temperature and m = 1..k,
+    the chance that the first m drafts are all accepted ((n, k) float64, on the CPU), and the number of chains."""
     if any(t < 0 for t in draft_temperatures) or not draft_temperatures:
         raise ValueError(f"draft_temperatures must be >= 0 and not empty, got {draft_temperatures!r}")
     if greedy:
@@ -73,7 +93,8 @@ def expected_accepted_lengths(head: EagleHead, policy: CausalLM, rollouts: list[
     vocab_ids = head.vocab_ids
     n = len(draft_temperatures)
     # sums kept on the device and read once at the end: a float() per batch would wait for the device each time
-    total, count = torch.zeros(n, dtype=torch.float64, device=device), torch.zeros((), dtype=torch.long, device=device)
+    total = torch.zeros(n, k, dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.float64, device=device)
     try:
         for batch in iter_batches(rollouts, ROW_TOKENS, NUM_ROWS, shuffle=False):
             batch = batch.to(device, dtype)  # packed on the CPU, where the rollouts are
@@ -103,10 +124,11 @@ def expected_accepted_lengths(head: EagleHead, policy: CausalLM, rollouts: list[
             chain_ok = torch.stack(valid).all(0)  # (R, T-1): every draft step of the chain has its target
             for i in range(n):
                 survive = torch.stack(alphas[i]).cumprod(0)  # (k, R, T-1): the first m drafts all accepted
-                total[i] += torch.where(chain_ok, 1.0 + survive.sum(0), 0.0).sum()  # no mask indexing: no sync
+                total[i] += torch.where(chain_ok, survive, 0.0).sum((1, 2))  # (k,); no mask indexing: no sync
             count += chain_ok.sum()
     finally:
         head.train(was_training)
-    if int(count) == 0:
+    total, count = total.cpu(), count.cpu()
+    if float(count) == 0:
         raise ValueError(f"the rollouts are too short to score {k} draft steps")
-    return (total / count).tolist()
+    return total, count

@@ -1,10 +1,5 @@
-"""Drafter training: the EAGLE head learns the policy's next-token distribution from rollouts.
-
-Loss per pair j = (a_j, x_{j+1}) (a_j: the policy's three aux layers' states at position j):
-cross-entropy of the head's draft distribution (its own LM head) against the policy's own distribution
-softmax(lm_head(h_{j+1})) over the draft vocabulary (h: the policy's final-norm hidden state), plus a
-smooth-L1 regression of the head's normed output onto h_{j+1}, for each step of the training-time
-unrolling (drafter.train.unroll), weighted by unroll_decay**s.
+"""Drafter training: the EAGLE head learns the policy's next-token distribution from rollouts, by the loss of
+drafter.train.loss over the training-time unrolling (drafter.train.unroll).
 
 Training runs in micro-steps (one optimizer step each); a stop request aborts the current micro-step
 before its optimizer update, so a trainer stops within one micro-step and never half-applies one.
@@ -16,57 +11,39 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from drafter.draft.head import EagleHead, draft_lm_weight
 from drafter.model.causal_lm import CausalLM, fast_bf16
 from drafter.model.config import TrainConfig
 from drafter.train.buffer import PackedBatch, RolloutBuffer, iter_batches
 from drafter.train.checkpoint import DraftMeta, load_trainer_state, save_trainer_state
-from drafter.train.unroll import LossIndex, flash_varlen_kernel, loss_mask, unrolled_predictions
+from drafter.train.loss import draft_loss
+from drafter.train.unroll import LossIndex, loss_mask
+
+__all__ = ["DraftTrainer", "StopRequestedError", "TrainReport", "draft_loss", "tf32_matmuls"]
 
 
 class StopRequestedError(Exception):
     """Raised inside a micro-step when a stop was requested; the step is discarded."""
 
 
-def draft_loss(head: EagleHead, policy: CausalLM, batch: PackedBatch, cfg: TrainConfig,
-               check_stop: Callable[[], None] | None = None,
-               lm_weight: torch.Tensor | None = None, index: LossIndex | None = None) -> tuple[torch.Tensor, dict]:
-    """lm_weight: draft_lm_weight(head, policy), the policy's LM head over the draft vocabulary that scores
-    the targets, possibly already in the autocast dtype (a trainer keeps one copy instead of gathering and
-    casting 8192 x D weights at every use). The LM heads, the largest matmuls of a step, run on the
-    trained pairs only (loss_mask), not on padding or pairs without a chain. index: LossIndex.of(batch),
-    on the batch's device (None: built here, from the batch wherever it is). The stats are 0-d tensors on
-    the batch's device (ce_s and acc_s per unroll step), for the caller to read at once."""
-    if lm_weight is None:
-        lm_weight = draft_lm_weight(head, policy)
-    if index is None:
-        index = LossIndex.of(batch, cfg.num_unroll)
-    slots = batch.feats.flatten(0, 1)  # (R*T, F)
-    target_feats = head.policy_hidden(slots.index_select(0, index.first + 1))  # (N, D): h_{j+1} for pair j
-    with torch.no_grad():
-        target_logits = F.linear(target_feats, lm_weight).float()  # (N, V')
-        target_p = F.softmax(target_logits, dim=-1)
-        target_top = target_logits.argmax(-1)
-        del target_logits
-    kernel = flash_varlen_kernel() if cfg.varlen_attention and batch.feats.is_cuda else None
-    preds = unrolled_predictions(head, policy.embed_tokens, batch, cfg.num_unroll, check_stop, kernel)
-    total, stats = 0.0, {}
-    for s, pairs, picked in index.steps:  # picked: which of the targets step s trains on
-        trained = head.norm(preds[s].flatten(0, 1).index_select(0, pairs))  # (n, D): what the head's LM head scores
-        logits = head.lm_head(trained)  # (n, V')
-        logp = F.log_softmax(logits.float(), dim=-1)
-        ce = -(target_p[picked] * logp).sum(-1).mean()
-        reg = F.smooth_l1_loss(trained, target_feats[picked])
-        with torch.no_grad():
-            agree = (logits.argmax(-1) == target_top[picked]).float().mean()
-        total = total + cfg.unroll_decay**s * (ce + cfg.hidden_loss_weight * reg)
-        stats[f"ce_{s}"], stats[f"acc_{s}"] = ce.detach(), agree
-    return total, stats
+@contextmanager
+def tf32_matmuls(device: torch.device, enabled: bool):
+    """On CUDA with `enabled`, float32 matmuls on TF32 tensor cores inside the block, the flag restored after it
+    (the policy serving beside the trainer keeps its own precision); anywhere else, nothing changes."""
+    if not enabled or device.type != "cuda":
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 @dataclass
@@ -95,8 +72,11 @@ class DraftTrainer:
         self.head.train().requires_grad_(True)
         self.head.vocab_ids.requires_grad_(False)
         params = [p for p in head.parameters() if p.requires_grad]
+        # fused on CUDA (one kernel for every parameter); elsewhere torch's default, as before
         self.optimizer = torch.optim.AdamW(params, lr=self.cfg.lr, betas=self.cfg.betas,
-                                           weight_decay=self.cfg.weight_decay)
+                                           weight_decay=self.cfg.weight_decay,
+                                           fused=True if self.device.type == "cuda" else None)
+        self.num_rows = self.cfg.rows_per_step(self.device.type)  # rows per micro-step (TrainConfig.tokens_per_step)
         auto = self.cfg.bf16_autocast is None
         self.bf16_autocast = fast_bf16(head.fc.weight.device) if auto else bool(self.cfg.bf16_autocast)
         self.step = 0  # optimizer steps taken by this trainer (drives the schedule)
@@ -149,7 +129,7 @@ class DraftTrainer:
             if self._batches is None:
                 if fresh:
                     raise ValueError("no pair of the rollout buffer has a target: its rollouts are one pair long")
-                self._batches = iter_batches(buffer, self.cfg.max_tokens_per_row, self.cfg.num_rows, shuffle=True,
+                self._batches = iter_batches(buffer, self.cfg.max_tokens_per_row, self.num_rows, shuffle=True,
                                              seed=self.cfg.seed + self._epoch)
                 self._epoch += 1
                 fresh = True
@@ -160,7 +140,13 @@ class DraftTrainer:
 
     def micro_step(self, batch: PackedBatch, budget_progress: float | None = None) -> dict:
         """One optimizer step; raises StopRequestedError (with nothing applied) if a stop arrives mid-way.
-        budget_progress: how much of the train() call's budget is spent (anneal_to_budget only)."""
+        budget_progress: how much of the train() call's budget is spent (anneal_to_budget only). Returns the
+        step's figures, read from the device at once (train() reads them every stats_every steps instead)."""
+        return self._read([self._step(batch, budget_progress)])[0]
+
+    def _step(self, batch: PackedBatch, budget_progress: float | None) -> tuple[list[str], torch.Tensor, dict]:
+        """micro_step without reading anything back: the names and (n,) device tensor of the step's figures, and
+        its host-side ones (lr)."""
         # where the loss reads, from the masks while they are on the CPU (no host sync on a GPU), then the batch
         # on the head's device in its dtype: packed on the CPU, moved once
         index = LossIndex.of(batch, self.cfg.num_unroll).to(self.device)
@@ -169,34 +155,51 @@ class DraftTrainer:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16_autocast):
-            loss, stats = draft_loss(self.head, self.policy, batch, self.cfg, self._check_stop, self.lm_weight(),
-                                     index)
-        self._check_stop()
-        loss.backward()
-        self._check_stop()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.max_grad_norm)
-        self.optimizer.step()
+        with tf32_matmuls(self.device, self.cfg.tf32):
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16_autocast):
+                loss, stats = draft_loss(self.head, self.policy, batch, self.cfg, self._check_stop, self.lm_weight(),
+                                         index)
+            self._check_stop()
+            loss.backward()
+            self._check_stop()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.max_grad_norm)
+            self.optimizer.step()
         self.step += 1
         self.num_tokens += batch.num_tokens
-        # every figure of the step read in one transfer: each float() of a device tensor waits for the device
         names = [*stats, "loss", "grad_norm"]
-        values = torch.stack([t.detach().float() for t in (*stats.values(), loss, grad_norm)]).tolist()
-        stats = dict(zip(names, values, strict=True))
-        stats["lr"] = lr
-        if budget_progress is not None:
-            stats["budget_progress"] = budget_progress
-        return stats
+        values = torch.stack([t.detach().float() for t in (*stats.values(), loss, grad_norm)])  # (n,), on the device
+        host = {"lr": lr} if budget_progress is None else {"lr": lr, "budget_progress": budget_progress}
+        return names, values, host
+
+    @staticmethod
+    def _read(steps: list[tuple[list[str], torch.Tensor, dict]]) -> list[dict]:
+        """The figures of `steps`, read in one transfer (each read of a device tensor waits for the device)."""
+        if not steps:
+            return []
+        rows = torch.stack([v for _, v, _ in steps]).tolist() if len({len(n) for n, _, _ in steps}) == 1 \
+            else [v.tolist() for _, v, _ in steps]  # the number of unrolled steps with pairs varies by batch
+        return [{**dict(zip(names, row, strict=True)), **host} for (names, _, host), row in zip(steps, rows)]
 
     def train(self, buffer: RolloutBuffer, max_steps: int | None = None, max_seconds: float | None = None,
               on_step: Callable[[int, dict], None] | None = None,
               checkpoint: Callable[[DraftTrainer], None] | None = None, checkpoint_every: int = 0) -> TrainReport:
         """Train until max_steps, max_seconds or a stop request. Checkpoints via `checkpoint` every
-        `checkpoint_every` steps and once at the end (also after a stop)."""
+        `checkpoint_every` steps and once at the end (also after a stop). The steps' figures are read from the
+        device every stats_every steps (and at the end): on_step(step, stats) is called then, for each of them."""
         if max_steps is None and max_seconds is None:
             raise ValueError("give max_steps or max_seconds, or training never ends")
         report = TrainReport()
         start = time.perf_counter()
+        pending: list[tuple[int, tuple]] = []  # (step, unread figures)
+
+        def flush() -> None:
+            for (step, _), stats in zip(pending, self._read([p for _, p in pending])):
+                report.losses.append(stats["loss"])
+                report.last_stats = stats
+                if on_step is not None:
+                    on_step(step, stats)
+            pending.clear()
+
         self.head.train()
         try:
             while not self.stop_event.is_set():
@@ -212,18 +215,17 @@ class DraftTrainer:
                         spent.append((time.perf_counter() - start) / max_seconds)
                     progress = max(spent, default=1.0)
                 try:
-                    stats = self.micro_step(batch, progress)
+                    pending.append((self.step + 1, self._step(batch, progress)))
                 except StopRequestedError:
                     self.optimizer.zero_grad(set_to_none=True)
                     break
                 report.num_steps += 1
                 report.num_tokens += batch.num_tokens
-                report.losses.append(stats["loss"])
-                report.last_stats = stats
-                if on_step is not None:
-                    on_step(self.step, stats)
+                if len(pending) >= self.cfg.stats_every:
+                    flush()
                 if checkpoint is not None and checkpoint_every and self.step % checkpoint_every == 0:
                     checkpoint(self)
+            flush()
         finally:
             self.head.eval()
         report.stopped = self.stop_event.is_set()

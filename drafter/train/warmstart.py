@@ -16,7 +16,7 @@ from drafter.model.causal_lm import CausalLM
 from drafter.model.config import TrainConfig
 from drafter.train.buffer import RolloutBuffer
 from drafter.train.checkpoint import DraftMeta, draft_path, save_draft
-from drafter.train.evaluate import calibrate_draft_temperature
+from drafter.train.evaluate import acceptance_by_position, calibrate_draft_temperature
 from drafter.train.trainer import DraftTrainer
 
 Progress = Callable[[str], None]
@@ -63,16 +63,24 @@ def bar(done: int, total: int, width: int = 24) -> str:
 
 
 def calibrate_on_prompts(engine: Engine, head: EagleHead, prompts: list[list[int]], k: int,
-                         max_new_tokens: int, batch_size: int = 16) -> tuple[float, dict[float, float]]:
+                         max_new_tokens: int, batch_size: int = 16,
+                         held_out: RolloutBuffer | None = None) -> tuple[float, dict[float, float]]:
     """Sample held-out rollouts of `prompts` at temperature 1 (as RL samples), pick the draft
     temperature with the most expected tokens per step on them at k, and set it on the head.
-    Returns it and every candidate's score."""
-    held_out = RolloutBuffer(max_bytes=1 << 30)
+    Returns it and every candidate's score. held_out: where the rollouts are kept (for more measures on them)."""
+    held_out = RolloutBuffer(max_bytes=1 << 30) if held_out is None else held_out
     harvest(engine, prompts, held_out, 0, HarvestConfig(batch_size=batch_size, temperature=1.0, top_p=1.0,
                                                         max_new_tokens=max_new_tokens))
     tau, scores = calibrate_draft_temperature(head, engine.model, held_out.rollouts, k)
     head.cfg.draft_temperature = tau
     return tau, scores
+
+
+def by_position(head: EagleHead, policy: CausalLM, held_out: RolloutBuffer, k: int) -> dict[str, list[float]]:
+    """drafter.train.evaluate.acceptance_by_position on held-out rollouts, greedy and sampled at T=1 (with the
+    head's draft temperature), rounded: where the head's accepted runs end."""
+    return {name: [round(a, 3) for a in acceptance_by_position(head, policy, held_out.rollouts, k, greedy)]
+            for name, greedy in (("greedy", True), ("t1", False))}
 
 
 @dataclass
@@ -115,6 +123,8 @@ class WarmStartReport:
     acceptance: dict = field(default_factory=dict)  # k -> mean accepted length on held-out prompts
     draft_temperature: float = 1.0  # calibrated on held-out prompts when there are some
     draft_temperature_scores: dict = field(default_factory=dict)  # candidate -> expected tokens per step
+    # "greedy" and "t1" -> per draft position j, P(j accepted | j-1 accepted) on the held-out rollouts
+    acceptance_by_position: dict = field(default_factory=dict)
 
 
 def warm_start(policy: CausalLM, tokenizer, prompts: list[list[int]], out_dir: str | Path,
@@ -161,8 +171,10 @@ def warm_start(policy: CausalLM, tokenizer, prompts: list[list[int]], out_dir: s
     head.eval().requires_grad_(False)
     if eval_prompts:
         hcfg = harvest_cfg or HarvestConfig()
+        held_out = RolloutBuffer(max_bytes=1 << 30)
         tau, scores = calibrate_on_prompts(engine, head, eval_prompts, max(eval_ks), hcfg.max_new_tokens,
-                                           hcfg.batch_size)
+                                           hcfg.batch_size, held_out)
+        report.acceptance_by_position = by_position(head, policy, held_out, max(eval_ks))
         report.draft_temperature = tau
         report.draft_temperature_scores = {str(t): round(v, 3) for t, v in scores.items()}
         if progress:

@@ -17,9 +17,14 @@ from drafter.draft.eagle import EagleDrafter
 from drafter.draft.head import EagleConfig, EagleHead, draft_lm_weight, new_head
 from drafter.model.causal_lm import Int8Linear, draft_features, fast_bf16, int8_linear_available
 from drafter.model.config import TrainConfig, default_aux_layer_ids
-from drafter.train.buffer import PackedBatch, RolloutBuffer
+from drafter.train.buffer import PackedBatch, RolloutBuffer, iter_batches
 from drafter.train.checkpoint import DraftMeta, load_draft
-from drafter.train.evaluate import DRAFT_TEMPERATURES, calibrate_draft_temperature, expected_accepted_length
+from drafter.train.evaluate import (
+    DRAFT_TEMPERATURES,
+    acceptance_by_position,
+    calibrate_draft_temperature,
+    expected_accepted_length,
+)
 from drafter.train.trainer import DraftTrainer, StopRequestedError, draft_loss
 from drafter.train.unroll import unrolled_predictions
 from drafter.train.warmstart import HarvestConfig, harvest, measure, warm_start
@@ -28,8 +33,9 @@ from tests.conftest import on, pattern_corpus, random_prompts, structured_model,
 
 def offline_cfg(**kwargs) -> TrainConfig:
     """TrainConfig as offline recipes set it (its defaults serve online leases): numerics that never
-    depend on the box (no bf16 autocast) and a cosine over total_steps, not each train() call's budget."""
-    return TrainConfig(**{"anneal_to_budget": False, "bf16_autocast": False, **kwargs})
+    depend on the box (no bf16 autocast) and a cosine over total_steps, not each train() call's budget; 3 unrolled
+    positions unless asked (the tests' cost: each position is another forward and backward)."""
+    return TrainConfig(**{"anneal_to_budget": False, "bf16_autocast": False, "num_unroll": 3, **kwargs})
 
 
 def single_sequence_batch(model, seq: list[int]) -> PackedBatch:
@@ -87,7 +93,7 @@ def test_the_loss_trains_chains_rooted_inside_their_segment_only(device):
     lm = draft_lm_weight(head, model)
     with torch.no_grad():
         preds = unrolled_predictions(head, model.embed_tokens, batch, num_unroll=3)
-    cfg = offline_cfg(num_unroll=3)
+    cfg = offline_cfg(num_unroll=3, position_loss="decay")
     loss, stats = draft_loss(head, model, batch, cfg)
     expected = 0.0
     for s in range(3):
@@ -122,6 +128,58 @@ def test_loss_decreases_on_a_fixed_batch(structured):
     for _ in range(30):
         last = trainer.micro_step(batch)["loss"]
     assert last < 0.5 * first
+
+
+@pytest.mark.parametrize("position_loss", ["decay", "reach"])
+def test_the_multi_position_loss_trains_position_j(structured, position_loss):
+    """Draft position j = 5 is accepted (given positions 1..4 were) far more often after 40 micro-steps on a fixed
+    batch with 6 unrolled positions than before, and than with 1: position j is trained by its own unroll step."""
+    model, _, buffer, _ = structured
+    rollouts = buffer.rollouts[:8]
+    batch = next(iter(iter_batches(rollouts, 512, 1, shuffle=False)))
+    at_5 = {}
+    for num_unroll in (1, 6):
+        torch.manual_seed(0)
+        head = new_head(model, None, None)
+        trainer = DraftTrainer(model, head, offline_cfg(num_unroll=num_unroll, position_loss=position_loss,
+                                                        warmup_steps=1))
+        before = acceptance_by_position(head, model, rollouts, 6, greedy=False)
+        for _ in range(40):
+            trainer.micro_step(batch)
+        at_5[num_unroll] = acceptance_by_position(head, model, rollouts, 6, greedy=False)[4]
+        assert before[4] < 0.2  # an untrained head: about 1 / the vocabulary
+    assert at_5[6] > 0.3 and at_5[6] > at_5[1] + 0.15, at_5
+
+
+def test_acceptance_by_position_multiplies_to_the_expected_accepted_length(structured):
+    model, _, buffer, held_out = structured
+    head = new_head(model, None, None)
+    DraftTrainer(model, head, offline_cfg(total_steps=30)).train(buffer, max_steps=30)
+    for greedy in (True, False):
+        by_position = acceptance_by_position(head, model, buffer.rollouts[:16], 4, greedy)
+        assert len(by_position) == 4 and all(0 <= a <= 1 for a in by_position)
+        assert 1 + sum(math.prod(by_position[:m]) for m in range(1, 5)) == pytest.approx(
+            expected_accepted_length(head, model, buffer.rollouts[:16], 4, greedy), rel=1e-6)
+
+
+def test_reach_weighs_each_pair_by_the_acceptance_of_its_chain(structured):
+    """position_loss "reach" with a floor of 1 weighs every pair 1 (decay with unroll_decay 1); with a small floor,
+    step 1's loss is its pairs' losses weighed by the acceptance of their chain's draft 0 (alpha_0)."""
+    model, _, buffer, _ = structured
+    head = new_head(model, None, None)
+    DraftTrainer(model, head, offline_cfg(total_steps=20)).train(buffer, max_steps=20)
+    batch = DraftTrainer(model, head, offline_cfg()).next_batch(buffer)
+    flat, _ = draft_loss(head, model, batch, offline_cfg(num_unroll=3, position_loss="decay", unroll_decay=1.0))
+    floor1, _ = draft_loss(head, model, batch, offline_cfg(num_unroll=3, position_loss="reach", reach_floor=1.0))
+    torch.testing.assert_close(floor1, flat)
+    one, stats1 = draft_loss(head, model, batch, offline_cfg(num_unroll=1, position_loss="reach", reach_floor=1e-6))
+    two, stats2 = draft_loss(head, model, batch, offline_cfg(num_unroll=2, position_loss="reach", reach_floor=1e-6))
+    first, _ = draft_loss(head, model, batch, offline_cfg(num_unroll=1, position_loss="decay"))
+    torch.testing.assert_close(one, first)  # step 0 weighs 1 whatever the floor
+    assert 0 < float(two - one) < float(stats2["ce_1"])  # step 1 weighs alpha_0 < 1 per pair
+    assert float(stats2["alpha_0"]) == pytest.approx(float(stats1["alpha_0"]))
+    with pytest.raises(ValueError, match="position_loss must be one of"):
+        TrainConfig(position_loss="uniform")
 
 
 def test_trained_drafter_beats_untrained_on_held_out_rollouts(structured):
@@ -500,7 +558,7 @@ def test_a_training_step_does_not_wait_for_the_device(structured):
         loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert set(stats) == {f"{n}_{s}" for n in ("ce", "acc") for s in range(trainer.cfg.num_unroll)}
+    assert set(stats) == {f"{n}_{s}" for n in ("ce", "acc", "alpha") for s in range(trainer.cfg.num_unroll)}
     assert math.isfinite(float(loss.detach())) and trainer.head.fc.weight.grad is not None
 
 

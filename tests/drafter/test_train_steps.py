@@ -1,0 +1,91 @@
+"""How the trainer steps on a GPU, checked on every device: micro-steps sized by tokens, statistics read every N
+steps, fused AdamW and TF32 matmuls on CUDA only (with the flag restored), and bf16 autocast or float32 alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter.decode.engine import Engine
+from drafter.draft.head import new_head
+from drafter.model.config import GPU_TOKENS_PER_STEP, TrainConfig
+from drafter.train.buffer import RolloutBuffer
+from drafter.train.trainer import DraftTrainer, tf32_matmuls
+from drafter.train.warmstart import HarvestConfig, harvest
+from tests.conftest import on, random_prompts, tiny_model
+
+
+@pytest.fixture(scope="module")
+def harvested(device):
+    """A tiny random policy on `device` and 24 of its rollouts (no structure needed: nothing here learns)."""
+    model = on(tiny_model(seed=2), device)
+    buffer = RolloutBuffer(max_bytes=16 << 20)
+    harvest(Engine(model), random_prompts([5] * 24, model.cfg.vocab_size, seed=3), buffer,
+            cfg=HarvestConfig(batch_size=24, max_new_tokens=40, temperature=1.0))
+    return model, buffer
+
+
+def offline(**kwargs) -> TrainConfig:
+    return TrainConfig(**{"anneal_to_budget": False, "bf16_autocast": False, **kwargs})
+
+
+def test_micro_steps_are_sized_by_tokens_where_asked_and_on_a_gpu(harvested):
+    model, buffer = harvested
+    assert TrainConfig().rows_per_step("cpu") == TrainConfig().num_rows  # a CPU's default: unchanged
+    assert TrainConfig().rows_per_step("cuda") == GPU_TOKENS_PER_STEP // 256
+    assert TrainConfig(tokens_per_step=100).rows_per_step("cuda") == 1  # never no row
+    trainer = DraftTrainer(model, new_head(model, None, None), offline(tokens_per_step=64, max_tokens_per_row=32))
+    assert trainer.num_rows == 2
+    batch = trainer.next_batch(buffer)
+    assert batch.feats.shape[0] == 2 and batch.feats.shape[1] <= 32
+    default = DraftTrainer(model, new_head(model, None, None), offline())
+    assert default.num_rows == (GPU_TOKENS_PER_STEP // 256 if model.device.type == "cuda" else 4)
+    with pytest.raises(ValueError, match="tokens_per_step must be >= 1"):
+        TrainConfig(tokens_per_step=0)
+
+
+def test_statistics_are_read_every_n_steps_and_every_step_is_reported(harvested):
+    """With stats_every 4, on_step is called for steps 1..10 in order, but only when 4 steps (or the end) have run:
+    the figures of a step are read with those of the steps after it, in one transfer."""
+    model, buffer = harvested
+    trainer = DraftTrainer(model, new_head(model, None, None), offline(stats_every=4))
+    calls = []
+    report = trainer.train(buffer, max_steps=10, on_step=lambda step, stats: calls.append((step, trainer.step, stats)))
+    assert [step for step, _, _ in calls] == list(range(1, 11))
+    assert [done for _, done, _ in calls] == [4] * 4 + [8] * 4 + [10] * 2  # steps taken when each was reported
+    assert len(report.losses) == 10 and report.losses[-1] == calls[-1][2]["loss"] == report.last_stats["loss"]
+    assert all(isinstance(v, float) for _, _, stats in calls for v in stats.values())
+    with pytest.raises(ValueError, match="stats_every must be >= 1"):
+        TrainConfig(stats_every=0)
+
+
+def test_fused_adamw_and_tf32_on_a_gpu_only_with_the_flag_restored(harvested):
+    model, buffer = harvested
+    trainer = DraftTrainer(model, new_head(model, None, None), offline())
+    is_cuda = model.device.type == "cuda"
+    assert bool(trainer.optimizer.defaults.get("fused")) == is_cuda
+    before = torch.backends.cuda.matmul.allow_tf32
+    seen = []
+    with tf32_matmuls(model.device, True):
+        seen.append(torch.backends.cuda.matmul.allow_tf32)
+    assert seen == [True if is_cuda else before] and torch.backends.cuda.matmul.allow_tf32 == before
+    with tf32_matmuls(model.device, False):
+        assert torch.backends.cuda.matmul.allow_tf32 == before
+    trainer.train(buffer, max_steps=2)
+    assert torch.backends.cuda.matmul.allow_tf32 == before  # a training step leaves the serving policy's precision
+
+
+def test_bf16_autocast_and_float32_follow_the_same_loss_curve(harvested):
+    """The loss of 20 micro-steps on a fixed batch, under bf16 autocast and in float32 from the same start: equal to
+    bf16 rounding at every step (the precision changes the speed, not what is learnt)."""
+    model, buffer = harvested
+    curves = {}
+    for bf16 in (False, True):
+        torch.manual_seed(0)
+        head = new_head(model, None, None)
+        trainer = DraftTrainer(model, head, offline(bf16_autocast=bf16, warmup_steps=1))
+        batch = trainer.next_batch(buffer)
+        curves[bf16] = [trainer.micro_step(batch)["loss"] for _ in range(20)]
+    assert curves[False][-1] < 0.8 * curves[False][0]  # it learns
+    for fp32, bf16 in zip(curves[False], curves[True], strict=True):
+        assert bf16 == pytest.approx(fp32, rel=0.03)
