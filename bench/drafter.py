@@ -21,12 +21,12 @@ import threading
 import time
 
 import torch
-import torch.nn.functional as F
 
+from bench.drift import drift_part
+from bench.drift import eval_prompts as drift_eval_prompts
 from bench.prompts import PROMPTS, synthetic_prompts
 from bench.record import pct
-from drafter.decode.engine import Engine, Request
-from drafter.decode.sampling import SamplingParams
+from drafter.decode.engine import Engine
 from drafter.draft.drafters import NgramDrafter
 from drafter.draft.eagle import EagleDrafter
 from drafter.draft.head import head_from_state, new_head
@@ -35,7 +35,7 @@ from drafter.model.loading import default_cache_dir, encode_prompt, load_model
 from drafter.train.buffer import RolloutBuffer
 from drafter.train.checkpoint import load_draft
 from drafter.train.trainer import DraftTrainer
-from drafter.train.warmstart import HarvestConfig, calibrate_on_prompts, harvest, measure, warm_start
+from drafter.train.warmstart import HarvestConfig, by_position, calibrate_on_prompts, harvest, measure, warm_start
 
 
 def log(msg: str) -> None:
@@ -43,9 +43,11 @@ def log(msg: str) -> None:
 
 
 def warm_train_config(max_steps: int, num_unroll: int) -> TrainConfig:
-    """The warm start's recipe: TrainConfig's defaults, with the cosine horizon at the step budget and
-    `num_unroll` trained draft positions (4: the bench's best k is 4, and k=6 drafts past what 3 trained)."""
-    return TrainConfig(total_steps=max_steps, num_unroll=num_unroll, anneal_to_budget=False, bf16_autocast=False)
+    """The CPU warm start's recipe: TrainConfig's defaults, with the cosine horizon at the step budget and
+    `num_unroll` trained draft positions (4: what docs/bench/drafter.json measured; on 2 cores each extra position
+    costs a sixth of a step) weighed by unroll_decay, as that draft was (its cache key has no position_loss)."""
+    return TrainConfig(total_steps=max_steps, num_unroll=num_unroll, position_loss="decay", anneal_to_budget=False,
+                       bf16_autocast=False)
 
 
 def _key(*parts) -> str:
@@ -75,14 +77,20 @@ def warm_drafter(loaded, num_prompts: int, max_steps: int, draft_vocab: int, num
                   "train_s": round(rep.train_seconds, 1), "train_tokens_per_s": round(rep.train_tokens_per_s, 1)}
 
 
-def calibrate(engine, tok, head, k: int = 4, num_prompts: int = 32) -> dict:
+def calibrate(engine, tok, head, k: int = 4, num_prompts: int = 32, num_positions: int = 6) -> dict:
     """Pick the head's draft temperature on fresh rollouts sampled at temperature 1, of templated
-    prompts drawn with a seed of their own (the warm start's are seed 1, the adaptation's seed 9)."""
+    prompts drawn with a seed of their own (the warm start's are seed 1, the adaptation's seed 9), and measure
+    on them, greedy and at T=1, the chance that each draft position 1..num_positions is accepted given the ones
+    before it were (drafter.train.evaluate.acceptance_by_position): where accepted runs end."""
     prompts = [encode_prompt(tok, t) for t in synthetic_prompts(num_prompts, seed=11)]
-    tau, scores = calibrate_on_prompts(engine, head, prompts, k, max_new_tokens=96)
+    held_out = RolloutBuffer(max_bytes=1 << 30)
+    tau, scores = calibrate_on_prompts(engine, head, prompts, k, max_new_tokens=96, held_out=held_out)
     log(f"draft temperature {tau}: expected tokens per step at T=1, k={k}: "
         + ", ".join(f"{t}: {v:.2f}" for t, v in scores.items()))
-    return {"draft_temperature": tau, "draft_temperature_scores": {str(t): round(v, 3) for t, v in scores.items()}}
+    positions = by_position(head, engine.model, held_out, num_positions)
+    log(f"acceptance by position (given the ones before): {positions}")
+    return {"draft_temperature": tau, "draft_temperature_scores": {str(t): round(v, 3) for t, v in scores.items()},
+            "acceptance_by_position_greedy": positions["greedy"], "acceptance_by_position_t1": positions["t1"]}
 
 
 def sweep(engine, prompts, ks, drafters: dict, new_tokens: int, sampled_only: tuple[str, ...] = (),
@@ -130,42 +138,6 @@ def sweep(engine, prompts, ks, drafters: dict, new_tokens: int, sampled_only: tu
     return out
 
 
-def drift_policy(policy, tokenizer, steps: int, lr: float, seed: int = 0):
-    """A stand-in for RL updates: fine-tune a copy of the policy on hotter samples of other prompts."""
-    new = copy.deepcopy(policy).train().requires_grad_(True)
-    engine = Engine(policy, tokenizer)
-    prompts = [encode_prompt(tokenizer, t) for t in synthetic_prompts(32, seed=seed + 5, kind="drift")]
-    reqs = [Request(p, SamplingParams(temperature=1.2, top_p=0.98, max_new_tokens=96, seed=seed + i))
-            for i, p in enumerate(prompts)]
-    seqs = [o.prompt_ids + o.token_ids for o in engine.generate(reqs)]
-    opt = torch.optim.AdamW([p for p in new.parameters() if p.requires_grad], lr=lr)
-    rng = random.Random(seed)
-    device = new.device
-    for _ in range(steps):
-        batch = rng.sample(seqs, 8)
-        L = max(len(s) for s in batch)
-        ids = torch.tensor([s + [0] * (L - len(s)) for s in batch], device=device)  # (B, L), right-padded
-        mask = torch.tensor([[1] * len(s) + [0] * (L - len(s)) for s in batch], dtype=torch.bool, device=device)
-        logits, _ = new(ids, torch.arange(L, device=device).expand(len(batch), L), None)
-        loss = F.cross_entropy(logits[:, :-1][mask[:, 1:]], ids[:, 1:][mask[:, 1:]])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return new.eval().requires_grad_(False)
-
-
-def adapt_config(lr: float) -> TrainConfig:
-    """Online adaptation of a trained head, as a lease runs it: a short warmup, then a cosine that
-    reaches zero at the end of the time budget (anneal_to_budget), in small micro-steps (2 rows of 256
-    pairs, 2 unrolled positions) under bf16 autocast where the machine has native bf16. Measured on
-    SmolLM2 (docs/benchmarks.md, session 6 side runs, 60 s each): a flat 3e-4 in float32 recovered
-    0.29 of the drift's loss; bf16 doubled the steps (0.38); annealing to the budget took it to 0.51
-    (twice, two shuffles). Peaks of 2e-4 to 3e-4 did alike; 6e-4 recovered 0.42, 4 rows 0.46, and one
-    unrolled position 0.32, though it took the most steps."""
-    return TrainConfig(lr=lr, warmup_steps=5, total_steps=10_000, num_rows=2, num_unroll=2,
-                       anneal_to_budget=True, min_lr_ratio=0.0, bf16_autocast=None)
-
-
 def stop_latencies(policy, head, buffer, trials: int) -> list[float]:
     """Seconds from request_stop() to train() returning, with the stop at a random moment."""
     head = copy.deepcopy(head)
@@ -188,8 +160,8 @@ def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_p
                   new_tokens: int = 96, ks: tuple[int, ...] = (2, 3, 4, 6), warm_prompts: int = 1536,
                   warm_steps: int = 2000, warm_unroll: int = 4, draft_vocab: int = 8192, drift_steps: int = 40,
                   drift_lr: float = 1e-4,
-                  adapt_seconds: float = 60.0, adapt_lr: float = 3e-4, adapt_prompts: int = 256,
-                  stop_trials: int = 20, parts: str = "abc", drift_eval_prompts: int = 16,
+                  adapt_seconds: float = 30.0, adapt_lr: float = 3e-4, adapt_prompts: int = 256,
+                  stop_trials: int = 20, parts: str = "abc", num_drift_eval_prompts: int = 32,
                   draft_dtype: str | None = "auto", tree: str = "", tree_side_depth: int = 1,
                   device: str = "cpu") -> dict:
     """parts: any of "a" (sweep), "b" (drift), "c" (throughput, stops). Without (a), the drift is
@@ -217,12 +189,11 @@ def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_p
               if "a" in parts else 4)
     train_policy, train_head, buffer = policy, head, None
     if "b" in parts:
-        # the loss is a difference of two accepted lengths: measured on all the fixed prompts, not (a)'s 6
-        drift_eval = [encode_prompt(tok, t) for t in PROMPTS[:drift_eval_prompts]]
-        result["drift_eval_prompts"] = len(drift_eval)
-        train_policy, train_head, buffer = _drift_part(result, policy, tok, engine, drift_eval, head, best_k,
-                                                       new_tokens, drift_steps, drift_lr, adapt_prompts, adapt_lr,
-                                                       adapt_seconds, draft_dtype)
+        # the loss is a difference of two accepted lengths: measured on many held-out prompts, not (a)'s 6
+        train_policy, train_head, buffer = drift_part(result, policy, tok, engine,
+                                                      drift_eval_prompts(tok, num_drift_eval_prompts), head, best_k,
+                                                      new_tokens, drift_steps, drift_lr, adapt_prompts, adapt_lr,
+                                                      adapt_seconds, draft_dtype)
     if "c" in parts:
         log("(c) training throughput and stop latency")
         if buffer is None:
@@ -281,36 +252,6 @@ def _sweep_part(result, engine, eval_prompts, ks, policy, head, new_tokens, draf
     return best_k
 
 
-def _drift_part(result, policy, tok, engine, eval_prompts, head, best_k, new_tokens, drift_steps, drift_lr,
-                adapt_prompts, adapt_lr, adapt_seconds, draft_dtype):
-    log(f"(b) drift, measured at k={best_k} on {len(eval_prompts)} prompts")
-    before = measure(engine, eval_prompts, best_k, EagleDrafter(policy, head, draft_dtype), 0.0,
-                     new_tokens).mean_accepted_length
-    new_policy = drift_policy(policy, tok, drift_steps, drift_lr)
-    new_engine = Engine(new_policy, tok)
-    frozen = measure(new_engine, eval_prompts, best_k, EagleDrafter(new_policy, head, draft_dtype), 0.0, new_tokens)
-    buffer = RolloutBuffer(max_bytes=1 << 30)
-    # the new policy's rollouts on the job's prompts (generated by RL anyway: not in the budget)
-    new_rollouts = [encode_prompt(tok, t) for t in synthetic_prompts(adapt_prompts, seed=9)]
-    harvest(new_engine, new_rollouts, buffer, 1, HarvestConfig(max_new_tokens=96))
-    adapted_head = copy.deepcopy(head)
-    trainer = DraftTrainer(new_policy, adapted_head, adapt_config(adapt_lr))
-    rep = trainer.train(buffer, max_seconds=adapt_seconds)
-    adapted = measure(new_engine, eval_prompts, best_k, EagleDrafter(new_policy, adapted_head, draft_dtype), 0.0,
-                      new_tokens)
-    loss = before - frozen.mean_accepted_length
-    result.update(drift_before_accepted_length=round(before, 3),
-                  drift_frozen_accepted_length=round(frozen.mean_accepted_length, 3),
-                  drift_adapted_accepted_length=round(adapted.mean_accepted_length, 3),
-                  drift_adapt_train_seconds=round(rep.seconds, 1), drift_adapt_steps=rep.num_steps,
-                  drift_adapt_bf16_autocast=trainer.bf16_autocast,
-                  drift_recovered_fraction=round((adapted.mean_accepted_length - frozen.mean_accepted_length)
-                                                 / loss, 3) if loss > 0 else None)
-    log(f"drift: before {before:.2f}, frozen {frozen.mean_accepted_length:.2f}, "
-        f"adapted {adapted.mean_accepted_length:.2f}")
-    return new_policy, adapted_head, buffer
-
-
 def add_arguments(p) -> None:
     from drafter.model.config import SMOLLM2_SPEC
 
@@ -323,7 +264,10 @@ def add_arguments(p) -> None:
     p.add_argument("--warm-steps", type=int, default=2000)
     p.add_argument("--warm-unroll", type=int, default=4, help="draft positions the warm start trains")
     p.add_argument("--parts", default="abc", help="a: acceptance sweep, b: drift, c: training throughput and stops")
-    p.add_argument("--adapt-seconds", type=float, default=60.0, help="online training budget after the drift")
+    p.add_argument("--adapt-seconds", type=float, default=30.0,
+                   help="online training budget after the drift (30 s: a long-tail idle window)")
+    p.add_argument("--drift-prompts", type=int, default=32,
+                   help="held-out prompts the drift is measured on, greedy and at T=1")
     p.add_argument("--adapt-lr", type=float, default=3e-4, help="peak learning rate of the online adaptation")
     p.add_argument("--adapt-prompts", type=int, default=256, help="new-policy rollouts the adaptation trains on")
     p.add_argument("--stop-trials", type=int, default=20)
@@ -341,5 +285,6 @@ def run(args) -> dict:
                          new_tokens=args.new_tokens, ks=ks, warm_prompts=args.warm_prompts,
                          warm_steps=args.warm_steps, warm_unroll=args.warm_unroll, adapt_seconds=args.adapt_seconds,
                          adapt_lr=args.adapt_lr, adapt_prompts=args.adapt_prompts, stop_trials=args.stop_trials,
+                         num_drift_eval_prompts=args.drift_prompts,
                          parts=args.parts, draft_dtype=None if args.draft_dtype == "policy" else args.draft_dtype,
                          tree=args.tree, tree_side_depth=args.tree_side_depth)

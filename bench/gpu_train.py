@@ -1,25 +1,29 @@
 """`tlt bench gpu` (b), (e), (f): the warm start, drafter training throughput and stops, drift.
 
-(b) the warm draft: harvest the policy's rollouts and train a head from scratch on the device
-    (drafter.train.warmstart.warm_start with bench.drafter's recipe), cached under $TLT_CACHE_DIR/drafters/ with
-    the timings it was built in, keyed by the model, the device type and every size;
-(e) micro-steps per second in float32 and under bf16 autocast (TrainConfig's defaults otherwise), in
-    alternating slices, and stop-request-to-stopped latency (bench.drafter.stop_latencies);
-(f) bench.drafter's drift part: the policy moves, the frozen draft loses acceptance, an online adaptation
-    within a fixed budget wins some back.
+(b) the warm draft: harvest the policy's rollouts (templated and longtail task prompts, sampled at T=1) and train a
+    head from scratch on the device by `tlt drafter train`'s recipe (workers.warm: on a GPU, a time budget), cached
+    under $TLT_CACHE_DIR/drafters/ with the timings it was built in, keyed by the model, the device type, the recipe
+    and every size;
+(e) training tokens per second in float32 (TF32 matmuls on a GPU) and under bf16 autocast (TrainConfig's defaults
+    otherwise: micro-steps sized by tokens on a GPU), in alternating slices, and stop-request-to-stopped latency
+    (bench.drafter.stop_latencies);
+(f) bench.drift: the policy moves, the frozen draft loses acceptance, an online adaptation within a fixed budget
+    wins some back; greedy and T=1 on held-out prompts, each with its standard error.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import time
 from collections.abc import Callable
 
 import torch
 
-from bench.drafter import _drift_part, _key, stop_latencies, warm_train_config
-from bench.prompts import PROMPTS, synthetic_prompts
+from bench.drafter import _key, stop_latencies
+from bench.drift import drift_part, eval_prompts
+from bench.prompts import synthetic_prompts
 from drafter.decode.engine import Engine
 from drafter.draft.head import EagleHead, head_from_state
 from drafter.model.config import DRAFT_FORMAT, TrainConfig
@@ -27,8 +31,8 @@ from drafter.model.loading import default_cache_dir, encode_prompt
 from drafter.train.buffer import RolloutBuffer
 from drafter.train.checkpoint import load_draft
 from drafter.train.trainer import DraftTrainer
-from drafter.train.warmstart import HarvestConfig, harvest, warm_start
-from workers.warm import WARM_TRAIN_SEED, task_prompts
+from drafter.train.warmstart import HarvestConfig, harvest
+from workers.warm import default_recipe, warm_start_by_recipe
 
 WARM_TAIL_FRACTION = 0.75  # the longtail prompts of the warm start ask for detail (workers.warm.WarmRecipe's)
 TIMINGS_FILE = "bench_gpu_warm.json"  # beside the cached draft: how long it took to build, on what
@@ -48,13 +52,18 @@ def throttled(progress: Callable[[str], None], every_s: float = 5.0) -> Callable
 
 
 def warm_head(loaded, tok, device: str, num_prompts: int, num_task_prompts: int, new_tokens: int,
-              harvest_batch: int, num_steps: int, draft_vocab: int = 8192, num_unroll: int = 4,
+              harvest_batch: int, num_steps: int, draft_vocab: int = 8192, num_unroll: int | None = None,
               fresh: bool = False, progress: Callable[[str], None] = print) -> tuple[EagleHead, dict]:
     """The warm draft on the policy's device and what building it took: trained now, or read from the
-    cache with the timings recorded when it was built (`cached`: true)."""
+    cache with the timings recorded when it was built (`cached`: true). Built by `tlt drafter train`'s recipe
+    (workers.warm.warm_start_by_recipe with the device's default_recipe), with the bench's sizes and its templated
+    prompts besides the longtail task's; on a GPU the recipe's time budget binds before num_steps."""
     policy = loaded.model
-    parts = (loaded.name, torch.device(device).type, num_prompts, num_task_prompts, new_tokens, harvest_batch,
-             num_steps, draft_vocab, num_unroll, DRAFT_FORMAT)
+    recipe = dataclasses.replace(default_recipe(device), num_prompts=num_task_prompts, max_new_tokens=new_tokens,
+                                 batch_size=harvest_batch, num_steps=num_steps, draft_vocab_size=draft_vocab,
+                                 num_eval_prompts=0, tail_fraction=WARM_TAIL_FRACTION,
+                                 **({} if num_unroll is None else {"num_unroll": num_unroll}))
+    parts = (loaded.name, torch.device(device).type, num_prompts, recipe.key(loaded.name, "longtail"), DRAFT_FORMAT)
     out = default_cache_dir().parent / "drafters" / f"gpu-bench-{_key(*parts)}"
     path, timings = out / "draft-v000001.safetensors", out / TIMINGS_FILE
     if path.is_file() and timings.is_file() and not fresh:
@@ -63,24 +72,23 @@ def warm_head(loaded, tok, device: str, num_prompts: int, num_task_prompts: int,
         progress(f"reusing the warm draft {path} (built in {json.loads(timings.read_text())['warm_start_s']} s)")
         return head.eval().requires_grad_(False), {**json.loads(timings.read_text()), "cached": True,
                                                    "path": str(path)}
-    texts = synthetic_prompts(num_prompts, seed=1)
-    if num_task_prompts:
-        texts += task_prompts("longtail", WARM_TRAIN_SEED, num_task_prompts, WARM_TAIL_FRACTION)
-    prompts = [encode_prompt(tok, t) for t in texts]
-    progress(f"warm start: {len(prompts)} prompts x {new_tokens} tokens at batch {harvest_batch}, {num_steps} steps")
-    head, rep = warm_start(policy, tok, prompts, out, max_steps=num_steps,
-                           train_cfg=warm_train_config(num_steps, num_unroll),
-                           harvest_cfg=HarvestConfig(batch_size=harvest_batch, max_new_tokens=new_tokens),
-                           draft_vocab_size=draft_vocab, progress=throttled(progress))
-    info = {"harvest_s": round(rep.harvest_seconds, 2), "harvested_tokens": rep.num_harvested_tokens,
-            "harvest_tokens_per_s": round(rep.num_harvested_tokens / max(rep.harvest_seconds, 1e-9), 1),
-            "train_steps": rep.train_steps, "train_s": round(rep.train_seconds, 2),
-            "train_steps_per_s": round(rep.train_steps / max(rep.train_seconds, 1e-9), 2),
-            "train_tokens_per_s": round(rep.train_tokens_per_s, 1), "final_loss": round(rep.final_loss, 4),
-            "warm_start_s": round(rep.harvest_seconds + rep.train_seconds, 2), "num_prompts": len(prompts),
-            "new_tokens": new_tokens, "harvest_batch": harvest_batch, "device": device_name(device)}
+    extra = tuple(synthetic_prompts(num_prompts, seed=1))
+    progress(f"warm start: {num_task_prompts + len(extra)} prompts x {new_tokens} tokens at batch {harvest_batch}, "
+             f"{num_steps} steps or {recipe.train_seconds} s, {recipe.num_unroll} positions by {recipe.position_loss}")
+    rep = warm_start_by_recipe(loaded, "longtail", out, recipe, extra_prompts=extra, progress=throttled(progress))
+    state, meta = load_draft(rep["path"])
+    head = head_from_state(meta.head_config, state).to(policy.device)
+    info = {"harvest_s": round(rep["harvest_seconds"], 2), "harvested_tokens": rep["num_harvested_tokens"],
+            "harvest_tokens_per_s": round(rep["num_harvested_tokens"] / max(rep["harvest_seconds"], 1e-9), 1),
+            "train_steps": rep["train_steps"], "train_s": round(rep["train_seconds"], 2),
+            "train_steps_per_s": round(rep["train_steps"] / max(rep["train_seconds"], 1e-9), 2),
+            "train_tokens_per_s": round(rep["train_tokens_per_s"], 1), "final_loss": round(rep["final_loss"], 4),
+            "warm_start_s": round(rep["harvest_seconds"] + rep["train_seconds"], 2),
+            "num_prompts": num_task_prompts + len(extra), "new_tokens": new_tokens, "harvest_batch": harvest_batch,
+            "num_unroll": recipe.num_unroll, "position_loss": recipe.position_loss,
+            "train_budget_s": recipe.train_seconds, "device": device_name(device)}
     timings.write_text(json.dumps(info, indent=1) + "\n")
-    return head.eval().requires_grad_(False), {**info, "cached": False, "path": rep.path}
+    return head.eval().requires_grad_(False), {**info, "cached": False, "path": rep["path"]}
 
 
 def device_name(device: str) -> str:
@@ -95,6 +103,7 @@ def device_name(device: str) -> str:
 def train_throughput(policy, head: EagleHead, buffer: RolloutBuffer, seconds: float, num_slices: int = 4) -> dict:
     """Training tokens/s in float32 and under bf16 autocast: one trainer each (a few untimed steps first),
     trained `seconds` each in alternating slices (num_slices in all), so both see the same machine."""
+    # TrainConfig's defaults: on a GPU, micro-steps of GPU_TOKENS_PER_STEP pairs, TF32 matmuls under "fp32"
     trainers = {name: DraftTrainer(policy, copy.deepcopy(head), TrainConfig(bf16_autocast=bf16))
                 for name, bf16 in (("fp32", False), ("bf16", True))}
     for trainer in trainers.values():
@@ -125,13 +134,12 @@ def training(policy, head: EagleHead, buffer: RolloutBuffer, seconds: float, sto
 def drift(engine: Engine, tok, head: EagleHead, k: int, num_eval_prompts: int, new_tokens: int, num_steps: int,
           num_adapt_prompts: int, adapt_seconds: float, draft_dtype, drift_lr: float = 1e-4,
           adapt_lr: float = 3e-4) -> tuple[dict, object, EagleHead, RolloutBuffer]:
-    """(f): bench.drafter's drift part at draft length k; returns its figures, the moved policy, the adapted
-    head and the new policy's harvest (for (e))."""
+    """(f): bench.drift at draft length k (greedy and T=1, with standard errors); returns its figures, the moved
+    policy, the adapted head and the new policy's harvest (for (e))."""
     result: dict = {}
-    eval_prompts = [encode_prompt(tok, PROMPTS[i % len(PROMPTS)]) for i in range(num_eval_prompts)]
-    new_policy, adapted, buffer = _drift_part(result, engine.model, tok, engine, eval_prompts, head, k, new_tokens,
-                                              num_steps, drift_lr, num_adapt_prompts, adapt_lr, adapt_seconds,
-                                              draft_dtype)
+    new_policy, adapted, buffer = drift_part(result, engine.model, tok, engine, eval_prompts(tok, num_eval_prompts),
+                                             head, k, new_tokens, num_steps, drift_lr, num_adapt_prompts, adapt_lr,
+                                             adapt_seconds, draft_dtype)
     return result, new_policy, adapted, buffer
 
 

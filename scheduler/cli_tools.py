@@ -11,7 +11,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from drafter.model.config import SMOLLM2_SPEC, TrainConfig
-from workers.warm import WarmRecipe
+from workers.warm import GPU_RECIPE, WarmRecipe, default_recipe
 
 _RECIPE = WarmRecipe()  # `tlt drafter train --task`'s defaults
 
@@ -47,14 +47,25 @@ def _drafter_train(args: argparse.Namespace) -> int:
     return 0
 
 
+# the options that set a WarmRecipe field; left out (None), the field keeps the device's recipe's value
+_RECIPE_OPTIONS = {"num_prompts": "num_prompts", "num_eval_prompts": "num_eval_prompts", "steps": "num_steps",
+                   "max_new_tokens": "max_new_tokens", "temperature": "temperature", "batch_size": "batch_size",
+                   "draft_vocab": "draft_vocab_size", "unroll": "num_unroll"}
+
+
 def _task_recipe(args: argparse.Namespace) -> WarmRecipe:
-    """The recipe `--task` trains by: WarmRecipe's defaults, with what the options change (all options left at
-    their defaults: WarmRecipe() itself, the recipe `tlt demo` and `tlt bench rl` key the warm-draft cache by)."""
-    return replace(_RECIPE, num_prompts=args.num_prompts or _RECIPE.num_prompts,
-                   num_eval_prompts=args.num_eval_prompts,
-                   num_steps=args.steps if args.steps is not None else _RECIPE.num_steps,
-                   max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=args.batch_size,
-                   draft_vocab_size=args.draft_vocab, num_unroll=args.unroll)
+    """The recipe `--task` trains by: the device's (workers.warm.default_recipe: WarmRecipe() on a CPU, GPU_RECIPE
+    on CUDA), with what the options change (all options left out on a CPU: WarmRecipe() itself, the recipe `tlt
+    demo` and `tlt bench rl` key the warm-draft cache by)."""
+    recipe = default_recipe(args.device)
+    changed = {field: getattr(args, opt) for opt, field in _RECIPE_OPTIONS.items() if getattr(args, opt) is not None}
+    return replace(recipe, **changed)
+
+
+def _option(args: argparse.Namespace, opt: str):
+    """An option's value, or the CPU recipe's where it was left out (--prompts)."""
+    value = getattr(args, opt)
+    return getattr(_RECIPE, _RECIPE_OPTIONS[opt]) if value is None else value
 
 
 def _train_on_task(args: argparse.Namespace) -> dict:
@@ -86,11 +97,14 @@ def _train_on_prompts(args: argparse.Namespace) -> dict:
     texts, eval_texts = texts[held:] or texts, texts[:held][:8]
     loaded = load_model(args.model, device=args.device)
     _, report = warm_start(loaded.model, loaded.tokenizer, [encode_prompt(loaded.tokenizer, t) for t in texts],
-                           args.out, train_cfg=TrainConfig(total_steps=args.steps or 1000, num_unroll=args.unroll,
+                           args.out, train_cfg=TrainConfig(total_steps=args.steps or 1000,
+                                                           num_unroll=_option(args, "unroll"),
                                                            anneal_to_budget=False, bf16_autocast=False),
-                           harvest_cfg=HarvestConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                                                     temperature=args.temperature, top_p=1.0),
-                           max_steps=args.steps, max_seconds=args.seconds, draft_vocab_size=args.draft_vocab,
+                           harvest_cfg=HarvestConfig(max_new_tokens=_option(args, "max_new_tokens"),
+                                                     batch_size=_option(args, "batch_size"),
+                                                     temperature=_option(args, "temperature"), top_p=1.0),
+                           max_steps=args.steps, max_seconds=args.seconds,
+                           draft_vocab_size=_option(args, "draft_vocab"),
                            eval_prompts=[encode_prompt(loaded.tokenizer, t) for t in eval_texts],
                            harvest_file=args.harvest_file)
     return {"model": loaded.name, "task": None, "device": str(loaded.model.device), **asdict(report)}
@@ -125,24 +139,30 @@ def add_tool_commands(sub) -> None:
     tr.add_argument("--task", default=None, help="a built-in task's own prompts (arithmetic, longtail), with "
                     "the recipe's defaults (workers.warm.WarmRecipe); held-out prompts of the task are evaluated")
     tr.add_argument("--num-prompts", type=int, default=None,
-                    help=f"task prompts harvested (default {_RECIPE.num_prompts})")
-    tr.add_argument("--num-eval-prompts", type=int, default=_RECIPE.num_eval_prompts,
-                    help="held-out task prompts the accepted length is measured on")
+                    help=f"task prompts harvested (default {_RECIPE.num_prompts}; on cuda {GPU_RECIPE.num_prompts})")
+    tr.add_argument("--num-eval-prompts", type=int, default=None,
+                    help="held-out task prompts the accepted length is measured on (default "
+                         f"{_RECIPE.num_eval_prompts}; on cuda {GPU_RECIPE.num_eval_prompts})")
     tr.add_argument("--out", default=None, help="directory for draft-v000001.safetensors (with --task, default: "
                     "the warm-draft cache `tlt demo` and `tlt bench rl` read, workers.warm.warm_cache_dir; a draft "
                     "cached there for the same model, task and recipe is reused)")
     tr.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model harvests and the "
-                    "head trains (a GPU: about 2 minutes for SmolLM2 at the recipe's defaults)")
+                    "head trains; cuda's recipe (workers.warm.GPU_RECIPE) trains "
+                    f"{GPU_RECIPE.train_seconds:.0f} s, a warm start within 5 minutes")
     tr.add_argument("--steps", type=int, default=None,
-                    help=f"training micro-steps (with --task, default {_RECIPE.num_steps})")
+                    help=f"training micro-steps (with --task, default {_RECIPE.num_steps}; on cuda the recipe's "
+                         "time budget binds)")
     tr.add_argument("--seconds", type=float, default=None, help="training time budget (with --task, the steps "
                     "stay a limit too)")
-    tr.add_argument("--max-new-tokens", type=int, default=_RECIPE.max_new_tokens)
-    tr.add_argument("--temperature", type=float, default=_RECIPE.temperature, help="harvest sampling temperature")
-    tr.add_argument("--batch-size", type=int, default=_RECIPE.batch_size)
-    tr.add_argument("--draft-vocab", type=int, default=_RECIPE.draft_vocab_size,
-                    help="draft vocabulary size (most frequent tokens)")
-    tr.add_argument("--unroll", type=int, default=_RECIPE.num_unroll, help="training-time unrolled draft positions")
+    tr.add_argument("--max-new-tokens", type=int, default=None, help=f"default {_RECIPE.max_new_tokens}")
+    tr.add_argument("--temperature", type=float, default=None,
+                    help=f"harvest sampling temperature (default {_RECIPE.temperature}, as RL samples)")
+    tr.add_argument("--batch-size", type=int, default=None,
+                    help=f"rollouts harvested together (default {_RECIPE.batch_size}; on cuda {GPU_RECIPE.batch_size})")
+    tr.add_argument("--draft-vocab", type=int, default=None,
+                    help=f"draft vocabulary size (most frequent tokens; default {_RECIPE.draft_vocab_size})")
+    tr.add_argument("--unroll", type=int, default=None, help="training-time unrolled draft positions (default "
+                    f"{_RECIPE.num_unroll}; on cuda {GPU_RECIPE.num_unroll})")
     tr.add_argument("--threads", type=int, default=2)
     tr.add_argument("--harvest-file", default=None,
                     help="keep the harvest here (safetensors); an existing file is read instead of generating")

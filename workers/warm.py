@@ -14,7 +14,7 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from drafter.model.config import DRAFT_FORMAT, cache_root, check_aux_layer_ids
+from drafter.model.config import DRAFT_FORMAT, TrainConfig, cache_root, check_aux_layer_ids
 
 WARM_TRAIN_SEED = 1_001  # the task's prompts the head trains on (a job's own seed is usually small)
 WARM_EVAL_SEED = 2_002  # held-out prompts the warm start measures accepted length on
@@ -41,12 +41,34 @@ class WarmRecipe:
     # longtail: share of the harvested and held-out prompts asking for detailed reasoning (the task's own 0.1
     # would leave the head few tokens of the tail, where speculation serves: the short answers are a line)
     tail_fraction: float = 0.75
+    train_seconds: float | None = None  # a training budget in seconds (the rate anneals to it); None: num_steps only
+    position_loss: str = "decay"  # how the unrolled positions weigh (TrainConfig's); the measured CPU draft's
+
+    def train_config(self) -> TrainConfig:
+        """The trainer's settings: TrainConfig's defaults but for the recipe's, with numerics that never depend on
+        the box (no bf16 autocast); the cosine spans num_steps, or the time budget where there is one."""
+        return TrainConfig(total_steps=self.num_steps, num_unroll=self.num_unroll, position_loss=self.position_loss,
+                           anneal_to_budget=self.train_seconds is not None, bf16_autocast=False)
 
     def key(self, model: str, task: str) -> str:
         """Cache key: the model, the task, every field of the recipe and the draft layout (DRAFT_FORMAT: a
         draft cached in another layout is never found as one of this layout)."""
         blob = json.dumps([model, task, asdict(self), WARM_TRAIN_SEED, WARM_EVAL_SEED, DRAFT_FORMAT], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# The GPU's recipe: a warm start within 5 minutes (issue 39). 3,072 task prompts of up to 192 tokens at batch 128,
+# sampled at T=1: about 600k generated tokens (100 s at the 6k tokens/s an H100 harvested at batch 128 before issue
+# 39, 40 s at its 15k goal; 3.4 GB of features in host memory); 150 s of training in micro-steps of
+# GPU_TOKENS_PER_STEP pairs on every position inference drafts (k up to 6), weighed by reach; 32 held-out prompts
+# for the draft temperature and the accepted length. Not measured on a GPU yet.
+GPU_RECIPE = WarmRecipe(num_prompts=3072, max_new_tokens=192, num_steps=1_000_000, num_unroll=6, batch_size=128,
+                        num_eval_prompts=32, train_seconds=150.0, position_loss="reach")
+
+
+def default_recipe(device: str) -> WarmRecipe:
+    """`tlt drafter train --task`'s defaults on `device`: GPU_RECIPE on CUDA, WarmRecipe() elsewhere."""
+    return GPU_RECIPE if str(device).startswith("cuda") else WarmRecipe()
 
 
 def warm_cache_dir(model: str, task: str, recipe: WarmRecipe) -> Path:
@@ -78,30 +100,41 @@ def ensure_warm_draft(model: str, task: str, device: str = "cpu", recipe: WarmRe
 
 def build_warm_draft(model: str, task: str, out: str | Path, device: str, recipe: WarmRecipe,
                      max_seconds: float | None = None, harvest_file: str | Path | None = None) -> dict:
-    """Harvest the task's prompts (TRAIN_SEED) with `model` on `device`, train a head by `recipe` there, measure
-    it on held-out prompts (EVAL_SEED) and save it as out/draft-v000001.safetensors; returns the warm start's
-    report (drafter.train.warmstart.WarmStartReport's fields, with the model, task and device). The one recipe of
-    `tlt drafter train --task`, `tlt demo`'s warm draft (through that command) and `tlt bench rl`'s.
-    max_seconds: a training time budget besides recipe.num_steps; harvest_file: drafter.train.warmstart's (the
-    rollouts kept there, or read from it when it exists)."""
-    from drafter.model.config import TrainConfig
-    from drafter.model.loading import encode_text, load_model
-    from drafter.train.warmstart import HarvestConfig, warm_start
+    """Load `model` on `device` and warm-start a draft there by `recipe` (warm_start_by_recipe), saved as
+    out/draft-v000001.safetensors; returns the warm start's report (drafter.train.warmstart.WarmStartReport's fields,
+    with the model, task and device). The one recipe of `tlt drafter train --task`, `tlt demo`'s warm draft (through
+    that command), `tlt bench rl`'s and `tlt bench gpu`'s. max_seconds: a training time budget besides the
+    recipe's; harvest_file: drafter.train.warmstart's (the rollouts kept there, or read from it when it exists)."""
+    from drafter.model.loading import load_model
 
-    texts = [task_prompts(task, seed, num, recipe.tail_fraction)  # a task that does not exist: before the load
-             for seed, num in ((WARM_TRAIN_SEED, recipe.num_prompts), (WARM_EVAL_SEED, recipe.num_eval_prompts))]
+    task_prompts(task, WARM_TRAIN_SEED, 1)  # a task that does not exist: before the load
     loaded = load_model(model, device=device)
+    return warm_start_by_recipe(loaded, task, out, recipe, max_seconds, harvest_file)
+
+
+def warm_start_by_recipe(loaded, task: str, out: str | Path, recipe: WarmRecipe, max_seconds: float | None = None,
+                         harvest_file: str | Path | None = None, extra_prompts: tuple[str, ...] = (),
+                         progress=None) -> dict:
+    """Harvest the task's prompts (TRAIN_SEED) and `extra_prompts` (texts: the GPU bench adds its templated ones,
+    for diversity) with `loaded` (drafter.model.loading.LoadedModel), sampled at recipe.temperature; train a head
+    by `recipe` on its device; measure it on held-out task prompts (EVAL_SEED; none if recipe.num_eval_prompts is
+    0) and save it in `out`. Returns build_warm_draft's report."""
+    from drafter.model.loading import encode_text
+    from drafter.train.warmstart import HarvestConfig, stderr_progress, warm_start
+
+    texts = [task_prompts(task, seed, num, recipe.tail_fraction) if num else []
+             for seed, num in ((WARM_TRAIN_SEED, recipe.num_prompts), (WARM_EVAL_SEED, recipe.num_eval_prompts))]
     vocab = loaded.model.cfg.vocab_size
-    prompts, eval_prompts = ([encode_text(loaded.tokenizer, t, vocab) for t in group] for group in texts)
-    _, report = warm_start(loaded.model, loaded.tokenizer, prompts, out,
-                           train_cfg=TrainConfig(total_steps=recipe.num_steps, num_unroll=recipe.num_unroll,
-                                                 anneal_to_budget=False, bf16_autocast=False),
+    prompts, eval_prompts = ([encode_text(loaded.tokenizer, t, vocab) for t in group]
+                             for group in (texts[0] + list(extra_prompts), texts[1]))
+    budgets = [b for b in (max_seconds, recipe.train_seconds) if b is not None]
+    _, report = warm_start(loaded.model, loaded.tokenizer, prompts, out, train_cfg=recipe.train_config(),
                            harvest_cfg=HarvestConfig(max_new_tokens=recipe.max_new_tokens,
                                                      batch_size=recipe.batch_size, temperature=recipe.temperature,
                                                      top_p=1.0),
-                           max_steps=recipe.num_steps, max_seconds=max_seconds,
-                           draft_vocab_size=recipe.draft_vocab_size, eval_prompts=eval_prompts,
-                           harvest_file=harvest_file)
+                           max_steps=recipe.num_steps, max_seconds=min(budgets) if budgets else None,
+                           draft_vocab_size=recipe.draft_vocab_size, eval_prompts=eval_prompts or None,
+                           harvest_file=harvest_file, progress=progress or stderr_progress)
     return {"model": loaded.name, "task": task, "device": str(loaded.model.device), **asdict(report)}
 
 

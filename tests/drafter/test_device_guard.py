@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # what the engine, drafting, harvest, training, warm start, evaluation, merging, swap and the learner run
 SCANNED = sorted({*(p.relative_to(ROOT).as_posix() for p in (ROOT / "drafter").rglob("*.py")),
                   "workers/builtin_engine.py", "workers/grpo.py", "workers/learner_pairs.py", "workers/leases.py",
-                  "workers/scoring.py", "workers/store.py", "workers/swap.py", "workers/warm.py", "bench/drafter.py"})
+                  "workers/scoring.py", "workers/store.py", "workers/swap.py", "workers/warm.py", "bench/drafter.py",
+                  "bench/drift.py"})
 
 # torch functions that make a new tensor and take `device=`
 FACTORIES = frozenset({

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import ray
@@ -126,7 +127,7 @@ def test_drafter_train_on_a_task_without_out_fills_the_warm_cache_once(tmp_path,
     """Without --out, `tlt drafter train --task` is workers.warm.ensure_warm_draft: the draft lands where the demo
     and `tlt bench rl` look (warm_cache_dir, keyed by the recipe the options make), and a second run reuses it."""
     from scheduler.cli_tools import _task_recipe
-    from workers.warm import WARM_REPORT, WarmRecipe, warm_cache_dir
+    from workers.warm import GPU_RECIPE, WARM_REPORT, WarmRecipe, warm_cache_dir
 
     monkeypatch.setenv("TLT_CACHE_DIR", str(tmp_path))
     argv = ["drafter", "train", "--task", "arithmetic", "--model", "tiny", "--num-prompts", "4",
@@ -144,6 +145,11 @@ def test_drafter_train_on_a_task_without_out_fills_the_warm_cache_once(tmp_path,
     # the options at their defaults are WarmRecipe() itself: the demo's build (no options) fills the key it reads
     defaults = build_parser().parse_args(["drafter", "train", "--task", "longtail"])
     assert _task_recipe(defaults) == WarmRecipe()
+    # on cuda, the GPU's recipe (a time budget, batch 128, every drafted position), changed by the options given
+    on_gpu = build_parser().parse_args(["drafter", "train", "--task", "longtail", "--device", "cuda"])
+    assert _task_recipe(on_gpu) == GPU_RECIPE
+    on_gpu.unroll = 3
+    assert _task_recipe(on_gpu) == replace(GPU_RECIPE, num_unroll=3)
     assert main([*argv, "--seconds", "5"]) == 2  # a time budget is not in the cache key
     assert "--seconds needs --out" in capsys.readouterr().err
 

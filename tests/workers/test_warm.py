@@ -73,6 +73,36 @@ def test_the_warm_cache_key_names_the_draft_layout(monkeypatch):
     assert recipe.key("m", "arithmetic") != before
 
 
+def test_the_cpu_recipe_trains_as_before_and_the_gpu_recipe_by_a_time_budget():
+    """WarmRecipe() (the CPU's, the demo's cache key) trains as it was measured: 300 steps of 4 positions weighed
+    by decay, no budget; GPU_RECIPE (cuda's default) trains every position inference drafts, weighed by reach, to a
+    time budget that keeps a warm start within 5 minutes."""
+    from drafter.model.config import TrainConfig
+    from workers.warm import GPU_RECIPE, WarmRecipe, default_recipe
+
+    assert default_recipe("cpu") == WarmRecipe() and default_recipe("cuda") == GPU_RECIPE
+    assert WarmRecipe().train_config() == TrainConfig(total_steps=300, num_unroll=4, position_loss="decay",
+                                                      anneal_to_budget=False, bf16_autocast=False)
+    gpu = GPU_RECIPE.train_config()
+    assert (gpu.num_unroll, gpu.position_loss, gpu.anneal_to_budget) == (6, "reach", True)
+    assert GPU_RECIPE.train_seconds <= 240 and GPU_RECIPE.batch_size >= 128 and GPU_RECIPE.temperature == 1.0
+
+
+def test_a_recipe_with_a_time_budget_trains_to_it_on_its_prompts_and_the_extra_ones(tmp_path):
+    """warm_start_by_recipe (the one recipe of `tlt drafter train` and `tlt bench gpu`): the task's prompts and the
+    extra ones are harvested, and a recipe with train_seconds stops there, however many steps it allows."""
+    from drafter.model.loading import load_model
+    from workers.warm import WarmRecipe, warm_start_by_recipe
+
+    recipe = WarmRecipe(num_prompts=4, num_eval_prompts=0, max_new_tokens=8, num_steps=10**6, train_seconds=1.0,
+                        batch_size=8, draft_vocab_size=32)
+    report = warm_start_by_recipe(load_model("tiny"), "arithmetic", tmp_path, recipe,
+                                  extra_prompts=("Write a poem.", "Count to ten."), progress=lambda msg: None)
+    assert report["num_prompts"] == 6 and report["num_harvested_tokens"] > 0
+    assert 0 < report["train_steps"] < 10**6 and 1.0 <= report["train_seconds"] < 10
+    assert Path(report["path"]).is_file() and report["acceptance"] == {}
+
+
 def test_publish_from_a_file_and_from_another_jobs_store(redis_client, tmp_path):
     served, _ = job_stores(redis_client, tmp_path, "dst")
     path = write_draft(tmp_path / "draft-v000001.safetensors")
