@@ -20,9 +20,11 @@ from drafter.decode import sampling
 from drafter.decode.engine import Engine, Request
 from drafter.decode.sampling import BatchSampling, SamplingParams, Verdict, token_probs
 from drafter.decode.tree import Tree, TreeVerdict, verify_tree
+from drafter.draft.combined import CombinedDrafter
 from drafter.draft.drafters import Drafter, NgramDrafter, Proposal
 from drafter.draft.eagle import EagleDrafter
 from drafter.draft.head import EagleConfig, EagleHead
+from drafter.draft.history import HistoryDrafter
 from drafter.model.causal_lm import int8_linear_available
 from tests.conftest import tiny_model
 
@@ -137,13 +139,22 @@ class NoisyPolicyDrafter(Drafter):
 
 
 def make_drafter(name, model):
-    """ngram, eagle, eagle-T (draft temperature T; 0: the argmax is proposed), eagle-bf16 and eagle-int8
-    (drafts in bf16, or with int8 weights), noisy-policy; a "-tree" suffix drafts a tree with 3
-    candidates at depth 1 and 2 at depth 2."""
+    """ngram, history (every request shares the prompt: one group, siblings streaming in), history-stored (with an
+    earlier response), combined (history where its match holds 2 tokens, else an untrained head), eagle, eagle-T
+    (draft temperature T; 0: the argmax is proposed), eagle-bf16 and eagle-int8 (drafts in bf16, or with int8
+    weights), noisy-policy; a "-tree" suffix drafts a tree with 3 candidates at depth 1 and 2 at depth 2."""
     tree = (3, 2) if name.endswith("-tree") else ()
     name = name.removesuffix("-tree")
     if name == "ngram":
         return NgramDrafter()
+    if name == "history":
+        return HistoryDrafter()
+    if name == "history-stored":  # an earlier response every row drafts first: far likelier than the policy makes it
+        drafter = HistoryDrafter()
+        drafter.remember(PROMPT, [3, 3, 3])
+        return drafter
+    if name == "combined":
+        return CombinedDrafter(make_drafter("eagle", model), HistoryDrafter(), min_match=2)
     if name.startswith("eagle"):
         dtype = {"bf16": "bfloat16", "int8": "int8"}.get(name.rpartition("-")[2])
         tau = float(name.removesuffix("-bf16").removesuffix("-int8").partition("-")[2] or 1.0)
@@ -161,9 +172,15 @@ def test_plain_sampling_matches_policy(model, exact):
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
-@pytest.mark.parametrize("drafter_name", ["ngram", "eagle", "noisy-policy"])
+@pytest.mark.parametrize("drafter_name", ["ngram", "history", "combined", "eagle", "noisy-policy"])
 def test_speculative_sampling_matches_policy(model, exact, k, drafter_name):
     assert sample_pvalue(model, exact, k, make_drafter(drafter_name, model)) > ALPHA
+
+
+def test_drafts_from_an_earlier_response_stay_lossless(model, exact):
+    """Every row first drafts a stored response ([3, 3, 3]) far likelier than the policy makes it; the same drafts
+    with every token accepted fail the test (test_wrong_verifier_fails_the_test)."""
+    assert sample_pvalue(model, exact, 2, make_drafter("history-stored", model)) > ALPHA
 
 
 @pytest.mark.parametrize("drafter_name", ["eagle-0.5", "eagle-0", "eagle-bf16",
@@ -220,6 +237,7 @@ def resample_from_target(target_logits, draft_tokens, draft_lens, draft_probs, s
 
 @pytest.mark.parametrize(("wrong", "drafter_name"), [(accept_always, "ngram"), (accept_always, "eagle"),
                                                     (accept_always, "noisy-policy"),
+                                                    (accept_always, "history-stored"),
                                                     (resample_from_target, "noisy-policy")])
 def test_wrong_verifier_fails_the_test(model, exact, monkeypatch, wrong, drafter_name):
     monkeypatch.setattr(engine_mod, "verify", wrong)

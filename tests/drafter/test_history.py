@@ -1,0 +1,136 @@
+"""History drafts (drafter.draft.history) and the combined drafter: the index, the store's budget, siblings streaming
+into their group, and greedy decoding with either equal to plain decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter.decode.engine import Engine, Request
+from drafter.decode.sampling import BatchSampling, SamplingParams
+from drafter.draft.combined import CombinedDrafter
+from drafter.draft.eagle import EagleDrafter
+from drafter.draft.head import EagleHead
+from drafter.draft.history import HistoryDrafter, ResponseStore, SuffixIndex, prompt_key
+from tests.conftest import on, random_prompts
+
+GREEDY = BatchSampling.from_params([SamplingParams()] * 3)
+
+
+def test_index_finds_the_longest_match_and_what_followed_it():
+    index = SuffixIndex(sizes=(4, 2, 1))
+    index.add([5, 6, 7, 8, 9, 1, 2])
+    index.add([0, 7, 8, 3, 4])
+    # [6, 7, 8] is not a size: the longest indexed suffix that occurs is [7, 8] (n=2), in both sequences
+    seq_id, end, n = index.find([1, 6, 7, 8], want=3)
+    assert n == 2 and index.seqs[seq_id][end : end + 3] in ([9, 1, 2], [3, 4])
+    assert index.seqs[seq_id][end : end + 3] == [9, 1, 2]  # ties go to the most tokens after the match
+    seq_id, end, n = index.find([5, 6, 7, 8], want=2)
+    assert (n, index.seqs[seq_id][end : end + 2]) == (4, [9, 1])
+    assert index.find([42], want=2) is None
+    assert index.find([2], want=2) is None  # [2] occurs only at the end of a sequence: nothing follows it
+
+
+def test_index_keeps_the_latest_occurrences_and_a_stream_extends_it():
+    index = SuffixIndex(sizes=(1,), max_occurrences=2)
+    for t in (10, 11, 12):
+        index.add([3, t])
+    assert [index.seqs[s][e] for s, e in index.table[(3,)]] == [11, 12]  # the oldest dropped
+    live = index.add([3], index_from=1)
+    assert index.find([3], want=1)[0] in (1, 2)
+    index.extend(live, [13, 14])
+    assert index.seqs[live] == [3, 13, 14] and (13,) in index.table
+    with pytest.raises(ValueError, match="n-gram sizes"):
+        SuffixIndex(sizes=(0, 2))
+
+
+def test_store_evicts_the_least_recently_used_prompts_oldest_response_under_its_byte_budget():
+    store = ResponseStore(max_bytes=10 * 4, max_per_prompt=3)  # ten int32 tokens
+    store.add([1], [1, 1, 1, 1])
+    store.add([2], [2, 2, 2])
+    store.add([1], [1, 1])
+    assert store.nbytes == 9 * 4 and len(store) == 3
+    store.responses([2])  # prompt 2 is now the most recently used: prompt 1 loses its oldest first
+    store.add([2], [2, 2])
+    assert store.responses([1]) == [[1, 1]] and store.responses([2]) == [[2, 2, 2], [2, 2]]
+    assert store.nbytes <= store.max_bytes and store.num_evicted == 1
+    for _ in range(4):
+        store.add([3], [3])
+    assert store.responses([3]) == [[3]] * 3  # at most max_per_prompt per prompt
+    assert prompt_key([1, 2]) != prompt_key([2, 1]) and prompt_key([1, 2]) == prompt_key([1, 2])
+    with pytest.raises(ValueError, match="max_per_prompt"):
+        ResponseStore(max_per_prompt=0)
+
+
+def test_siblings_stream_into_their_group_only():
+    drafter = HistoryDrafter(sizes=(4, 2, 1))
+    a, b = [7, 8, 9], [30, 31]
+    drafter.begin([a, a, b])
+    assert drafter.drafts([a, a, b], [3, 3, 3]) == [[], [], []]  # nothing follows any prompt's end yet
+    drafter.observe([[20, 21, 22], [20], [20, 21]], None)
+    # row 1 trails its sibling row 0 by two tokens: it drafts what row 0 wrote after the same text
+    drafts = drafter.drafts([a + [20, 21, 22], a + [20], b + [20, 21]], [3, 3, 3])
+    assert drafts[1] == [21, 22]
+    assert drafts[2] == []  # [20, 21] of row 0 is another group's text
+    drafter.observe([[23], [21, 22], [5]], None)
+    assert drafter.match_lens[1] >= 3  # row 1 kept following row 0: its match grew
+    assert drafter.drafts([a + [20, 21, 22, 23], a + [20, 21, 22], b + [20, 21, 5]], [2, 2, 2])[1] == [23]
+    drafter.keep_rows(torch.tensor([1]))
+    assert drafter.drafts([a + [20, 21, 22]], [2]) == [[23]]
+
+
+def test_earlier_responses_draft_a_new_batch_of_the_same_prompt():
+    store = ResponseStore()
+    drafter = HistoryDrafter(store)
+    drafter.remember([1, 2], [3, 4, 5, 6])
+    drafter.begin([[1, 2], [9, 2]])
+    assert drafter.drafts([[1, 2], [9, 2]], [3, 3]) == [[3, 4, 5], []]
+    with pytest.raises(ValueError, match="min_match"):
+        HistoryDrafter(min_match=0)
+
+
+def groups_of(prompts: list[list[int]], size: int, lengths: list[int]) -> list[Request]:
+    """`size` rows per prompt, each with its own max_new_tokens: rows finish at different steps."""
+    rows = [p for p in prompts for _ in range(size)]
+    return [Request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(rows, lengths)]
+
+
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("shape", ["batch1", "batch8"])
+def test_greedy_history_drafts_equal_plain(tiny, device, k, shape):
+    model = on(tiny, device)
+    engine = Engine(model)
+    if shape == "batch1":
+        requests = groups_of(random_prompts([6], tiny.cfg.vocab_size), 1, [40])
+    else:  # two groups of four, each row its own length
+        requests = groups_of(random_prompts([5, 9], tiny.cfg.vocab_size), 4, [40, 13, 27, 7, 33, 20, 9, 40])
+    plain = engine.generate(requests)
+    store = ResponseStore()
+    first = engine.generate(requests, k=k, drafter=HistoryDrafter(store))
+    for o in first:
+        store.add(o.prompt_ids, o.token_ids)
+    again = engine.generate(requests, k=k, drafter=HistoryDrafter(store))  # with the earlier responses
+    for outs in (first, again):
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+        assert [o.finish_reason for o in outs] == [o.finish_reason for o in plain]
+    # greedy answers repeat: the stored ones are accepted whole, so each row takes about 1/(k+1) of the forwards
+    assert sum(o.num_accepted for o in again) >= 0.9 * sum(o.num_draft_tokens for o in again) > 0
+    assert sum(o.num_steps for o in again) <= sum(o.num_steps for o in plain) / (k + 1) + 2 * len(requests)
+
+
+def test_greedy_combined_drafts_equal_plain_and_use_both_sources(tiny, device):
+    model = on(tiny, device)
+    engine = Engine(model)
+    requests = groups_of(random_prompts([5, 9], tiny.cfg.vocab_size), 4, [40, 13, 27, 7, 33, 20, 9, 40])
+    plain = engine.generate(requests)
+    store = ResponseStore()  # earlier responses of the first group only: its rows draft from history, the others
+    for o in plain[:4]:  # from the head (a random policy's own text seldom repeats 3 tokens)
+        store.add(o.prompt_ids, o.token_ids)
+    eagle = EagleDrafter(model, EagleHead(model.cfg).to(device))
+    combined = CombinedDrafter(eagle, HistoryDrafter(store), min_match=3)
+    spec = engine.generate(requests, k=3, drafter=combined)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert combined.num_history_rows > 0 and combined.num_eagle_rows > 0
+    assert sum(o.num_steps for o in spec) < sum(o.num_steps for o in plain)
+    with pytest.raises(ValueError, match="min_match"):
+        CombinedDrafter(eagle, HistoryDrafter(), min_match=0)
