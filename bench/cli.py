@@ -38,6 +38,8 @@ class Bench:
 BENCHES: dict[str, Bench] = {
     "engine": Bench("bench.engine", "our engine vs vLLM, plain and with the same trained EAGLE-3 draft"),
     "drafter": Bench("bench.drafter", "trained drafters: acceptance, speed-up, drift, stops"),
+    "drafter-history": Bench("bench.drafter_history", "history drafts, the EAGLE head and both combined on the "
+                             "long-tail task's groups at T=1: accepted length, tokens/s, tail rows, drafter cost"),
     "gpu": Bench("bench.gpu", "one GPU in one run: forward physics, warm start, speculation at batch 1 and in "
                  "batches, a long-tail rollout, drift, training, the CUDA tests"),
     "dataplane": Bench("bench.dataplane", "GRPO job on local Ray: step breakdown, hot swap, progress cost"),

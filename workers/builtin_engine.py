@@ -1,5 +1,8 @@
 """The built-in RolloutEngine: drafter.decode.engine.Engine (batched speculative decoding in PyTorch) with an
-EAGLE-3 drafter (drafter.draft.eagle.EagleDrafter), on CPU or one GPU.
+EAGLE-3 drafter (drafter.draft.eagle.EagleDrafter), on CPU or one GPU. With JobSpec.history_drafts, rows also draft
+from their group's text (drafter.draft.combined: history where its match is long enough, else the head): a group's
+rollouts are one batch on one worker (workers.driver.assign), so siblings stream into each other's index, and the
+worker's ResponseStore keeps earlier steps' responses per prompt within its byte budget.
 
 It shares its policy module with the worker (the learner-side copy the drafter trains against):
 load_policy writes the weights into that module.
@@ -16,8 +19,10 @@ from typing import TYPE_CHECKING, Any
 from drafter.decode.engine import Engine, EngineStats, Request
 from drafter.decode.sampling import SamplingParams
 from drafter.draft.adaptive import DraftLengthTuner, FixedDraftLength, StepCostPrior
+from drafter.draft.combined import CombinedDrafter
 from drafter.draft.eagle import EagleDrafter
 from drafter.draft.head import head_from_state, new_head
+from drafter.draft.history import HistoryDrafter
 from drafter.model.causal_lm import CausalLM
 from drafter.train.buffer import RolloutBuffer
 from workers.engine import Completion, ProgressCallback, RolloutEngine, as_tensors, bucket_deltas, check_batch
@@ -37,6 +42,9 @@ class BuiltinEngine(RolloutEngine):
         self.drafter = EagleDrafter(policy, new_head(policy, None, spec.draft_vocab_size), spec.draft_dtype,
                                     tree=spec.draft_tree)
         self.drafter.version = 0
+        # what serves the drafts: the head alone, or history and the head per row (the head is fed either way)
+        self.history = HistoryDrafter() if spec.history_drafts else None
+        self.serving = CombinedDrafter(self.drafter, self.history) if self.history is not None else self.drafter
         self.policy_version = 0
         # one chooser per speculation mode, kept across batches and RL steps; each measures tokens/s per
         # live-batch bucket (the adaptive one learns from it; the fixed ones are its baselines)
@@ -69,7 +77,7 @@ class BuiltinEngine(RolloutEngine):
         start = time.perf_counter()
         try:
             # harvested features carry the layers the drafter's heads fuse, drafting or not
-            outs = self.engine.generate(reqs, k=k, drafter=self.drafter if k else None,
+            outs = self.engine.generate(reqs, k=k, drafter=self.serving if k else None,
                                         record_hidden=harvest_into is not None, on_step=on_progress, tuner=chooser,
                                         aux_layers=self.drafter.aux_layers)
         finally:
@@ -77,6 +85,9 @@ class BuiltinEngine(RolloutEngine):
                 self._generate_seconds += time.perf_counter() - start
         if harvest_into is not None:
             harvest_into.add_outputs(outs, self.policy_version)
+        if self.history is not None:  # for later steps' rollouts of the same prompts
+            for o in outs:
+                self.history.remember(o.prompt_ids, o.token_ids)
         version, chosen, buckets = self.draft_version, chooser.summary(), bucket_deltas(chooser, before)
         return [Completion(o.prompt_ids, o.token_ids, o.text, o.finish_reason, o.num_steps, o.num_accepted, version,
                            dict(chosen), buckets) for o in outs]

@@ -36,6 +36,7 @@ class EngineSpec:
     draft_vocab_size: int | None = 40
     draft_dtype: str = "auto"  # JobSpec's default: bf16 drafts where the device has native bf16
     draft_tree: str = ""
+    history_drafts: bool = False  # JobSpec's default
 
 
 def params(temperature: float, max_new_tokens: int = 20) -> list[dict]:

@@ -111,3 +111,17 @@ def test_params_must_match_the_prompts():
         e.generate(PROMPTS, params(0.0)[:1], speculation="off")
     with pytest.raises(ValueError, match="temperature"):
         e.generate(PROMPTS[:1], [{"temperature": -1.0}], speculation="off")
+
+
+def test_history_drafts_are_lossless_and_remember_earlier_responses(device):
+    """JobSpec.history_drafts: rows draft from their group and from the responses of earlier batches of the same
+    prompts, which the engine keeps (bounded) after each batch; greedy outputs stay plain decoding's."""
+    e = engine(device, history_drafts=True)
+    plain = e.generate(PROMPTS, params(0.0), speculation="off")
+    assert len(e.history.store) == len(PROMPTS)  # kept after a plain batch too
+    spec = e.generate(PROMPTS, params(0.0), speculation="always")
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert e.serving.num_history_rows > 0  # the stored responses drafted, and were accepted whole
+    assert sum(o.num_steps for o in spec) <= sum(o.num_steps for o in plain) / 3
+    assert e.history.store.nbytes <= e.history.store.max_bytes
+    assert engine(device).history is None  # off by default
