@@ -28,6 +28,7 @@ from workers.tasks import make_task
 
 LONGTAIL_SEED = 7  # the rollout batch's prompts: neither the warm start's seed nor its held-out one
 TAIL_FRACTION = 0.9  # the tail: what runs after this share of the responses finished
+MIN_TAIL_SHARE = 0.05  # a tail shorter than this share of plain's rollout is too short to time
 
 
 class ByteTokenizer:
@@ -218,8 +219,10 @@ def longtail(engine: Engine, tok, head, num_prompts: int, group: int, new_tokens
             "tuner": tuner_from,
             "longtail_rollout_speedup": round(plain / table["adaptive"]["rollout_s"], 3),
             "longtail_rollout_speedup_fixed_k": round(plain / table[f"k{k}"]["rollout_s"], 3),
+            # None where there is no tail to speak of (plain's under MIN_TAIL_SHARE of its rollout: the responses
+            # ran to the cap together, as in the CPU form's short rollouts)
             "longtail_tail_speedup": round(table["plain"]["tail_s"] / table["adaptive"]["tail_s"], 3)
-            if table["adaptive"]["tail_s"] > 0 else None,
+            if table["adaptive"]["tail_s"] > 0 and table["plain"]["tail_s"] >= MIN_TAIL_SHARE * plain else None,
             "longtail_tail_accepted_length": table["adaptive"]["tail_accepted_length"],
             "graph_captures_timed": sum(c["graph_captures_timed"] for c in table.values()),
             "cache_rebuilds_timed": sum(c["cache_rebuilds_timed"] for c in table.values())}

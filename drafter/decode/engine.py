@@ -19,7 +19,7 @@ import torch
 
 from drafter.decode.rows import Row, find_stop
 from drafter.decode.sampling import BatchSampling, SamplingParams, Verdict, verify
-from drafter.decode.static import ShapeCounts, StaticRunner, batch_bucket, slot_bucket
+from drafter.decode.static import ShapeCounts, StaticRunner, batch_bucket, slot_bucket, to_device
 from drafter.decode.tree import Tree, compact_path, tree_attention, verify_tree
 from drafter.draft.drafters import Drafter, widen
 from drafter.model.causal_lm import CausalLM, draft_features
@@ -103,6 +103,7 @@ class Engine:
         self.stats = EngineStats()
         self.shapes = ShapeCounts()  # captures and rebuilds of the static path, host reads (the bench's counters)
         self._aranges: dict[int, torch.Tensor] = {}
+        self._next_ids: torch.Tensor | None = None  # (B, 1) the latest step's next tokens
 
     def static_runner(self, num_rows: int, max_len: int) -> StaticRunner:
         """The static path's runner, reused while its cache holds num_rows rows of max_len slots (its captured
@@ -191,6 +192,7 @@ class Engine:
         if drafter is not None:
             drafter.begin([r.tokens for r in rows], prefill_hidden, max_len=cache.max_len)
         alive = torch.ones(len(rows), dtype=torch.long, device=device)  # (B,) 1 for a live row
+        last_ids = None  # (B, 1) each row's last token, on the device: the previous step's next tokens
         last_k, num_finished = None, 0
         while order:
             batch = [rows[i] for i in order]
@@ -205,7 +207,8 @@ class Engine:
                 self._tree_step(batch, cache, tree, drafter, sampling, uniforms, step_k, aux)
             else:
                 uniforms = None if sampling.all_greedy else self._uniforms(batch, 2 * step_k + 1)
-                self._chain_step(batch, cache, drafter, sampling, uniforms, step_k, aux, alive)
+                self._chain_step(batch, cache, drafter, sampling, uniforms, step_k, aux, alive, last_ids)
+            last_ids = self._next_ids  # tree steps too: both end in _advance
             seconds = time.perf_counter() - start
             steady = step_k == last_k and marks == self.shape_marks(drafter)
             if tuner is not None and steady:
@@ -223,11 +226,12 @@ class Engine:
                 # the static path keeps its bucket (a finished row is masked) until the live rows fit a smaller one
                 if not self.static or batch_bucket(len(keep)) < batch_bucket(len(batch)):
                     order, alive = self._compact(order, keep, cache, drafter)
-                    sampling = sampling.select(torch.tensor(keep, dtype=torch.long).to(device))
+                    kept = torch.tensor(keep, dtype=torch.long)  # host-side: BatchSampling reads its rows back
+                    sampling, last_ids = sampling.select(kept), last_ids.index_select(0, to_device(kept, device))
                     num_finished = 0
                 else:
-                    alive = torch.tensor([0 if r.finish_reason else 1 for r in batch], dtype=torch.long,
-                                         device="cpu").to(device, non_blocking=True)
+                    alive = to_device(torch.tensor([0 if r.finish_reason else 1 for r in batch], dtype=torch.long),
+                                      device)
         return [self._output(r) for r in rows]
 
     def _compact(self, order: list[int], keep: list[int], cache, drafter) -> tuple[list[int], torch.Tensor]:
@@ -263,7 +267,7 @@ class Engine:
         logits, hidden, states = self.model(*args, aux_layers=aux, **kwargs)
         return logits, draft_features(hidden, states)  # (B, T, 4D)
 
-    def _chain_step(self, batch, cache, drafter, sampling, uniforms, k, aux=None, alive=None) -> None:
+    def _chain_step(self, batch, cache, drafter, sampling, uniforms, k, aux=None, alive=None, last=None) -> None:
         """One verify forward of [last, d_1..d_k] per row (k = 0: plain decoding; a drafter still observes what
         the policy emitted, so it can draft again at a later step). Every row verifies k + 1 tokens whatever
         its draft length (a row near its cap, or finished, drafts fewer; its extra positions are masked)."""
@@ -276,7 +280,8 @@ class Engine:
             draft_probs = prop.probs
         else:
             K, draft_tokens, draft_lens, draft_probs = 0, None, None, None
-        last = torch.tensor([[r.tokens[-1]] for r in batch], dtype=torch.long, device="cpu").to(device)  # (B, 1)
+        if last is None:  # (B, 1): the prompts' last tokens; after a step, its next tokens, already on the device
+            last = to_device(torch.tensor([[r.tokens[-1]] for r in batch], dtype=torch.long), device)
         input_ids = last if K == 0 else torch.cat([last, draft_tokens], dim=1)  # (B, K+1)
         positions = cache.lens.unsqueeze(1) + self._steps(K + 1)  # (B, K+1)
         # masked positions (past a row's draft, or a finished row's) lie past every real one, or at the last slot
@@ -327,7 +332,7 @@ class Engine:
         drafts; for a tree, its tests and final draw, then one per node. Drawn per row, so a row's
         random stream depends on its own seed only, not on what else is in the batch."""
         # drawn on the CPU, where each row's torch.Generator lives, then moved in one copy
-        return torch.stack([torch.rand(n, generator=r.gen, device="cpu") for r in live]).to(self.model.device)
+        return to_device(torch.stack([torch.rand(n, generator=r.gen, device="cpu") for r in live]), self.model.device)
 
     def _prefill(self, rows: list[Row], cache, needs_hidden: bool, aux=None) -> torch.Tensor | None:
         """Run prompt[:-1] of every row through the policy (no logits needed)."""
@@ -368,6 +373,7 @@ class Engine:
             st.num_accepted += n
             st.num_verify_steps += int(num_drafted > 0)
             st.accept_hist[n] += 1
+        self._next_ids = verdict.next_tokens.view(B, 1)  # every live row's last token now (a finished row's: unused)
         grown = verdict.num_accepted + 1
         cache.lens = cache.lens + (grown if alive is None else grown * alive)  # a finished row's length stays
         if drafter is not None:

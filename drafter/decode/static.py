@@ -47,6 +47,14 @@ class ShapeCounts:
         return self.num_captures + self.num_rebuilds
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without blocking the host: on CUDA through pinned memory, asynchronously (a copy
+    from pageable memory synchronizes the stream: it would wait for the step's queued kernels)."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def batch_bucket(n: int) -> int:
     for b in BATCH_BUCKETS:
         if n <= b:

@@ -33,6 +33,7 @@ from drafter.decode.static import (
     rotated_heads,
     slot_bucket,
     slot_buckets,
+    to_device,
 )
 from drafter.draft.drafters import Proposal
 
@@ -205,18 +206,21 @@ class DraftGraphs:
         chunked = self.chunked and not truncates and K + 1 <= CHUNK
         captured = chunked and self.cuda_graphs
         done = [0] * B  # pairs of each row fed so far this step
+        joined = None  # each row's pending features, joined once for all its chunks
         if chunked:  # the backlog beyond the last k + 1 pairs, in (captured) chunks
             backlog = [max(n - (K + 1), 0) for n in num_pending]
+            if any(backlog):
+                joined = [rows.pending_hidden(r, d._empty()) for r in range(B)]
             while any(x > y for x, y in zip(backlog, done)):
                 counts = [min(CHUNK, x - y) for x, y in zip(backlog, done)]
                 b = self._buffers(0)
-                self._fill(b, Bp, done, counts, lens, [0] * B)
+                self._fill(b, Bp, done, counts, lens, [0] * B, joined)
                 self._run(b, (Bp, 0, self._slots(lens, done, CHUNK, 0), True, True, False), captured)
                 done = [x + y for x, y in zip(done, counts)]
         counts = [n - x for n, x in zip(num_pending, done)]
         P = max(counts)
         b = self._buffers(K) if P <= K + 1 else self._buffers(K, P)
-        self._fill(b, Bp, done, counts, lens, caps)
+        self._fill(b, Bp, done, counts, lens, caps, joined)
         greedy = sampling.all_greedy
         if not greedy:
             b["temperature"][:Bp].zero_()
@@ -236,9 +240,11 @@ class DraftGraphs:
         """The slot bucket a step reads: past every position it writes (pairs padded to P, then K drafts)."""
         return slot_bucket(max(n + x for n, x in zip(lens, done)) + P + K, self.cache.max_len)
 
-    def _fill(self, b: dict, Bp: int, start: list[int], counts: list[int], lens: list[int], caps: list[int]) -> None:
+    def _fill(self, b: dict, Bp: int, start: list[int], counts: list[int], lens: list[int], caps: list[int],
+              joined: list[torch.Tensor] | None = None) -> None:
         """Rows' pending pairs [start, start + count) into b (one copy when they are one step's output whole),
-        with tokens and counts in one host-to-device copy; padded rows feed and draft nothing."""
+        with tokens and counts in one host-to-device copy; padded rows feed and draft nothing. joined: each
+        row's pending features, already joined."""
         rows, B, P = self.drafter.rows, len(counts), b["P"]
         feats = b["feats"][:Bp]
         fresh = rows.fresh
@@ -249,12 +255,13 @@ class DraftGraphs:
             empty = self.drafter._empty()
             for r in range(B):
                 if counts[r]:
-                    feats[r, : counts[r]] = rows.pending_hidden(r, empty)[start[r] : start[r] + counts[r]]
+                    pending = joined[r] if joined is not None else rows.pending_hidden(r, empty)
+                    feats[r, : counts[r]] = pending[start[r] : start[r] + counts[r]]
         pad = [0] * P
         host = [(t[s : s + c] + pad)[:P] + [c, n + s, cap]
                 for t, s, c, n, cap in zip(rows.pending_tokens, start, counts, lens, caps)]
         host += [pad + [0] * NUM_INTS] * (Bp - B)  # padded rows: nothing pending, nothing drafted
-        b["ints"][:Bp, : P + NUM_INTS].copy_(torch.tensor(host, dtype=torch.long, device="cpu"), non_blocking=True)
+        b["ints"][:Bp, : P + NUM_INTS].copy_(to_device(torch.tensor(host, dtype=torch.long), b["ints"].device))
 
     def _capture(self, b: dict, key: tuple) -> None:
         """Capture one shape. Its warm-up runs on the step's real inputs (what it writes, the replay that
