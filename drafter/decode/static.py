@@ -7,11 +7,11 @@ for q, k and v at once (v's tables are cos=1, sin=0), one cache write per layer,
 into the output projections (in-place addmm_), 18 top-level ops per layer at one token. Outputs equal the eager
 path's up to float rounding (greedy tokens identical: tests/drafter/test_static.py).
 
-Cache layout: (L, B, 2*Hkv, G, S, D), keys then values. On a GPU each KV head is stored once per query
-head of its group (G = H / Hkv): SDPA's fused CUDA kernels take an attention mask only without enable_gqa
-(with it they fall back to the unfused math path), so the cache pays G times the memory of a grouped one
-for a one-kernel attention; the write stays one index_put_ (the value broadcasts over G). On a CPU G = 1
-and SDPA groups the heads (enable_gqa), which its kernel does with a mask.
+Cache layout: (L, B, 2*Hkv, 1, S, D), keys then values: each KV head stored once. SDPA's fused CUDA kernels
+take an attention mask only without enable_gqa (with it they fall back to the unfused math path), so on a
+GPU the G = H / Hkv query heads of a group are folded into the query length instead (q (B, Hkv, G*T, D)
+against the group's one K/V head, the mask repeated per group: `fold_groups`), as flash-decoding does; a
+CPU's SDPA kernel groups heads itself (enable_gqa) under a mask.
 
 Rows 0..B-1 of the cache are the live sequences, in the engine's order; rows past them are scratch that
 padded rows of a bucket write into. Graph outputs live in shared buffers valid until the next forward.
@@ -112,22 +112,35 @@ def rotated_heads(num_heads: int, num_kv_heads: int, device: torch.device) -> to
     return (torch.arange(total, device=device) < num_heads + num_kv_heads).view(1, 1, total, 1, 1)
 
 
+def fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, 1, T, S) -> (B, 1, G*T, S): the mask of each query row repeated for the G heads folded into it."""
+    B, _, T, S = mask.shape
+    return mask.unsqueeze(2).expand(B, 1, groups, T, S).reshape(B, 1, groups * T, S)
+
+
 def attend(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotate: torch.Tensor, cache_l: torch.Tensor,
            keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-           mask: torch.Tensor, heads: tuple[int, int, int]) -> torch.Tensor:
+           mask: torch.Tensor, heads: tuple[int, int, int], fold_groups: bool | None = None) -> torch.Tensor:
     """One attention over a static cache layer: qkv (B*T, NH*D) fused projections -> (B*T, H*D). Rotary on
-    q and k (v passes through), K/V written at `positions`, SDPA over `keys`/`values` (views of cache_l)."""
+    q and k (v passes through), K/V written at `positions`, SDPA over `keys`/`values` (views of cache_l, one
+    head per KV group). fold_groups: fold each group's query heads into the query length (None: on CUDA);
+    `mask` may come folded already (B, 1, G*T, S), else it is folded here."""
     H, Hkv, D = heads
     B, T = positions.shape
     cos, sin = rope
     qkv = qkv.view(B, T, H + 2 * Hkv, 1, D)
     qkv = torch.addcmul(qkv * cos, qkv @ rotate, sin)  # x cos + rotate_half(x) sin
     q, kv = qkv.split((H, 2 * Hkv), dim=2)  # (B, T, H, 1, D), (B, T, 2Hkv, 1, D)
-    # one write per layer, broadcast over the group: (B, T, 2Hkv, G, D)
-    torch.ops.aten.index_put_(cache_l, [rows, None, None, positions], kv)
+    torch.ops.aten.index_put_(cache_l, [rows, None, None, positions], kv)  # one write per layer: (B, T, 2Hkv, 1, D)
     q = q.view(B, H, 1, D) if T == 1 else q.squeeze(3).transpose(1, 2)  # (B, H, T, D)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                         enable_gqa=keys.shape[1] != H)  # (B, H, T, D)
+    G = H // keys.shape[1]
+    if G > 1 and (qkv.is_cuda if fold_groups is None else fold_groups):
+        # query head h = j*G + g reads KV head j: (B, H, T, D) -> (B, Hkv, G*T, D), one fused kernel with a mask
+        mask = mask if mask.shape[2] == G * T else fold_mask(mask, G)
+        out = F.scaled_dot_product_attention(q.reshape(B, H // G, G * T, D), keys, values, attn_mask=mask)
+        out = out.view(B, H, T, D)
+    else:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=G > 1)  # (B, H, T, D)
     return out.view(B, H * D) if T == 1 else out.transpose(1, 2).reshape(B * T, H * D)
 
 
@@ -173,11 +186,9 @@ class StaticCache:
 
     def __init__(self, cfg: ModelConfig, num_layers: int, max_batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        # a KV head once per query head of its group on a GPU (fused SDPA kernels, module docstring); once on a
-        # CPU, whose SDPA kernel groups heads itself (enable_gqa) at a third of the memory traffic for SmolLM2
-        group = cfg.num_heads // cfg.num_kv_heads if torch.device(device).type == "cuda" else 1
-        self.kv = torch.zeros(num_layers, max_batch, 2 * cfg.num_kv_heads, group, max_len, cfg.head_dim,
-                              dtype=dtype, device=device)  # (L, B, 2Hkv, G, S, D)
+        # each KV head once (attend folds a group's query heads on a GPU; a CPU's SDPA groups them itself)
+        self.kv = torch.zeros(num_layers, max_batch, 2 * cfg.num_kv_heads, 1, max_len, cfg.head_dim,
+                              dtype=dtype, device=device)  # (L, B, 2Hkv, 1, S, D)
         self.lens = torch.zeros(0, dtype=torch.long, device=device)
         self.num_kv_heads = cfg.num_kv_heads
         self.num_used = 0  # slots per row written so far (host-side bound; compaction copies only these)
@@ -197,13 +208,13 @@ class StaticCache:
         self.lens = self.lens.index_select(0, rows)
 
     def layer_views(self, num_rows: int, num_slots: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per layer: (the layer's cache to write (B_max, 2Hkv, G, S_max, D), keys (B, G*Hkv, S, D), values
-        (B, H, S, D)) over the first num_rows rows and num_slots slots: views, made once per shape."""
+        """Per layer: (the layer's cache to write (B_max, 2Hkv, 1, S_max, D), keys (B, Hkv, S, D), values
+        (B, Hkv, S, D)) over the first num_rows rows and num_slots slots: views, made once per shape."""
         h = self.num_kv_heads
         out = []
         for layer in self.kv.unbind(0):  # (B, 2Hkv, G, S, D)
             B, _, G, _, D = layer.shape
-            k = layer[:num_rows, :h].reshape(num_rows, h * G, -1, D)[:, :, :num_slots]  # (B, H, S, D)
+            k = layer[:num_rows, :h].reshape(num_rows, h * G, -1, D)[:, :, :num_slots]  # (B, Hkv, S, D)
             v = layer[:num_rows, h:].reshape(num_rows, h * G, -1, D)[:, :, :num_slots]
             out.append((layer, k, v))
         return out
@@ -280,8 +291,11 @@ class StaticRunner:
         if views is None:
             views = self._views[B, num_slots] = self.cache.layer_views(B, num_slots)
         cos, sin = self._rope(positions)
-        # additive mask (B, 1, T, S): 0 where slot <= position, -inf elsewhere (padding slots included)
+        # additive mask (B, 1, T, S): 0 where slot <= position, -inf elsewhere (padding slots included); on a GPU
+        # folded once here for every layer's grouped heads (attend)
         mask = additive_mask(self.slot_ids[:num_slots], positions, model.dtype)
+        if ids.is_cuda and Hkv < H:
+            mask = fold_mask(mask, H // Hkv)
         rows = self.rows[:B].view(B, 1)
         onednn = self.onednn and not torch.is_grad_enabled()
         x = model.embed_tokens(ids)  # (B*T, hidden): the residual stream stays 2-D, updated in place

@@ -131,7 +131,7 @@ class DraftGraphs:
         """Feed b's P pending pairs per row, then draft K tokens: everything on the device (capturable)."""
         d, P = self.drafter, b["P"]
         head = d.head
-        h, layer = head.policy_cfg.num_kv_heads, self.cache.kv[0]  # (B_max, 2Hkv, G, S_max, D)
+        h, layer = head.policy_cfg.num_kv_heads, self.cache.kv[0]  # (B_max, 2Hkv, 1, S_max, D)
         self._views = (layer, layer[:Bp, :h].flatten(1, 2)[:, :, :S], layer[:Bp, h:].flatten(1, 2)[:, :, :S])
         ints = b["ints"][:Bp]
         toks, num_pending, lens, caps = ints[:, :P], ints[:, P], ints[:, P + 1], ints[:, P + 2]

@@ -11,7 +11,15 @@ import torch
 
 from drafter.decode.engine import Engine, Request
 from drafter.decode.sampling import SamplingParams
-from drafter.decode.static import StaticRunner, batch_bucket, rotate_half_matrix, slot_bucket
+from drafter.decode.static import (
+    StaticRunner,
+    additive_mask,
+    attend,
+    batch_bucket,
+    fold_mask,
+    rotate_half_matrix,
+    slot_bucket,
+)
 from drafter.draft.drafters import NgramDrafter
 from drafter.draft.eagle import EagleDrafter
 from drafter.draft.head import EagleHead
@@ -171,3 +179,28 @@ def test_static_drafter_top_k_top_p_and_swaps(device):
         outs.append(Engine(model, static=static).generate(requests, k=3, drafter=drafter, on_step=swap))
         assert drafter.swaps.num_swaps > 0
     assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+
+
+def test_folding_a_groups_query_heads_equals_grouped_attention(device):
+    """A GPU folds the G query heads of a KV group into the query length (one KV head stored, SDPA's fused kernel
+    under a repeated mask); a CPU groups them in SDPA (enable_gqa). Both read the same cache and agree, at one
+    token and at a verify's five."""
+    torch.manual_seed(0)
+    H, Hkv, D, B, S = 6, 2, 8, 3, 64
+    cache = torch.zeros(B, 2 * Hkv, 1, S, D, device=device)
+    keys, values = cache[:, :Hkv].flatten(1, 2), cache[:, Hkv:].flatten(1, 2)  # (B, Hkv, S, D)
+    rotate = rotate_half_matrix(D, torch.float32, torch.device(device))
+    for T in (1, 5):
+        positions = (torch.arange(T, device=device) + torch.tensor([[3], [9], [20]], device=device))  # (B, T)
+        cos = torch.rand(B, T, 1, 1, D, device=device)
+        rope = (cos, (1 - cos**2).sqrt())
+        qkv = torch.randn(B * T, (H + 2 * Hkv) * D, device=device)
+        mask = additive_mask(torch.arange(S, device=device), positions, torch.float32)
+        rows = torch.arange(B, device=device).view(B, 1)
+        grouped = attend(qkv, rope, rotate, cache, keys, values, rows, positions, mask, (H, Hkv, D), False)
+        folded = attend(qkv, rope, rotate, cache, keys, values, rows, positions, mask, (H, Hkv, D), True)
+        prefolded = attend(qkv, rope, rotate, cache, keys, values, rows, positions, fold_mask(mask, H // Hkv),
+                           (H, Hkv, D), True)
+        torch.testing.assert_close(folded, grouped, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(prefolded, grouped, atol=1e-5, rtol=1e-5)
+        assert grouped.shape == (B * T, H * D)
