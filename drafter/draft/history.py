@@ -73,21 +73,30 @@ class SuffixIndex:
                     del where[0]
 
     def find(self, context: list[int], want: int) -> tuple[int, int, int] | None:
-        """(seq, end, n): the longest n-gram ending `context` that occurs with at least one token after it, at the
-        occurrence with the most tokens after it (up to `want`; ties: the latest). None when nothing matches."""
+        """(seq, end, n): the longest n-gram ending `context` that occurs with at least one token after it. Of its
+        occurrences, those whose next token is the most common one (sampled siblings vote for the policy's likely
+        token), and of those the one with the most tokens after it (up to `want`; ties: the latest). None when
+        nothing matches."""
+        seqs = self.seqs
         for n in self.sizes:
             if n > len(context):
                 continue
             where = self.table.get(tuple(context[-n:]))
             if not where:
                 continue
+            votes: dict[int, int] = {}
+            for seq_id, end in where:
+                if end < len(seqs[seq_id]):
+                    votes[seqs[seq_id][end]] = votes.get(seqs[seq_id][end], 0) + 1
+            if not votes:
+                continue
+            top = max(votes.values())
             best, best_len = None, 0
             for seq_id, end in reversed(where):
-                have = min(len(self.seqs[seq_id]) - end, want)
-                if have > best_len:
+                have = min(len(seqs[seq_id]) - end, want)
+                if have > best_len and votes[seqs[seq_id][end]] == top:
                     best, best_len = (seq_id, end), have
-            if best is not None:
-                return best[0], best[1], n
+            return best[0], best[1], n
         return None
 
     @property

@@ -24,10 +24,14 @@ def test_index_finds_the_longest_match_and_what_followed_it():
     # [6, 7, 8] is not a size: the longest indexed suffix that occurs is [7, 8] (n=2), in both sequences
     seq_id, end, n = index.find([1, 6, 7, 8], want=3)
     assert n == 2 and index.seqs[seq_id][end : end + 3] in ([9, 1, 2], [3, 4])
-    assert index.seqs[seq_id][end : end + 3] == [9, 1, 2]  # ties go to the most tokens after the match
+    assert index.seqs[seq_id][end : end + 3] == [9, 1, 2]  # a tied vote goes to the most tokens after the match
     seq_id, end, n = index.find([5, 6, 7, 8], want=2)
     assert (n, index.seqs[seq_id][end : end + 2]) == (4, [9, 1])
     assert index.find([42], want=2) is None
+    # three occurrences of [7, 8] now: two are followed by 3, one (the longest) by 9; the common next token wins
+    index.add([7, 8, 3])
+    seq_id, end, n = index.find([1, 6, 7, 8], want=3)
+    assert n == 2 and index.seqs[seq_id][end : end + 3] == [3, 4]
     assert index.find([2], want=2) is None  # [2] occurs only at the end of a sequence: nothing follows it
 
 
