@@ -222,7 +222,9 @@ class RolloutBuffer:
 
 @dataclass(eq=False)  # tensors inside: compare by identity
 class PackedBatch:
-    feats: torch.Tensor  # (R, T, F) float32: f_j, the policy's features at pair j
+    # (R, T, F) f_j, the policy's features at pair j, in the buffer's dtype (bf16: half the bytes to pack and move;
+    # PackedBatch.to and draft_loss convert them where they are computed)
+    feats: torch.Tensor
     tokens: torch.Tensor  # (R, T) long: x_{j+1}
     positions: torch.Tensor  # (R, T) long: j, the pair's position in its own sequence
     seq_ids: torch.Tensor  # (R, T) long: segment id, unique in the batch; -1 = padding
@@ -298,7 +300,8 @@ def _pack(rows: list[_Row], hidden_size: int) -> PackedBatch:
     """Packed on the CPU, where the rollouts are (PackedBatch.to moves a batch to its head's device)."""
     R, T = len(rows), max(row.num_tokens for row in rows)
     cpu = torch.device("cpu")
-    feats = torch.zeros(R, T, hidden_size, device=cpu)
+    dtype = rows[0].segments[0].rollout.hidden.dtype  # the buffer's (bf16): converted where the batch goes, once
+    feats = torch.zeros(R, T, hidden_size, dtype=dtype, device=cpu)
     tokens = torch.zeros(R, T, dtype=torch.long, device=cpu)
     positions = torch.zeros(R, T, dtype=torch.long, device=cpu)
     seq_ids = torch.full((R, T), -1, dtype=torch.long, device=cpu)
@@ -309,7 +312,7 @@ def _pack(rows: list[_Row], hidden_size: int) -> PackedBatch:
         t = 0
         for seg in row.segments:
             s, e, n = seg.start, seg.end, seg.end - seg.start
-            feats[b, t : t + n] = seg.rollout.hidden[s:e].float()
+            feats[b, t : t + n] = seg.rollout.hidden[s:e]
             tokens[b, t : t + n] = seg.rollout.tokens[s + 1 : e + 1].long()
             positions[b, t : t + n] = torch.arange(s, e, device=cpu)
             seq_ids[b, t : t + n] = num_segments

@@ -18,6 +18,7 @@ How the steps weigh (TrainConfig.position_loss):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -44,6 +45,8 @@ def draft_loss(head: EagleHead, policy: CausalLM, batch: PackedBatch, cfg: Train
         lm_weight = draft_lm_weight(head, policy)
     if index is None:
         index = LossIndex.of(batch, cfg.num_unroll)
+    if batch.feats.dtype != head.fc.weight.dtype:  # packed in the buffer's dtype (bf16): computed in the head's
+        batch = dataclasses.replace(batch, feats=batch.feats.to(head.fc.weight.dtype))
     slots = batch.feats.flatten(0, 1)  # (R*T, F)
     target_feats = head.policy_hidden(slots.index_select(0, index.first + 1))  # (N, D): h_{j+1} for pair j
     with torch.no_grad():

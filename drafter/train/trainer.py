@@ -11,6 +11,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
@@ -84,6 +85,10 @@ class DraftTrainer:
         self.stop_event = threading.Event()
         self._epoch = 0
         self._batches: Iterator[PackedBatch] | None = None
+        # on a GPU the next batch is packed on the host while the device runs a step (a 32k-pair batch takes a good
+        # part of a step to pack); None on a CPU, whose cores the step uses
+        self._packer = ThreadPoolExecutor(1, thread_name_prefix="draft-pack") if self.device.type == "cuda" else None
+        self._packed: Future | None = None  # the batch being packed for the next step
         self._lm_weight: tuple[torch.Tensor, torch.Tensor, tuple, torch.Tensor] | None = None
 
     def lm_weight(self) -> torch.Tensor:
@@ -137,6 +142,15 @@ class DraftTrainer:
                 if bool(loss_mask(batch, 0).any()):
                     return batch
             self._batches = None
+
+    def _next_packed(self, buffer: RolloutBuffer) -> PackedBatch:
+        """next_batch, and on a GPU the one after it started packing in the background. A batch packed for a step
+        that never ran (a stop, a budget spent) is the next call's first."""
+        if self._packer is None:
+            return self.next_batch(buffer)
+        batch = (self._packed or self._packer.submit(self.next_batch, buffer)).result()
+        self._packed = self._packer.submit(self.next_batch, buffer)
+        return batch
 
     def micro_step(self, batch: PackedBatch, budget_progress: float | None = None) -> dict:
         """One optimizer step; raises StopRequestedError (with nothing applied) if a stop arrives mid-way.
@@ -207,7 +221,7 @@ class DraftTrainer:
                     break
                 if max_seconds is not None and time.perf_counter() - start >= max_seconds:
                     break
-                batch = self.next_batch(buffer)
+                batch = self._next_packed(buffer)
                 progress = None
                 if self.cfg.anneal_to_budget:
                     spent = [report.num_steps / max_steps] if max_steps else []
@@ -247,5 +261,7 @@ class DraftTrainer:
         The epoch restarts from a fresh shuffle; only micro-steps after the checkpoint are lost."""
         meta, trainer = load_trainer_state(path, self.head, self.optimizer)
         self.step, self.num_tokens = int(trainer["step"]), int(trainer["num_tokens"])
-        self._epoch, self._batches = int(trainer.get("epoch", 0)), None
+        if self._packed is not None:  # packed from the epoch before: dropped with it
+            self._packed.exception()
+        self._epoch, self._batches, self._packed = int(trainer.get("epoch", 0)), None, None
         return meta

@@ -89,3 +89,39 @@ def test_bf16_autocast_and_float32_follow_the_same_loss_curve(harvested):
     assert curves[False][-1] < 0.8 * curves[False][0]  # it learns
     for fp32, bf16 in zip(curves[False], curves[True], strict=True):
         assert bf16 == pytest.approx(fp32, rel=0.03)
+
+
+def test_batches_packed_ahead_train_as_batches_packed_in_turn(harvested):
+    """On a GPU the trainer packs the next batch on the host while a step runs (forced here on every device): the
+    same batches in the same order, so the same weights, across train() calls that end on a step budget."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model, buffer = harvested
+    heads = []
+    for ahead in (False, True):
+        torch.manual_seed(0)
+        trainer = DraftTrainer(model, new_head(model, None, None), offline(num_rows=2, max_tokens_per_row=64))
+        trainer._packer = ThreadPoolExecutor(1) if ahead else None
+        for _ in range(2):
+            trainer.train(buffer, max_steps=3)
+        assert (trainer._packed is not None) == ahead  # the batch packed for a 7th step waits for the next call
+        heads.append(trainer.head)
+    for a, b in zip(heads[0].parameters(), heads[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert (DraftTrainer(model, new_head(model, None, None), offline())._packer is not None) == \
+        (model.device.type == "cuda")
+
+
+def test_batches_keep_the_buffers_dtype_until_they_reach_the_head(harvested):
+    """A bf16 buffer packs bf16 features (half the bytes to pack and to move); the loss computes in the head's
+    dtype all the same: equal to the loss of the batch converted first."""
+    from drafter.train.trainer import draft_loss
+
+    model, buffer = harvested
+    head = new_head(model, None, None)
+    trainer = DraftTrainer(model, head, offline())
+    batch = trainer.next_batch(buffer)
+    assert batch.feats.dtype == buffer.hidden_dtype == torch.bfloat16
+    loss, _ = draft_loss(head, model, batch.to(model.device), offline())
+    converted, _ = draft_loss(head, model, batch.to(model.device, torch.float32), offline())
+    assert loss.dtype == torch.float32 and torch.equal(loss, converted)
