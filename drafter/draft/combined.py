@@ -12,9 +12,11 @@ import torch
 from drafter.draft.drafters import Drafter, Proposal, pad_proposal, widen
 from drafter.draft.history import HistoryDrafter
 
-# the shortest history match that drafts instead of EAGLE; measured by `tlt bench drafter-history`'s threshold sweep
-# (docs/benchmarks.md, "History drafts"): on SmolLM2's long-tail rollouts at T=1 a 1-2 token match drafts worse than
-# the head, and from 4 tokens on a match's continuation is accepted more often than the head's draft
+# the shortest history match that drafts instead of the head. `tlt bench drafter-history` measures the drafts a
+# history step accepts by match length (SmolLM2, long-tail groups of 8 at T=1, k=4: 0.17 at 1 token, 0.31 at 2,
+# 0.48 at 3, 0.6 at 4, 1.5 from 6 on; docs/benchmarks.md, "History drafts") and takes the crossover with the head
+# it runs; a trained head accepts 1.0-1.5 drafts per step at k=4 (fewer at T=1), which history passes from about
+# 4 tokens on. Re-measure with the long-tail warm draft (the bench's `combined_min_match`)
 HISTORY_MIN_MATCH = 4
 
 
