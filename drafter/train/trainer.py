@@ -11,7 +11,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
@@ -26,6 +26,9 @@ from drafter.train.loss import draft_loss
 from drafter.train.unroll import LossIndex, loss_mask
 
 __all__ = ["DraftTrainer", "StopRequestedError", "TrainReport", "draft_loss", "tf32_matmuls"]
+
+
+STOP_POLL_S = 0.002  # how often a step waiting for its batch to be packed looks for a stop request
 
 
 class StopRequestedError(Exception):
@@ -148,7 +151,10 @@ class DraftTrainer:
         that never ran (a stop, a budget spent) is the next call's first."""
         if self._packer is None:
             return self.next_batch(buffer)
-        batch = (self._packed or self._packer.submit(self.next_batch, buffer)).result()
+        packed = self._packed = self._packed or self._packer.submit(self.next_batch, buffer)
+        while not wait([packed], timeout=STOP_POLL_S).done:  # a stop is not kept waiting for the packing
+            self._check_stop()
+        batch = packed.result()
         self._packed = self._packer.submit(self.next_batch, buffer)
         return batch
 
@@ -221,14 +227,14 @@ class DraftTrainer:
                     break
                 if max_seconds is not None and time.perf_counter() - start >= max_seconds:
                     break
-                batch = self._next_packed(buffer)
-                progress = None
-                if self.cfg.anneal_to_budget:
-                    spent = [report.num_steps / max_steps] if max_steps else []
-                    if max_seconds:
-                        spent.append((time.perf_counter() - start) / max_seconds)
-                    progress = max(spent, default=1.0)
                 try:
+                    batch = self._next_packed(buffer)
+                    progress = None
+                    if self.cfg.anneal_to_budget:
+                        spent = [report.num_steps / max_steps] if max_steps else []
+                        if max_seconds:
+                            spent.append((time.perf_counter() - start) / max_seconds)
+                        progress = max(spent, default=1.0)
                     pending.append((self.step + 1, self._step(batch, progress)))
                 except StopRequestedError:
                     self.optimizer.zero_grad(set_to_none=True)

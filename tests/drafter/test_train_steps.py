@@ -125,3 +125,28 @@ def test_batches_keep_the_buffers_dtype_until_they_reach_the_head(harvested):
     loss, _ = draft_loss(head, model, batch.to(model.device), offline())
     converted, _ = draft_loss(head, model, batch.to(model.device, torch.float32), offline())
     assert loss.dtype == torch.float32 and torch.equal(loss, converted)
+
+
+def test_a_stop_is_not_kept_waiting_for_a_batch_being_packed(harvested):
+    """On a GPU a step may wait for its batch to be packed (forced here on every device, the packing slowed to
+    2 s): a stop requested then ends train() at once; the batch is the next call's first."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    model, buffer = harvested
+    trainer = DraftTrainer(model, new_head(model, None, None), offline())
+    trainer._packer = ThreadPoolExecutor(1)
+    packed = trainer.next_batch
+    trainer.next_batch = lambda buf: time.sleep(2.0) or packed(buf)
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("report", trainer.train(buffer, max_seconds=60)))
+    thread.start()
+    time.sleep(0.5)
+    t0 = time.perf_counter()
+    trainer.request_stop()
+    thread.join(timeout=30)
+    assert time.perf_counter() - t0 < 1.0 and result["report"].stopped and result["report"].num_steps == 0
+    trainer.stop_event.clear()
+    trainer.next_batch = packed
+    assert trainer.train(buffer, max_steps=2).num_steps == 2  # the batch packed meanwhile trains first
