@@ -22,6 +22,7 @@ from bench.prompts import PROMPTS, synthetic_prompts
 from drafter.decode.engine import Engine, Request
 from drafter.decode.sampling import SamplingParams
 from drafter.draft.eagle import EagleDrafter
+from drafter.draft.head import new_head
 from drafter.model.config import TrainConfig
 from drafter.model.loading import encode_prompt
 from drafter.train.buffer import RolloutBuffer
@@ -129,9 +130,11 @@ def adapt_config(lr: float, device_type: str = "cpu") -> TrainConfig:
 
 def drift_part(result: dict, policy, tok, engine: Engine, prompts: list[list[int]], head, k: int, new_tokens: int,
                drift_steps: int, drift_lr: float, adapt_prompts: int, adapt_lr: float, adapt_seconds: float,
-               draft_dtype) -> tuple[object, object, RolloutBuffer]:
+               draft_dtype, scratch_seconds: float = 0.0) -> tuple[object, object, RolloutBuffer]:
     """Measure the drift at draft length k on `prompts` (eval_prompts), greedy and at T=1; fill `result`; return
-    the moved policy, the adapted head and the moved policy's rollouts."""
+    the moved policy, the adapted head and the moved policy's rollouts. scratch_seconds > 0: the anchor too, a head
+    trained from scratch on the same rollouts for that long by the warm start's settings (issue 39: an adapted draft
+    should come within 0.1 accepted tokens of it), as drift_scratch_accepted_length(_t1)."""
     log(f"drift at k={k} on {len(prompts)} held-out prompts, greedy and T=1")
     runs: dict[str, dict[str, list]] = {name: {} for name in TEMPERATURES}
 
@@ -155,6 +158,12 @@ def drift_part(result: dict, policy, tok, engine: Engine, prompts: list[list[int
     trainer = DraftTrainer(new_policy, adapted_head, adapt_config(adapt_lr, new_policy.device.type))
     rep = trainer.train(buffer, max_seconds=adapt_seconds)
     measure_all("adapted", new_engine, new_policy, adapted_head)
+    if scratch_seconds > 0:
+        scratch = new_head(new_policy, buffer, head.cfg.draft_vocab_size)
+        scratch_cfg = TrainConfig(num_unroll=adapt_config(adapt_lr, new_policy.device.type).num_unroll,
+                                  anneal_to_budget=True, bf16_autocast=False)
+        DraftTrainer(new_policy, scratch, scratch_cfg).train(buffer, max_seconds=scratch_seconds)
+        measure_all("scratch", new_engine, new_policy, scratch.eval().requires_grad_(False))
     result.update(drift_eval_prompts=len(prompts), drift_k=k, drift_adapt_train_seconds=round(rep.seconds, 1),
                   drift_adapt_steps=rep.num_steps, drift_adapt_bf16_autocast=trainer.bf16_autocast,
                   drift_adapt_tokens=num_tokens,

@@ -133,13 +133,14 @@ def training(policy, head: EagleHead, buffer: RolloutBuffer, seconds: float, sto
 
 def drift(engine: Engine, tok, head: EagleHead, k: int, num_eval_prompts: int, new_tokens: int, num_steps: int,
           num_adapt_prompts: int, adapt_seconds: float, draft_dtype, drift_lr: float = 1e-4,
-          adapt_lr: float = 3e-4) -> tuple[dict, object, EagleHead, RolloutBuffer]:
-    """(f): bench.drift at draft length k (greedy and T=1, with standard errors); returns its figures, the moved
-    policy, the adapted head and the new policy's harvest (for (e))."""
+          adapt_lr: float = 3e-4, scratch_seconds: float = 0.0) -> tuple[dict, object, EagleHead, RolloutBuffer]:
+    """(f): bench.drift at draft length k (greedy and T=1, with standard errors; with scratch_seconds, the anchor
+    retrained from scratch on the same rollouts); returns its figures, the moved policy, the adapted head and the
+    new policy's harvest (for (e))."""
     result: dict = {}
     new_policy, adapted, buffer = drift_part(result, engine.model, tok, engine, eval_prompts(tok, num_eval_prompts),
                                              head, k, new_tokens, num_steps, drift_lr, num_adapt_prompts, adapt_lr,
-                                             adapt_seconds, draft_dtype)
+                                             adapt_seconds, draft_dtype, scratch_seconds)
     return result, new_policy, adapted, buffer
 
 
