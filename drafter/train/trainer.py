@@ -7,6 +7,7 @@ before its optimizer update, so a trainer stops within one micro-step and never 
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
 import time
@@ -81,8 +82,10 @@ class DraftTrainer:
                                            weight_decay=self.cfg.weight_decay,
                                            fused=True if self.device.type == "cuda" else None)
         self.num_rows = self.cfg.rows_per_step(self.device.type)  # rows per micro-step (TrainConfig.tokens_per_step)
-        auto = self.cfg.bf16_autocast is None
+        auto = self.cfg.bf16_autocast is None and not self.cfg.bf16_weights
         self.bf16_autocast = fast_bf16(head.fc.weight.device) if auto else bool(self.cfg.bf16_autocast)
+        # bf16_weights: the bf16 copy the loss runs on (the head's float32 weights stay the optimizer's masters)
+        self._work = copy.deepcopy(head).to(torch.bfloat16) if self.cfg.bf16_weights else None
         self.step = 0  # optimizer steps taken by this trainer (drives the schedule)
         self.num_tokens = 0
         self.stop_event = threading.Event()
@@ -98,7 +101,7 @@ class DraftTrainer:
         """draft_lm_weight in the dtype the loss computes in (bf16 under autocast), kept between
         micro-steps and rebuilt when the policy's LM head or the head's vocabulary changes in place."""
         w, ids = self.policy.lm_head.weight, self.head.vocab_ids
-        dtype = torch.bfloat16 if self.bf16_autocast else self.head.fc.weight.dtype
+        dtype = torch.bfloat16 if self.bf16_autocast or self._work is not None else self.head.fc.weight.dtype
         key = (w._version, ids._version, dtype)
         kept = self._lm_weight
         # the tensors themselves, not their addresses: a replaced weight may reuse a freed one's memory
@@ -170,18 +173,29 @@ class DraftTrainer:
         # where the loss reads, from the masks while they are on the CPU (no host sync on a GPU), then the batch
         # on the head's device in its dtype: packed on the CPU, moved once
         index = LossIndex.of(batch, self.cfg.num_unroll).to(self.device)
-        batch = batch.to(self.device, self.head.fc.weight.dtype)
+        head = self.head if self._work is None else self._work
+        batch = batch.to(self.device, head.fc.weight.dtype)
         lr = self.lr_at(self.step, budget_progress)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
+        masters = [p for p in self.head.parameters() if p.requires_grad]
+        if self._work is not None:  # the bf16 copy from the masters, as they are now (a merge may have changed them)
+            work = [p for p in head.parameters() if p.requires_grad]
+            with torch.no_grad():
+                torch._foreach_copy_(work, masters)
+            for p in work:
+                p.grad = None
         with tf32_matmuls(self.device, self.cfg.tf32):
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16_autocast):
-                loss, stats = draft_loss(self.head, self.policy, batch, self.cfg, self._check_stop, self.lm_weight(),
+                loss, stats = draft_loss(head, self.policy, batch, self.cfg, self._check_stop, self.lm_weight(),
                                          index)
             self._check_stop()
             loss.backward()
             self._check_stop()
+            if self._work is not None:  # float32 gradients of the masters, from the bf16 copy's
+                for m, p in zip(masters, work, strict=True):
+                    m.grad = None if p.grad is None else p.grad.float()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.max_grad_norm)
             self.optimizer.step()
         self.step += 1

@@ -143,7 +143,7 @@ def _unrolled(head: EagleHead, embed: torch.nn.Embedding, batch: PackedBatch, nu
     feats, positions, seq = batch.feats, batch.positions, batch.seq_ids
     layout = varlen_layout(seq) if varlen_kernel is not None else None
     R, T, _ = feats.shape
-    emb = embed(batch.tokens)  # (R, T, D), frozen
+    emb = embed(batch.tokens).to(feats.dtype)  # (R, T, D), frozen; in the head's dtype (bf16 when it trains in bf16)
     rope = head.rotary(positions, feats.dtype)
     same = (seq[:, :, None] == seq[:, None, :]) & (seq[:, :, None] >= 0)  # (R, Tq, Tk)
     eye = torch.eye(T, dtype=torch.bool, device=feats.device).expand(R, T, T)

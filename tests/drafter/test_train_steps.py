@@ -75,20 +75,28 @@ def test_fused_adamw_and_tf32_on_a_gpu_only_with_the_flag_restored(harvested):
     assert torch.backends.cuda.matmul.allow_tf32 == before  # a training step leaves the serving policy's precision
 
 
-def test_bf16_autocast_and_float32_follow_the_same_loss_curve(harvested):
-    """The loss of 20 micro-steps on a fixed batch, under bf16 autocast and in float32 from the same start: equal to
-    bf16 rounding at every step (the precision changes the speed, not what is learnt)."""
+@pytest.mark.parametrize("bf16", ["autocast", "weights"])
+def test_bf16_and_float32_follow_the_same_loss_curve(harvested, bf16):
+    """The loss of 20 micro-steps on a fixed batch, in bf16 (autocast, or pure bf16 weights with float32 masters)
+    and in float32 from the same start: equal to bf16 rounding at every step (the precision changes the speed, not
+    what is learnt). The head's weights and AdamW's moments stay float32."""
     model, buffer = harvested
     curves = {}
-    for bf16 in (False, True):
+    for name, kwargs in (("fp32", {}), (bf16, {"autocast": {"bf16_autocast": True},
+                                               "weights": {"bf16_weights": True}}[bf16])):
         torch.manual_seed(0)
         head = new_head(model, None, None)
-        trainer = DraftTrainer(model, head, offline(bf16_autocast=bf16, warmup_steps=1))
+        trainer = DraftTrainer(model, head, offline(warmup_steps=1, **kwargs))
         batch = trainer.next_batch(buffer)
-        curves[bf16] = [trainer.micro_step(batch)["loss"] for _ in range(20)]
-    assert curves[False][-1] < 0.8 * curves[False][0]  # it learns
-    for fp32, bf16 in zip(curves[False], curves[True], strict=True):
-        assert bf16 == pytest.approx(fp32, rel=0.03)
+        curves[name] = [trainer.micro_step(batch)["loss"] for _ in range(20)]
+        assert all(p.dtype == torch.float32 for p in head.parameters())
+        assert all(s.dtype == torch.float32 for st in trainer.optimizer.state.values() for s in st.values()
+                   if torch.is_tensor(s) and s.is_floating_point())
+    assert curves["fp32"][-1] < 0.8 * curves["fp32"][0]  # it learns
+    for fp32, low in zip(curves["fp32"], curves[bf16], strict=True):
+        assert low == pytest.approx(fp32, rel=0.03)
+    with pytest.raises(ValueError, match="bf16_weights and bf16_autocast"):
+        TrainConfig(bf16_weights=True, bf16_autocast=True)
 
 
 def test_batches_packed_ahead_train_as_batches_packed_in_turn(harvested):
