@@ -4,9 +4,9 @@
     head from scratch on the device by `tlt drafter train`'s recipe (workers.warm: on a GPU, a time budget), cached
     under $TLT_CACHE_DIR/drafters/ with the timings it was built in, keyed by the model, the device type, the recipe
     and every size;
-(e) training tokens per second in float32 (TF32 matmuls on a GPU) and under bf16 autocast (TrainConfig's defaults
-    otherwise: micro-steps sized by tokens on a GPU), in alternating slices, and stop-request-to-stopped latency
-    (bench.drafter.stop_latencies);
+(e) training tokens per second in float32 (TF32 matmuls on a GPU), under bf16 autocast and in pure bf16 with float32
+    masters (TrainConfig's defaults otherwise: micro-steps sized by tokens on a GPU), in slices taken in turn, and
+    stop-request-to-stopped latency (bench.drafter.stop_latencies);
 (f) bench.drift: the policy moves, the frozen draft loses acceptance, an online adaptation within a fixed budget
     wins some back; greedy and T=1 on held-out prompts, each with its standard error.
 """
@@ -100,31 +100,39 @@ def device_name(device: str) -> str:
     return f"cpu: {cpu_model()}"
 
 
+# the precisions (e) compares: float32 (TF32 matmuls on a GPU), bf16 autocast, pure bf16 with float32 masters
+PRECISIONS = {"fp32": {"bf16_autocast": False}, "bf16": {"bf16_autocast": True},
+              "bf16w": {"bf16_autocast": False, "bf16_weights": True}}
+
+
 def train_throughput(policy, head: EagleHead, buffer: RolloutBuffer, seconds: float, num_slices: int = 4) -> dict:
-    """Training tokens/s in float32 and under bf16 autocast: one trainer each (a few untimed steps first),
-    trained `seconds` each in alternating slices (num_slices in all), so both see the same machine."""
-    # TrainConfig's defaults: on a GPU, micro-steps of GPU_TOKENS_PER_STEP pairs, TF32 matmuls under "fp32"
-    trainers = {name: DraftTrainer(policy, copy.deepcopy(head), TrainConfig(bf16_autocast=bf16))
-                for name, bf16 in (("fp32", False), ("bf16", True))}
+    """Training tokens/s in each of PRECISIONS: one trainer each (a few untimed steps first), trained `seconds` each
+    in slices taken in turn, the order rotating every round (num_slices // 2 rounds), so all see the same machine."""
+    # TrainConfig's defaults otherwise: on a GPU, micro-steps of GPU_TOKENS_PER_STEP pairs
+    trainers = {name: DraftTrainer(policy, copy.deepcopy(head), TrainConfig(**kwargs))
+                for name, kwargs in PRECISIONS.items()}
     for trainer in trainers.values():
         trainer.train(buffer, max_steps=2)
     totals = {name: [0, 0, 0.0] for name in trainers}  # steps, tokens, seconds
-    order = [n for r in range(num_slices // 2) for n in (("fp32", "bf16") if r % 2 == 0 else ("bf16", "fp32"))]
-    for name in order:  # fp32 bf16 bf16 fp32 ...
-        rep = trainers[name].train(buffer, max_seconds=seconds / (num_slices // 2))
-        totals[name][0] += rep.num_steps
-        totals[name][1] += rep.num_tokens
-        totals[name][2] += rep.seconds
+    names, rounds = list(trainers), max(1, num_slices // 2)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:  # fp32 bf16 bf16w, bf16 bf16w fp32, ...
+            rep = trainers[name].train(buffer, max_seconds=seconds / rounds)
+            totals[name][0] += rep.num_steps
+            totals[name][1] += rep.num_tokens
+            totals[name][2] += rep.seconds
     out: dict = {}
     for name, (steps, tokens, secs) in totals.items():
         out[f"train_{name}_tokens_per_s"] = round(tokens / max(secs, 1e-9), 1)
         out[f"train_{name}_steps_per_s"] = round(steps / max(secs, 1e-9), 3)
-    out["train_bf16_over_fp32"] = round(out["train_bf16_tokens_per_s"] / max(out["train_fp32_tokens_per_s"], 1e-9), 3)
+    for name in ("bf16", "bf16w"):
+        out[f"train_{name}_over_fp32"] = round(out[f"train_{name}_tokens_per_s"]
+                                               / max(out["train_fp32_tokens_per_s"], 1e-9), 3)
     return out
 
 
 def training(policy, head: EagleHead, buffer: RolloutBuffer, seconds: float, stop_trials: int) -> dict:
-    """(e): throughput in both precisions, then stop latencies."""
+    """(e): throughput in each precision, then stop latencies."""
     out = train_throughput(policy, head, buffer, seconds)
     latencies = sorted(stop_latencies(policy, head, buffer, stop_trials))
     return {**out, "stop_p50_s": round(latencies[len(latencies) // 2], 3), "stop_max_s": round(latencies[-1], 3),
