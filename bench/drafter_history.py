@@ -4,7 +4,8 @@
 (h1) per arm (plain, eagle, history, combined), one batch of num_groups groups: accepted length (tokens per
      sequence-step) and tokens/s, on all rows and on tail rows (per group, the last 25% to finish: the most
      steps); the history run also records, per match length, the mean accepted drafts of a step, and the
-     combined arm's threshold is the shortest match whose history steps accept at least what EAGLE's steps did;
+     combined arm starts from the shortest match whose history steps accept at least what EAGLE's steps did,
+     then chooses by what it measures as it serves (drafter.draft.combined.SourceChooser);
 (h2) the history drafter's own cost per step (observe + propose) at batch 64 against a plain decode step there;
 (h3) greedy: history and combined outputs compared with plain decoding's, token for token.
 Part of issue 41; `tlt bench drafter` (bench/drafter.py) can call `history_part` with its loaded model and head.
@@ -149,6 +150,10 @@ def history_part(result: dict, policy, tok, head, k: int = 4, group: int = 8, nu
     res["combined_min_match_default"] = HISTORY_MIN_MATCH
     combined = CombinedDrafter(EagleDrafter(policy, head, draft_dtype), HistoryDrafter(), min_match=threshold)
     arms["combined"] = run_arm(engine, prompts, group, k, combined, 1.0, new_tokens)
+    rule = combined.chooser  # what the combined drafter measured as it served (drafter.draft.combined)
+    res["combined_measured_head"] = [rule.head[0], round(rule.head[1] / max(rule.head[0], 1), 3)]
+    res["combined_measured_history_by_match"] = {str(m): [n, round(a / n, 3)] for m, (n, a) in
+                                                 enumerate(rule.history) if n}
     res["combined_history_row_steps"] = combined.num_history_rows
     res["combined_eagle_row_steps"] = combined.num_eagle_rows
     log(f"T=1 combined (min_match {threshold}): all {arms['combined']['all']}, tail {arms['combined']['tail']}")

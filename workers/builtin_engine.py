@@ -98,6 +98,8 @@ class BuiltinEngine(RolloutEngine):
         # freshly built, so converted in place: request_swap then has no copy to make
         self.drafter.request_swap(self.drafter.convert(head), version)
         self.drafter.apply_pending_swap()  # between two of a running batch's draft-state updates
+        if isinstance(self.serving, CombinedDrafter):  # which source pays is measured again against the new head
+            self.serving.new_head()
         # what the old draft measured says little about the new one; its score says what to expect of it
         scored = 1.0 <= accepted_length <= self.draft_k + 1 and self.draft_k > 0
         self.tuner.new_draft(StepCostPrior.from_accepted_length(accepted_length, self.draft_k) if scored

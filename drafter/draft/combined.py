@@ -3,6 +3,12 @@ long enough, else the EAGLE head's. Both are fed every step (begin, observe, kee
 go to both), so either can take a row over at the next step; the chosen rows' drafts are one chain each, verified
 by the engine as any chain is. The choice depends only on tokens already emitted, never on the step's uniforms,
 and a history draft is deterministic (q one-hot), so verification keeps the policy's distribution.
+
+Which source pays is measured as it serves (`SourceChooser`): the head's drafts accepted per step where it drafted,
+and, per match length, what every history draft would have had accepted, drafted or not. A one-hot draft's
+tokens are each accepted with the policy's chance of emitting them, so the expected number accepted is the
+expected common prefix of the draft and the tokens the policy goes on to emit (whatever drafted them: the output
+is the policy's sample); a draft's prefix is compared with the row's next tokens as they arrive, over steps.
 """
 
 from __future__ import annotations
@@ -18,32 +24,95 @@ from drafter.draft.history import HistoryDrafter
 # it runs; a trained head accepts 1.0-1.5 drafts per step at k=4 (fewer at T=1), which history passes from about
 # 4 tokens on. Re-measure with the long-tail warm draft (the bench's `combined_min_match`)
 HISTORY_MIN_MATCH = 4
+MIN_STEPS_TO_JUDGE = 32  # measured steps a source needs at a match length before the rule trusts them over min_match
+MAX_MATCH_BUCKET = 16  # longer matches share the last bucket
+
+
+class SourceChooser:
+    """Pure: per match length, history's measured drafts accepted per step against the head's; min_match where
+    either has fewer than MIN_STEPS_TO_JUDGE steps."""
+
+    def __init__(self, min_match: int = HISTORY_MIN_MATCH, min_steps: int = MIN_STEPS_TO_JUDGE) -> None:
+        if min_match < 1 or min_steps < 1:
+            raise ValueError(f"min_match and min_steps must be >= 1, got {min_match}, {min_steps}")
+        self.min_match, self.min_steps = min_match, min_steps
+        self.history = [[0, 0] for _ in range(MAX_MATCH_BUCKET + 1)]  # per match bucket: steps, drafts accepted
+        self.head = [0, 0]
+
+    def record_history(self, match: int, num_accepted: int) -> None:
+        cell = self.history[min(match, MAX_MATCH_BUCKET)]
+        cell[0] += 1
+        cell[1] += num_accepted
+
+    def record_head(self, num_accepted: int) -> None:
+        self.head[0] += 1
+        self.head[1] += num_accepted
+
+    def use_history(self, match: int) -> bool:
+        steps, accepted = self.history[min(match, MAX_MATCH_BUCKET)]
+        if steps < self.min_steps or self.head[0] < self.min_steps:
+            return match >= self.min_match
+        return accepted / steps >= self.head[1] / self.head[0]
 
 
 class CombinedDrafter(Drafter):
     needs_hidden = True
     name = "combined"
 
-    def __init__(self, eagle: Drafter, history: HistoryDrafter, min_match: int = HISTORY_MIN_MATCH) -> None:
-        if min_match < 1:
-            raise ValueError(f"min_match must be >= 1, got {min_match}")
-        self.eagle, self.history, self.min_match = eagle, history, min_match
+    def __init__(self, eagle: Drafter, history: HistoryDrafter, min_match: int = HISTORY_MIN_MATCH,
+                 adaptive: bool = True) -> None:
+        """min_match: the rule until measured (always, with adaptive False). adaptive: choose by SourceChooser's
+        measurements, kept across batches (a new head resets them: `new_head`)."""
+        self.eagle, self.history = eagle, history
+        self.chooser = SourceChooser(min_match)
+        self.adaptive = adaptive
         self.needs_hidden = eagle.needs_hidden
         self.aux_layers = eagle.aux_layers
         self.num_history_rows = 0  # row-steps drafted from history
         self.num_eagle_rows = 0  # row-steps drafted by the head
+        # row -> (the part of a history draft not yet judged, its match length, its tokens agreed so far)
+        self._pending: list[tuple[list[int], int, int] | None] = []
+        self._head_rows: list[bool] = []  # row -> the head drafted it this step
+
+    @property
+    def min_match(self) -> int:
+        return self.chooser.min_match
+
+    def new_head(self) -> None:
+        """A new head serves: what the old one accepted says nothing of it."""
+        self.chooser.head = [0, 0]
 
     def begin(self, prompts, prefill_hidden, max_len: int = 0) -> None:
         self.eagle.begin(prompts, prefill_hidden, max_len=max_len)
         self.history.begin(prompts, prefill_hidden, max_len=max_len)
+        self._pending, self._head_rows = [None] * len(prompts), [False] * len(prompts)
 
     def observe(self, new_tokens, hidden) -> None:
+        for b, toks in enumerate(new_tokens):
+            if self._head_rows[b] and toks:
+                self.chooser.record_head(len(toks) - 1)
+            pending = self._pending[b]
+            if pending is None or not toks:
+                continue
+            draft, match, agreed = pending
+            agree = 0
+            while agree < min(len(draft), len(toks)) and draft[agree] == toks[agree]:
+                agree += 1
+            if agree == len(toks) < len(draft):  # every token so far agreed: judged on the next ones
+                self._pending[b] = (draft[agree:], match, agreed + agree)
+                continue
+            self.chooser.record_history(match, agreed + agree)
+            self._pending[b] = None
+        self._head_rows = [False] * len(new_tokens)
         self.eagle.observe(new_tokens, hidden)
         self.history.observe(new_tokens, hidden)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         self.eagle.keep_rows(rows)
         self.history.keep_rows(rows)
+        keep = rows.tolist()
+        self._pending = [self._pending[j] for j in keep]
+        self._head_rows = [self._head_rows[j] for j in keep]
 
     def shape_counts(self):
         return self.eagle.shape_counts()
@@ -51,11 +120,17 @@ class CombinedDrafter(Drafter):
     def propose(self, contexts, caps, sampling, uniforms, width=None) -> Proposal:
         K = max(caps, default=0) if width is None else width
         drafts = self.history.drafts(contexts, caps)
-        lens = self.history.match_lens
-        chosen = [b for b, d in enumerate(drafts) if d and lens[b] >= self.min_match]
+        lens, rule = self.history.match_lens, self.chooser
+        chosen = [b for b, d in enumerate(drafts)
+                  if d and (rule.use_history(lens[b]) if self.adaptive else lens[b] >= rule.min_match)]
+        for b, d in enumerate(drafts):  # judged against what the policy emits next
+            if d and self._pending[b] is None:
+                self._pending[b] = (list(d), lens[b], 0)
+        picked = set(chosen)
+        self._head_rows = [c > 0 and b not in picked for b, c in enumerate(caps)]
         prop = widen(self.eagle.propose(contexts, caps, sampling, uniforms, width=K), K)
         self.num_history_rows += len(chosen)
-        self.num_eagle_rows += sum(1 for c in caps if c > 0) - len(chosen)
+        self.num_eagle_rows += sum(self._head_rows)
         if not chosen:
             return prop
         device = prop.tokens.device

@@ -8,13 +8,14 @@ import torch
 
 from drafter.decode.engine import Engine, Request
 from drafter.decode.sampling import BatchSampling, SamplingParams
-from drafter.draft.combined import CombinedDrafter
+from drafter.draft.combined import CombinedDrafter, SourceChooser
+from drafter.draft.drafters import NgramDrafter
 from drafter.draft.eagle import EagleDrafter
 from drafter.draft.head import EagleHead
 from drafter.draft.history import HistoryDrafter, ResponseStore, SuffixIndex, prompt_key
 from tests.conftest import on, random_prompts
 
-GREEDY = BatchSampling.from_params([SamplingParams()] * 3)
+GREEDY = BatchSampling.from_params([SamplingParams()] * 2)
 
 
 def test_index_finds_the_longest_match_and_what_followed_it():
@@ -138,3 +139,32 @@ def test_greedy_combined_drafts_equal_plain_and_use_both_sources(tiny, device):
     assert sum(o.num_steps for o in spec) < sum(o.num_steps for o in plain)
     with pytest.raises(ValueError, match="min_match"):
         CombinedDrafter(eagle, HistoryDrafter(), min_match=0)
+
+
+def test_source_chooser_trusts_measurements_over_min_match():
+    rule = SourceChooser(min_match=4, min_steps=2)
+    assert not rule.use_history(2) and rule.use_history(5)  # nothing measured: the min_match rule
+    for _ in range(2):
+        rule.record_head(1)
+        rule.record_history(2, 3)
+        rule.record_history(6, 0)
+    assert rule.use_history(2) and not rule.use_history(6)  # measured: 3 and 0 drafts a step against the head's 1
+    assert rule.use_history(9)  # not measured at 9 (its own bucket): the rule again
+    with pytest.raises(ValueError, match="min_match"):
+        SourceChooser(min_match=0)
+
+
+def test_combined_judges_every_history_draft_on_the_tokens_that_follow():
+    """A history draft, used or not, counts the tokens of it the policy went on to emit, over several steps."""
+    combined = CombinedDrafter(NgramDrafter(), HistoryDrafter(sizes=(2, 1)), min_match=99)  # history never drafts
+    a = [7, 8, 9]
+    combined.begin([a, a], None)
+    combined.observe([[20, 21, 22], [20]], None)
+    prop = combined.propose([a + [20, 21, 22], a + [20]], [3, 3], GREEDY, None, width=3)
+    assert combined.num_history_rows == 0 and prop.lens.tolist()[1] == 0  # the n-gram "head" found nothing
+    # row 1's history draft was [21, 22], after a match of 2 ([9, 20]): one agreed, one left to judge
+    combined.observe([[23], [21]], None)
+    assert combined.chooser.history[2] == [0, 0]
+    combined.observe([[24], [5, 6]], None)
+    assert combined.chooser.history[2] == [1, 1]  # judged: 1 of its 2 tokens was what the policy emitted
+    assert combined.chooser.head[0] == 2  # both rows' head steps were counted
