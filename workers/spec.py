@@ -136,9 +136,10 @@ class JobSpec(BaseModel):
         "accepted tokens bring). Trees are drafted only while at most four rollouts of a worker are live"))
     history_drafts: bool = Field(False, description=(
         "with tlt on, rows also draft from their group's text (prompt, own output, siblings as they stream, earlier "
-        "steps' responses to the same prompt kept on the worker): per row and step, history where its suffix match "
-        "is long enough, else the head (drafter.draft.combined). Off by default: on SmolLM2's long-tail task at T=1 "
-        "(`tlt bench drafter-history`, docs/benchmarks.md) sampled siblings share too little text for it to pay"))
+        "steps' responses to the same prompt kept on the worker): per row and step, history where the worker measured "
+        "it to accept more than the head at that match length, else the head (drafter.draft.combined). Off by "
+        "default: on SmolLM2's long-tail task at T=1 (`tlt bench drafter-history`, docs/benchmarks.md) sampled "
+        "siblings share too little text for it to pay on tail rows"))
     # lax (the model is strict): the mode's name is what a JSON body and a dumped spec carry
     speculation: Speculation = Field(Speculation.ADAPTIVE, strict=False, description=(
         "with tlt on, how rollouts draft. adaptive: each worker picks k in 0..draft_k per live-batch-size bucket "
