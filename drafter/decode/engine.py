@@ -226,12 +226,12 @@ class Engine:
                 # the static path keeps its bucket (a finished row is masked) until the live rows fit a smaller one
                 if not self.static or batch_bucket(len(keep)) < batch_bucket(len(batch)):
                     order, alive = self._compact(order, keep, cache, drafter)
-                    kept = torch.tensor(keep, dtype=torch.long)  # host-side: BatchSampling reads its rows back
+                    kept = torch.tensor(keep, dtype=torch.long, device="cpu")  # host: BatchSampling reads it back
                     sampling, last_ids = sampling.select(kept), last_ids.index_select(0, to_device(kept, device))
                     num_finished = 0
                 else:
-                    alive = to_device(torch.tensor([0 if r.finish_reason else 1 for r in batch], dtype=torch.long),
-                                      device)
+                    alive = to_device(torch.tensor([0 if r.finish_reason else 1 for r in batch], dtype=torch.long,
+                                                   device="cpu"), device)
         return [self._output(r) for r in rows]
 
     def _compact(self, order: list[int], keep: list[int], cache, drafter) -> tuple[list[int], torch.Tensor]:
@@ -281,7 +281,7 @@ class Engine:
         else:
             K, draft_tokens, draft_lens, draft_probs = 0, None, None, None
         if last is None:  # (B, 1): the prompts' last tokens; after a step, its next tokens, already on the device
-            last = to_device(torch.tensor([[r.tokens[-1]] for r in batch], dtype=torch.long), device)
+            last = to_device(torch.tensor([[r.tokens[-1]] for r in batch], dtype=torch.long, device="cpu"), device)
         input_ids = last if K == 0 else torch.cat([last, draft_tokens], dim=1)  # (B, K+1)
         positions = cache.lens.unsqueeze(1) + self._steps(K + 1)  # (B, K+1)
         # masked positions (past a row's draft, or a finished row's) lie past every real one, or at the last slot

@@ -261,7 +261,8 @@ class DraftGraphs:
         host = [(t[s : s + c] + pad)[:P] + [c, n + s, cap]
                 for t, s, c, n, cap in zip(rows.pending_tokens, start, counts, lens, caps)]
         host += [pad + [0] * NUM_INTS] * (Bp - B)  # padded rows: nothing pending, nothing drafted
-        b["ints"][:Bp, : P + NUM_INTS].copy_(to_device(torch.tensor(host, dtype=torch.long), b["ints"].device))
+        ints = torch.tensor(host, dtype=torch.long, device="cpu")
+        b["ints"][:Bp, : P + NUM_INTS].copy_(to_device(ints, b["ints"].device))
 
     def _capture(self, b: dict, key: tuple) -> None:
         """Capture one shape. Its warm-up runs on the step's real inputs (what it writes, the replay that
