@@ -53,7 +53,8 @@ GOALS: dict[str, tuple[str, float] | None] = {
     "greedy_identical_fraction_bf16": ("==", 1.0), "graph_captures_timed": ("==", 0),
     "cache_rebuilds_timed": ("==", 0),
     "train_fp32_tokens_per_s": None, "train_bf16_tokens_per_s": None, "train_bf16_over_fp32": (">=", 1.0),
-    "stop_p50_s": None, "stop_max_s": None, "drift_recovered_fraction": None,
+    "stop_p50_s": None, "stop_max_s": None,
+    "drift_recovered_fraction": (">=", 0.5), "drift_recovered_se": ("<=", 0.1),  # issue 39: 30 s of adaptation
     "longtail_rollout_speedup": (">=", 1.25), "longtail_tail_speedup": (">=", 1.5),
     "longtail_tail_accepted_length": (">", 1.3), "cuda_tests_passed": (">", 0), "cuda_tests_failed": ("==", 0),
 }
@@ -185,7 +186,8 @@ def bench_gpu(settings: Settings) -> dict:
         trained = run.part("f", lambda: drift(engine, tok, head, s.k, s.drift_eval_prompts, s.sweep_new_tokens,
                                               s.drift_steps, s.adapt_prompts, s.adapt_seconds, draft_dtype))
         if trained is not None:
-            run.take("drift", trained[0], ("drift_recovered_fraction",))
+            run.take("drift", trained[0], ("drift_recovered_fraction", "drift_recovered_se",
+                                           "drift_recovered_fraction_t1", "drift_recovered_t1_se"))
     if "e" in parts:
         def train_part() -> dict:  # on (f)'s moved policy, adapted head and harvest, as a lease would train
             policy_e, head_e, buffer = trained[1:] if trained is not None else (policy, head, fresh_buffer(engine, tok))

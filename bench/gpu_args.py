@@ -62,7 +62,9 @@ CUDA_SIZES = Sizes(
     calib_prompts=32, sweep_prompts=4, sweep_new_tokens=96, ks=(2, 3, 4, 6),
     batch_sizes=(1, 4, 16, 64), batch_new_tokens=64, repeats=2, k=4,
     train_seconds=8.0, stop_trials=8,
-    drift_steps=40, drift_eval_prompts=6, adapt_prompts=64, adapt_seconds=15.0,
+    # issue 39: 32 held-out prompts (greedy and T=1, each with its standard error), 512 rollouts of the moved
+    # policy (64 gave 15 s of adaptation about 50 passes: short of data), a 30 s budget (a long-tail idle window)
+    drift_steps=40, drift_eval_prompts=32, adapt_prompts=512, adapt_seconds=30.0,
     longtail_prompts=16, longtail_group=4, longtail_new_tokens=512, longtail_repeats=2,
 )
 CPU_SIZES = Sizes(
