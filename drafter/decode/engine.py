@@ -86,7 +86,7 @@ class DraftLengthChooser(Protocol):
 
     def choose(self, batch_size: int) -> int: ...
 
-    def record(self, batch_size: int, k: int, num_tokens: int, seconds: float) -> None: ...
+    def record(self, batch_size: int, k: int, num_tokens: int, seconds: float, steady: bool = True) -> None: ...
 
 
 class Engine:
@@ -155,8 +155,8 @@ class Engine:
         head trains on; a drafter that consumes features gets the same ones. Neither: no layer is kept.
         on_step(num_finished, num_generated) is called after every step (progress reporting).
         tuner: chooses each step's draft length in [0, k] from the live batch size, and is told the
-        tokens each steady step emitted and its seconds (drafting + verifying; steps that captured a graph,
-        caught the draft up or followed a change of k are not steady: they say nothing of the arm's cost);
+        tokens each step emitted, its seconds (drafting + verifying) and whether it was steady (steps that
+        captured or rebuilt anything or followed a change of k are not: they say nothing of the arm's cost);
         None: k every step. The choice depends only on past steps, so the outputs stay the policy's (greedy:
         identical to plain decoding).
 
@@ -211,8 +211,8 @@ class Engine:
             last_ids = self._next_ids  # tree steps too: both end in _advance
             seconds = time.perf_counter() - start
             steady = step_k == last_k and marks == self.shape_marks(drafter)
-            if tuner is not None and steady:
-                tuner.record(num_live, step_k, sum(len(r.tokens) for r in batch) - num_before, seconds)
+            if tuner is not None:
+                tuner.record(num_live, step_k, sum(len(r.tokens) for r in batch) - num_before, seconds, steady)
             last_k = step_k
             finished = [j for j, r in enumerate(batch) if r.finish_reason]
             if on_step is not None:

@@ -176,7 +176,7 @@ class FixedDraftLength(_Meter):
     def choose(self, batch_size: int) -> int:
         return self.k
 
-    def record(self, batch_size: int, k: int, num_tokens: int, seconds: float) -> None:
+    def record(self, batch_size: int, k: int, num_tokens: int, seconds: float, steady: bool = True) -> None:
         with self._lock:
             t = self._bucket(batch_size).totals.setdefault(k, [0.0, 0.0])
             t[0] += num_tokens
@@ -266,8 +266,9 @@ class DraftLengthTuner(_Meter):
         b.arms[k].last_step, b.last_k = b.num_steps, k
         return k
 
-    def record(self, batch_size: int, k: int, num_tokens: int, seconds: float) -> None:
-        """A step with `batch_size` live drafted up to k tokens per row and emitted num_tokens in all."""
+    def record(self, batch_size: int, k: int, num_tokens: int, seconds: float, steady: bool = True) -> None:
+        """A step with `batch_size` live drafted up to k tokens per row and emitted num_tokens in all. Every step
+        counts in the totals (reports); only a steady one teaches the arm's estimate."""
         if seconds <= 0:
             return
         with self._lock:
@@ -276,8 +277,8 @@ class DraftLengthTuner(_Meter):
             t[0] += num_tokens
             t[1] += seconds
             arm = b.arms.get(k)
-            if arm is None:  # a k this tuner never chooses (the engine capped it): measured, not learned
-                return
+            if arm is None or not steady:  # a k this tuner never chooses (the engine capped it), or a step that
+                return  # captured, rebuilt or switched: measured, not learned
             weight = max(self.ema, 1.0 / (arm.num_samples + 1))  # the first samples are averaged, then EMA
             arm.tokens += weight * (num_tokens - arm.tokens)
             arm.seconds += weight * (seconds - arm.seconds)

@@ -62,8 +62,9 @@ class CycleK:
         self.chosen.append(self.ks[(self.num_steps - 1) % len(self.ks)])
         return self.chosen[-1]
 
-    def record(self, batch_size: int, k: int, num_tokens: int, seconds: float) -> None:
-        self.log.append((batch_size, k, num_tokens, seconds))
+    def record(self, batch_size: int, k: int, num_tokens: int, seconds: float, steady: bool = True) -> None:
+        if steady:
+            self.log.append((batch_size, k, num_tokens, seconds))
 
 
 @pytest.mark.parametrize("drafter_name", ["ngram", "eagle", "eagle-tree"])

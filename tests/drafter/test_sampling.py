@@ -207,7 +207,7 @@ class Cycle:
         self.num_steps += 1
         return self.ks[(self.num_steps - 1) % len(self.ks)]
 
-    def record(self, batch_size: int, k: int, num_tokens: int, seconds: float) -> None:
+    def record(self, batch_size: int, k: int, num_tokens: int, seconds: float, steady: bool = True) -> None:
         return None
 
 

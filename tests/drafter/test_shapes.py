@@ -40,8 +40,9 @@ class Sequence:
         self.step += 1
         return self.ks[min(self.step, len(self.ks)) - 1]
 
-    def record(self, batch_size: int, k: int, num_tokens: int, seconds: float) -> None:
-        self.log.append(k)
+    def record(self, batch_size: int, k: int, num_tokens: int, seconds: float, steady: bool = True) -> None:
+        if steady:
+            self.log.append(k)
 
 
 @pytest.fixture(scope="module")

@@ -47,15 +47,19 @@ def test_speculation_is_adaptive_by_default_and_reported_per_bucket(device, redi
     r = runner(device, redis_client, tmp_path)
     assert r.speculation == "adaptive"
     r.generate(ALONE, GREEDY_ALONE, rl_step=0)
-    assert r.engine.stats().num_draft_tokens > 0  # forced tries at batch 1: it drafted to measure what it gives
+    assert r.engine.stats().num_draft_tokens == 0  # version 0 is untrained: its prior expects nothing, no draft
+    v1 = publish(r, 2.5)  # published with a score that pays: drafted at once (forced tries at batch 1)
+    r.swapper.swap(v1)
+    r.generate(ALONE, GREEDY_ALONE, rl_step=0)
+    assert r.engine.stats().num_draft_tokens > 0
     adaptive = r.generate(PROMPTS, GREEDY, rl_step=0)
     assert adaptive[0]["speculation"] == adaptive[1]["speculation"] == r.engine.tuner.summary()
     assert set(adaptive[0]["speculation"]) == {"1", "2"}  # both rollouts run to 24 tokens: 2 live throughout
-    v1 = publish(r, 1.2)  # what a draft measured at publish no longer gates drafting
-    r.swapper.swap(v1)
+    v2 = publish(r, 1.2)  # a weak score: its prior expects little, and the tuner measures it again
+    r.swapper.swap(v2)
     again = r.generate(PROMPTS, GREEDY, rl_step=1)
     assert [o["token_ids"] for o in again] == [o["token_ids"] for o in adaptive]
-    assert [o["draft_version"] for o in again] == [v1, v1]
+    assert [o["draft_version"] for o in again] == [v2, v2]
     # TLT off never drafts; "always" drafts draft_k every step; "off" never
     assert runner(device, redis_client, tmp_path / "tltoff", tlt=False).speculation == "off"
     always = runner(device, redis_client, tmp_path / "always", speculation="always")
@@ -84,6 +88,7 @@ def test_the_progress_record_carries_buffer_tokens_and_swaps(device, redis_clien
     off.generate(PROMPTS, GREEDY, rl_step=0)
     assert stored(redis_client, "w1").buffer_tokens == 0  # TLT off harvests nothing
     frozen = runner(device, redis_client, tmp_path / "frozen", worker_id="w2", idle_training=False)
+    frozen.swapper.swap(publish(frozen, 2.5))  # a frozen job serves a scored draft (its warm one, say)
     frozen.generate(ALONE, GREEDY_ALONE, rl_step=0)
     assert frozen.speculation == "adaptive" and frozen.engine.stats().num_draft_tokens > 0  # it still drafts
     assert stored(redis_client, "w2").buffer_tokens == 0  # but nothing trains on its rollouts: no harvest
