@@ -225,8 +225,7 @@ class Engine:
                     break
                 # the static path keeps its bucket (a finished row is masked) until the live rows fit a smaller one
                 if not self.static or batch_bucket(len(keep)) < batch_bucket(len(batch)):
-                    order, alive = self._compact(order, keep, cache, drafter)
-                    kept = torch.tensor(keep, dtype=torch.long, device="cpu")  # host: BatchSampling reads it back
+                    order, alive, kept = self._compact(order, keep, cache, drafter)
                     sampling, last_ids = sampling.select(kept), last_ids.index_select(0, to_device(kept, device))
                     num_finished = 0
                 else:
@@ -234,13 +233,15 @@ class Engine:
                                                    device="cpu"), device)
         return [self._output(r) for r in rows]
 
-    def _compact(self, order: list[int], keep: list[int], cache, drafter) -> tuple[list[int], torch.Tensor]:
-        """Keep only the batch positions `keep`, in order, as positions 0..len(keep)-1 (cache rows moved)."""
+    def _compact(self, order: list[int], keep: list[int], cache, drafter
+                 ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """Keep only the batch positions `keep`, in order, as positions 0..len(keep)-1 (cache rows moved).
+        Returns the new order, the live mask (all live) and `keep` as a host tensor (sampling reads it back)."""
         rows = torch.tensor(keep, dtype=torch.long, device="cpu")  # the drafter reorders host-side rows by it
         cache.keep_rows(rows.to(self.model.device))
         if drafter is not None:
             drafter.keep_rows(rows)
-        return [order[j] for j in keep], torch.ones(len(keep), dtype=torch.long, device=self.model.device)
+        return [order[j] for j in keep], torch.ones(len(keep), dtype=torch.long, device=self.model.device), rows
 
     def _aux_layers(self, drafter: Drafter | None, record_hidden: bool,
                     aux_layers: tuple[int, ...] | None) -> tuple[int, ...] | None:
