@@ -25,7 +25,15 @@ from drafter.draft.head import head_from_state, new_head
 from drafter.draft.history import HistoryDrafter
 from drafter.model.causal_lm import CausalLM
 from drafter.train.buffer import RolloutBuffer
-from workers.engine import Completion, ProgressCallback, RolloutEngine, as_tensors, bucket_deltas, check_batch
+from workers.engine import (
+    Completion,
+    ProgressCallback,
+    RolloutEngine,
+    as_tensors,
+    bucket_deltas,
+    check_batch,
+    served_deltas,
+)
 from workers.engines import Speculation
 
 if TYPE_CHECKING:  # the engine reads a few of its fields: it runs where pydantic is not installed (a bare GPU node)
@@ -73,7 +81,7 @@ class BuiltinEngine(RolloutEngine):
         k = 0 if speculation == Speculation.OFF else self.draft_k
         if not k:  # not drafting: a version installed meanwhile starts serving now, between batches
             self.drafter.apply_pending_swap()
-        before = chooser.bucket_totals()
+        before, served_before = chooser.bucket_totals(), chooser.bucket_served()
         start = time.perf_counter()
         try:
             # harvested features carry the layers the drafter's heads fuse, drafting or not
@@ -89,8 +97,9 @@ class BuiltinEngine(RolloutEngine):
             for o in outs:
                 self.history.remember(o.prompt_ids, o.token_ids)
         version, chosen, buckets = self.draft_version, chooser.summary(), bucket_deltas(chooser, before)
+        served = served_deltas(chooser, served_before)
         return [Completion(o.prompt_ids, o.token_ids, o.text, o.finish_reason, o.num_steps, o.num_accepted, version,
-                           dict(chosen), buckets) for o in outs]
+                           dict(chosen), buckets, served) for o in outs]
 
     def install_draft(self, version: int, state: dict[str, Any], head_config: dict,
                       accepted_length: float = 0.0) -> None:

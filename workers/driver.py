@@ -34,7 +34,15 @@ from workers.protocol.messages import PhaseRecord, StepRecord
 from workers.protocol.states import Phase
 from workers.rollout import BUFFER_BYTES, BUFFER_DTYPE
 from workers.spec import JobSpec
-from workers.step_data import assign, length_percentiles, rollout_seed, shareable_state, sum_buckets
+from workers.step_data import (
+    assign,
+    cast_state,
+    length_percentiles,
+    rollout_seed,
+    shareable_state,
+    sum_buckets,
+    sum_served,
+)
 from workers.store import job_stores
 from workers.tasks import StepProblems, get_reward
 from workers.warm import publish_warm_draft
@@ -73,6 +81,8 @@ class Driver:
         # drawn step by step (a job's every problem up front grew a 100,000-step driver by 52 MB/s, issue 34)
         self.problems = StepProblems(spec.task, spec.seed, spec.num_prompts_per_step, spec.dataset_path)
         self.warm_version = self._publish_warm_draft(redis, store_dir)  # before the workers start: they install it
+        self.served = job_stores(redis, store_dir, job_id)[0]
+        self.published_up_to = self.served.latest_version() or 0  # versions after it are a step's new ones
         self.worker_ids = [f"w{i}" for i in range(spec.num_workers)]
         self.redis_url, self.store_dir = redis_url, store_dir
         self.restarts: dict[str, int] = {}  # worker id -> times it was started again after it was lost
@@ -253,11 +263,19 @@ class Driver:
                             tail_s=longest - min(worker_s.values(), default=0.0),
                             speculation={wid: b["speculation"] for wid, b in batches.items()},
                             bucket_throughput=sum_buckets(b["bucket_throughput"] for b in batches.values()),
-                            reward_std=float(rewards.std(unbiased=False)) if rewards.numel() else 0.0)
+                            reward_std=float(rewards.std(unbiased=False)) if rewards.numel() else 0.0,
+                            bucket_served=sum_served(b["bucket_served"] for b in batches.values()),
+                            draft_versions_published=self._published_since_last_step())
         self.records.append_step(record)  # the record and the running totals together
         if is_staged:  # only now the resume point: its step's record is in
             commit_policy(self.checkpoint_path)
         return record
+
+    def _published_since_last_step(self) -> list[int]:
+        """The served store's versions newer than the last step's record saw (published during this step)."""
+        new = [e["version"] for e in self.served.versions() if e["version"] > self.published_up_to]
+        self.published_up_to = max([self.published_up_to, *new])
+        return new
 
     def _sync(self, rl_step: int, failures: list, wids: list[str]) -> list[str]:
         """Push the policy's weights to workers `wids` (workers.policy_sync): those on this node map one file
@@ -266,7 +284,8 @@ class Driver:
             return []
         nodes, dropped = self._gather({wid: self.workers[wid].node_id.remote() for wid in wids}, rl_step, failures)
         here = ray.get_runtime_context().get_node_id()
-        state = self.policy.state_dict()
+        # in the workers' precision (JobSpec.policy_dtype): a bf16 sync moves half the bytes
+        state = cast_state(self.policy.state_dict(), getattr(torch, self.spec.policy_dtype))
         sources = {}
         if any(node == here for node in nodes.values()):
             message = self.policy_files.write(state, self.policy_version)
@@ -294,7 +313,7 @@ class Driver:
                  stops: list[tuple[str, ...]]) -> tuple[dict, dict, dict, dict]:
         """Each worker generates its groups (prompt g's rollouts end at stops[g]); returns (group -> responses,
         worker -> seconds generating, worker -> draft version serving when it finished, worker -> its batch's
-        "speculation" and "bucket_throughput", workers.engine.Completion)."""
+        "speculation", "bucket_throughput" and "bucket_served", workers.engine.Completion)."""
         spec, G = self.spec, self.spec.group_size
         futures = {}
         for (wid, w), groups in zip(list(self.workers.items()), assign(len(prompts), len(self.workers))):
@@ -320,7 +339,7 @@ class Driver:
                 o["worker"] = wid  # where its learner pairs go (workers.learner_pairs)
             draft_versions[wid] = max((o["draft_version"] for o in outs), default=0)
             if outs:  # the same on every completion of the batch
-                batches[wid] = {key: outs[0][key] for key in ("speculation", "bucket_throughput")}
+                batches[wid] = {key: outs[0][key] for key in ("speculation", "bucket_throughput", "bucket_served")}
             for i, g in enumerate(groups):
                 results[g] = outs[i * G : (i + 1) * G]
         return results, worker_s, draft_versions, batches

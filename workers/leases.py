@@ -16,6 +16,7 @@ import time
 from collections import deque
 
 import redis as redis_lib
+import torch
 
 from drafter.draft.head import EagleHead, head_config, new_head
 from drafter.model.causal_lm import CausalLM
@@ -98,10 +99,13 @@ class LeaseRunner:
 
     def _parent(self, version: int) -> EagleHead:
         """The head a lease trains from: a stored version, or (version 0 before any was published) a new
-        head whose draft vocabulary is this worker's most frequent rollout tokens."""
+        head whose draft vocabulary is this worker's most frequent rollout tokens. In float32 whatever the
+        policy's dtype (JobSpec.policy_dtype): its weights are the optimizer's masters, and AdamW's small steps
+        would round away in bf16 weights (the trainer's bf16 autocast, where native, gives bf16's speed)."""
         if version == 0 and self.served.latest_version() is None:
-            return new_head(self.policy, self.buffer if len(self.buffer) else None, self.spec.draft_vocab_size)
-        return self.served.load_head(version, self.policy.dtype, self.policy.device)[0]
+            head = new_head(self.policy, self.buffer if len(self.buffer) else None, self.spec.draft_vocab_size)
+            return head.float()
+        return self.served.load_head(version, torch.float32, self.policy.device)[0]
 
     def _train(self, lease: LeaseOffer) -> LeaseOutcome:
         head = self._parent(lease.parent_version)

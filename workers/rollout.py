@@ -61,7 +61,8 @@ class RolloutRunner:
         self.job_id, self.worker_id, self.spec = job_id, worker_id, spec
         torch.set_num_threads(num_threads)
         self.device = job_device(spec.device)  # its GPU under Ray (num_gpus), where the engine and leases run
-        loaded = load_model(spec.model, device=self.device)
+        # the policy copy it serves, in JobSpec.policy_dtype (the driver's learner keeps float32)
+        loaded = load_model(spec.model, dtype=getattr(torch, spec.policy_dtype), device=self.device)
         self.policy = loaded.model
         self.engine = build_engine(spec, loaded, num_threads)
         self.harvests = harvest_in_engine and self.engine.harvests_pairs

@@ -129,6 +129,9 @@ class _Bucket:
     last_k: int | None = None  # the arm served last step
     run_left: int = 0  # steps the exploring arm still serves in its run
     totals: dict[int, list[float]] = field(default_factory=dict)  # k -> [tokens, seconds], all time
+    # k -> [steps, rows]: the steps it served and their live rows (each row is one policy forward's position),
+    # all time; tokens / rows is the bucket's accepted length at k (1.0 for plain decoding)
+    served: dict[int, list[int]] = field(default_factory=dict)
 
 
 class _Meter:
@@ -152,6 +155,22 @@ class _Meter:
             tries = self._tries(name, self._num_tries)
             b = self._buckets[name] = _Bucket({k: _Arm(num_tries_left=tries) for k in self.arms})
         return b
+
+    def _count(self, b: _Bucket, batch_size: int, k: int, num_tokens: int, seconds: float) -> None:
+        """Every step, steady or not, in the totals (reports); called with the lock held."""
+        t = b.totals.setdefault(k, [0.0, 0.0])
+        t[0] += num_tokens
+        t[1] += max(seconds, 0.0)
+        n = b.served.setdefault(k, [0, 0])
+        n[0] += 1
+        n[1] += batch_size
+
+    def bucket_served(self) -> dict[str, dict[int, tuple[float, int, int]]]:
+        """{bucket: {k: (tokens, steps, rows)}} over every step so far (cumulative: take differences): what each
+        draft length served and emitted there; tokens / rows is the accepted length per row-forward."""
+        with self._lock:
+            return {name: {k: (b.totals[k][0], steps, rows) for k, (steps, rows) in sorted(b.served.items())}
+                    for name, b in self._buckets.items()}
 
     def bucket_totals(self) -> dict[str, tuple[float, float]]:
         """{bucket: (tokens, seconds)} over every step so far, whatever k served (cumulative: take differences)."""
@@ -178,9 +197,7 @@ class FixedDraftLength(_Meter):
 
     def record(self, batch_size: int, k: int, num_tokens: int, seconds: float, steady: bool = True) -> None:
         with self._lock:
-            t = self._bucket(batch_size).totals.setdefault(k, [0.0, 0.0])
-            t[0] += num_tokens
-            t[1] += max(seconds, 0.0)
+            self._count(self._bucket(batch_size), batch_size, k, num_tokens, seconds)
 
     def new_draft(self, prior: StepCostPrior | None = None) -> None:
         return None
@@ -273,9 +290,7 @@ class DraftLengthTuner(_Meter):
             return
         with self._lock:
             b = self._bucket(batch_size)
-            t = b.totals.setdefault(k, [0.0, 0.0])
-            t[0] += num_tokens
-            t[1] += seconds
+            self._count(b, batch_size, k, num_tokens, seconds)
             arm = b.arms.get(k)
             if arm is None or not steady:  # a k this tuner never chooses (the engine capped it), or a step that
                 return  # captured, rebuilt or switched: measured, not learned

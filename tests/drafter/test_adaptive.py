@@ -125,6 +125,18 @@ def test_fixed_draft_length_measures_per_bucket():
     assert fixed.throughput() == {"1": {2: pytest.approx(30.0)}, "33+": {2: pytest.approx(40.0)}}
 
 
+def test_each_chooser_counts_the_steps_and_rows_each_k_served_per_bucket():
+    tuner, fixed = DraftLengthTuner(2), FixedDraftLength(0)
+    tuner.record(1, 2, 3, 0.1)
+    tuner.record(1, 2, 2, 0.1, steady=False)  # counted, not learned from
+    tuner.record(3, 0, 3, 0.1)
+    tuner.record(4, 1, 7, 0.1)
+    tuner.record(4, 1, 7, 0.0)  # no time: neither counted nor learned (as in the tokens/s totals)
+    assert tuner.bucket_served() == {"1": {2: (5.0, 2, 2)}, "3-4": {0: (3.0, 1, 3), 1: (7.0, 1, 4)}}
+    fixed.record(40, 0, 40, 1.0)
+    assert fixed.bucket_served() == {"33+": {0: (40.0, 1, 40)}}  # plain: one token a row
+
+
 def test_the_prior_reads_a_calibrated_score_and_shrinks_with_the_batch():
     prior = StepCostPrior.from_accepted_length(2.5, 4)
     assert prior.expected_tokens(4) == pytest.approx(2.5, abs=1e-6)
