@@ -7,137 +7,49 @@
 Each repeat runs the three jobs one after the other on a private Redis, local Ray and the scheduler app;
 the order turns round on every repeat (abc, cba, abc, ...) so that drift in the machine's speed falls on
 all three alike, and a repeat draws its prompts with its own seed. Nothing else may run on the machine.
+With a time budget (--max-seconds; the gpu size has one) a repeat starts only if the run would still end
+within it, by the longest repeat so far: the arms stay balanced, and the result says what was left out.
 
-Per step and arm it records rollout, tail and step seconds, response-length percentiles, the accepted
-length, the draft version served, idle and reclaimed worker-seconds and the mean reward; the figures
-(JSON keys) are ratios of sums over every step and repeat, and the last step's means. The JSON object
-is printed last and written to docs/bench/rl.json by the registry (bench/cli.py); with --device cuda the jobs
-run on the machine's GPUs (JobSpec.device; workers share a GPU when they outnumber them) and the result, with
-`device` and the GPU's name, goes to docs/bench/rl_gpu.json instead. --size smallest proves the path in about
-a minute (the tiny preset, one step, its own small warm draft built first).
+Per step and arm it records rollout, tail and step seconds and the tail's share of the rollout, response-length
+percentiles, the accepted length (over the step and per live-batch bucket), the k served per bucket, the draft
+versions served and published, idle and reclaimed worker-seconds and the mean reward (bench.rl_figures); the
+figures (JSON keys) are ratios of sums over every step and repeat, and the last step's means, with goals_met.
+The JSON object is printed last and written to docs/bench/rl.json by the registry (bench/cli.py); with --device
+cuda the jobs run on the machine's GPUs (JobSpec.device; workers share a GPU when they outnumber them) and the
+result, with `device` and the GPU's name, goes to docs/bench/rl_gpu.json instead.
+
+Sizes: full (this CPU's measurement); gpu (one H100, at most 8 minutes from a fresh node, warm start included:
+SIZES' comment has the arithmetic; bench/gpu_rl.sh runs it on a node from the offline bundle's parts); smallest
+(proves the path in about a minute on a 2-core CPU: the tiny preset, one step, its own small warm draft).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ARMS = {"a": "plain", "b": "frozen", "c": "tlt"}
+from bench.rl_figures import ARMS, figures, goals_met, partial_figures, reclaimed_of, step_row, step_seconds
+
 ARM_SPEC = {"a": {"tlt": False}, "b": {"tlt": True, "idle_training": False}, "c": {"tlt": True}}
-# a bucket counts in min_bucket_ratio_vs_plain once both arms decoded in it this long (seconds, all steps)
-MIN_BUCKET_SECONDS = 2.0
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def step_seconds(step: dict) -> float:
-    return sum(step["timings"].values())
-
-
-def pooled_reward(steps: list[dict]) -> tuple[float, float, int]:
-    """(mean, standard error, n) of the rollouts' rewards over `steps`, from each step's mean, std and count."""
-    n = sum(s["num_rollouts"] for s in steps)
-    if n == 0:
-        return 0.0, 0.0, 0
-    mean = sum(s["mean_reward"] * s["num_rollouts"] for s in steps) / n
-    var = sum(s["num_rollouts"] * (s.get("reward_std", 0.0) ** 2 + (s["mean_reward"] - mean) ** 2) for s in steps) / n
-    return mean, math.sqrt(var / max(n - 1, 1)), n
-
-
-def bucket_rates(steps: list[dict]) -> dict[str, tuple[float, float]]:
-    """{live-batch bucket: (tokens/s, seconds decoded)} over `steps`."""
-    acc: dict[str, list[float]] = {}
-    for s in steps:
-        for name, (tokens, seconds) in s.get("bucket_throughput", {}).items():
-            a = acc.setdefault(name, [0.0, 0.0])
-            a[0], a[1] = a[0] + tokens, a[1] + seconds
-    return {name: (t / s, s) for name, (t, s) in acc.items() if s > 0}
-
-
-def bucket_ratios(arm: list[dict], plain: list[dict]) -> dict[str, float]:
-    """{bucket: the arm's tokens/s over plain's} for the buckets both decoded in for MIN_BUCKET_SECONDS."""
-    mine, theirs = bucket_rates(arm), bucket_rates(plain)
-    return {name: mine[name][0] / theirs[name][0] for name in sorted(mine)
-            if name in theirs and min(mine[name][1], theirs[name][1]) >= MIN_BUCKET_SECONDS}
-
-
-def per_step_means(runs: list[list[dict]], key) -> list[float]:
-    """Step i's mean of key(step) over the repeats that reached step i."""
-    num_steps = max((len(r) for r in runs), default=0)
-    return [statistics.fmean(key(r[i]) for r in runs if len(r) > i) for i in range(num_steps)]
-
-
-def step_row(step: dict, reclaimed: float) -> dict:
-    t = step["timings"]
-    return {"rl_step": step["rl_step"], "rollout_s": t.get("rollout", 0.0), "tail_s": step["tail_s"],
-            "step_s": step_seconds(step), "timings": t, "response_lengths": step["response_lengths"],
-            "accepted_length": step["mean_accepted_length"], "draft_versions": step["draft_versions"],
-            "idle_worker_s": step["idle_worker_s"], "reclaimed_worker_s": reclaimed,
-            "mean_reward": step["mean_reward"], "speculation": step.get("speculation", {}),
-            "bucket_throughput": step.get("bucket_throughput", {}), "grpo": step.get("grpo", {})}
-
-
-def figures(runs: dict[str, list[dict]]) -> dict:
-    """The JSON keys from each arm's runs: {arm: [{"steps": [...], "drafts": {...}}, ...]}."""
-    steps = {arm: [s for r in rs for s in r["steps"]] for arm, rs in runs.items()}
-    by_run = {arm: [r["steps"] for r in rs] for arm, rs in runs.items()}
-
-    def total(arm: str, key) -> float:
-        return sum(key(s) for s in steps[arm])
-
-    def rollout(s):
-        return s["timings"].get("rollout", 0.0)
-
-    last = {arm: [r[-1] for r in by_run[arm] if r] for arm in runs}
-    reward = {arm: pooled_reward(steps[arm]) for arm in runs}
-    idle_c = sum(r["drafts"].get("idle_worker_s", 0.0) for r in runs["c"])
-    reclaimed_c = sum(r["drafts"].get("reclaimed_worker_s", 0.0) for r in runs["c"])
-    ratios = {arm: bucket_ratios(steps[arm], steps["a"]) for arm in ("b", "c")}
-    return {
-        "rollout_speedup": total("a", rollout) / total("c", rollout),
-        "step_speedup": total("a", step_seconds) / total("c", step_seconds),
-        "frozen_rollout_speedup": total("a", rollout) / total("b", rollout),
-        "frozen_step_speedup": total("a", step_seconds) / total("b", step_seconds),
-        "tlt_vs_frozen_rollout_speedup": total("b", rollout) / total("c", rollout),
-        "tlt_vs_frozen_rollout_speedup_last_step": (sum(rollout(s) for s in last["b"])
-                                                     / sum(rollout(s) for s in last["c"])),
-        "accepted_length_last_step_tlt": statistics.fmean(s["mean_accepted_length"] for s in last["c"]),
-        "accepted_length_last_step_frozen": statistics.fmean(s["mean_accepted_length"] for s in last["b"]),
-        "reclaimed_ratio": reclaimed_c / idle_c if idle_c else 0.0,
-        "reward_delta_se": ((reward["c"][0] - reward["a"][0])
-                            / (math.hypot(reward["c"][1], reward["a"][1]) or float("inf"))),
-        "frozen_reward_delta_se": ((reward["b"][0] - reward["a"][0])
-                                   / (math.hypot(reward["b"][1], reward["a"][1]) or float("inf"))),
-        "mean_reward": {ARMS[arm]: reward[arm][0] for arm in runs},
-        "min_bucket_ratio_vs_plain": min(ratios["c"].values(), default=None),
-        "min_bucket_ratio_vs_plain_frozen": min(ratios["b"].values(), default=None),
-        "bucket_ratio_vs_plain": {ARMS[arm]: r for arm, r in ratios.items()},
-        "bucket_tokens_per_s": {ARMS[arm]: {k: v[0] for k, v in bucket_rates(steps[arm]).items()} for arm in runs},
-        "rollout_share_of_step": {ARMS[arm]: total(arm, rollout) / total(arm, step_seconds) for arm in runs},
-        "per_step_mean": {ARMS[arm]: {
-            "rollout_s": per_step_means(by_run[arm], rollout),
-            "tail_s": per_step_means(by_run[arm], lambda s: s["tail_s"]),
-            "step_s": per_step_means(by_run[arm], step_seconds),
-            "accepted_length": per_step_means(by_run[arm], lambda s: s["mean_accepted_length"]),
-            "mean_reward": per_step_means(by_run[arm], lambda s: s["mean_reward"]),
-        } for arm in runs},
-    }
-
-
 def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: int = 10, group_size: int = 4,
              max_new_tokens: int = 512, num_workers: int = 2, draft_k: int = 4, task: str = "longtail",
              model: str = "smollm2-135m", warm_draft: str | None = None, seed: int = 0,
-             arms: str = "abc", device: str = "cpu", warm_recipe=None) -> dict:
+             arms: str = "abc", device: str = "cpu", warm_recipe=None, policy_dtype: str = "float32",
+             micro_batch_size: int | None = None, max_seconds: float | None = None) -> dict:
     """device "cuda": every job on this machine's GPUs (JobSpec.device), its workers sharing them when they
     outnumber them (JobSpec.gpus_per_worker), the warm draft built there if none is cached; "cpu": each worker
-    pinned to its own cores. warm_recipe: the workers.warm.WarmRecipe of the warm draft (None: its defaults)."""
+    pinned to its own cores. warm_recipe: the workers.warm.WarmRecipe of the warm draft (None: its defaults).
+    policy_dtype, micro_batch_size: JobSpec's (None: its default). max_seconds: the time budget (None: none)."""
     import ray
 
     from scheduler.app import Settings
@@ -154,13 +66,20 @@ def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: 
         raise ValueError(f"arms must hold a (plain: every ratio is against it) and b or c, got {arms!r}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    if max_seconds is not None and not max_seconds > 0:
+        raise ValueError(f"max_seconds must be > 0, got {max_seconds!r}")
     t0 = time.perf_counter()
     if warm_draft is None and set(arms) & {"b", "c"}:
         warm_draft = warm_draft_for(model, task, device, warm_recipe)
+    warm_start_s = time.perf_counter() - t0
     base = {"model": model, "task": task, "num_steps": num_steps, "num_prompts_per_step": num_prompts_per_step,
             "group_size": group_size, "max_new_tokens": max_new_tokens, "num_workers": num_workers,
-            "draft_k": draft_k, "temperature": 1.0, "device": device}
+            "draft_k": draft_k, "temperature": 1.0, "device": device, "policy_dtype": policy_dtype}
+    if micro_batch_size is not None:
+        base["micro_batch_size"] = micro_batch_size
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+    repeat_s: list[float] = []
+    stopped_early = None
     # on CUDA, Ray counts the machine's GPUs; on a CPU, a logical one per worker (each pinned to its own cores)
     ray.init(num_cpus=num_workers, num_gpus=num_workers if device == "cpu" else None, namespace=RAY_NAMESPACE,
              include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
@@ -174,11 +93,17 @@ def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: 
                                 watch_tick_s=0.25, model_roots=roots)
             url, server = start_server(settings)
             for r in range(num_repeats):
+                stopped_early = over_budget(r, num_repeats, time.perf_counter() - t0, repeat_s, max_seconds)
+                if stopped_early:
+                    log(stopped_early)
+                    break
+                started = time.perf_counter()
                 order = arms if r % 2 == 0 else arms[::-1]
                 for arm in order:
                     spec = base | ARM_SPEC[arm] | {"seed": seed + r}
                     if arm != "a":
                         spec["warm_draft"] = warm_draft
+                    job_t0 = time.perf_counter()
                     with contextlib.redirect_stdout(sys.stderr):
                         job = run_job(url, spec, f"repeat {r + 1}/{num_repeats}, {arm} ({ARMS[arm]})")
                     if job["state"] != JobState.SUCCEEDED:
@@ -186,21 +111,28 @@ def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: 
                                            f"{job['state']}: {job.get('error')}")
                     steps = call("GET", url, f"/v1/jobs/{job['job_id']}/steps")
                     drafts = call("GET", url, f"/v1/jobs/{job['job_id']}/drafts") if arm == "c" else {}
-                    runs[arm].append({"job_id": job["job_id"], "steps": steps, "drafts": drafts})
+                    runs[arm].append({"job_id": job["job_id"], "steps": steps, "drafts": drafts,
+                                      "seconds": time.perf_counter() - job_t0})
                     log(f"  {ARMS[arm]}: rollout {sum(s['timings'].get('rollout', 0) for s in steps):.1f} s, "
                         f"step {sum(step_seconds(s) for s in steps):.1f} s, accepted length per step "
-                        f"{[round(s['mean_accepted_length'], 2) for s in steps]}")
+                        f"{[round(s['mean_accepted_length'], 2) for s in steps]}; job {runs[arm][-1]['seconds']:.0f} s")
+                repeat_s.append(time.perf_counter() - started)
             server.should_exit = True
             server.thread.join(30)
     finally:
         ray.shutdown()
     full = set(arms) == set(ARMS)
-    result = {"bench": "rl", "device": device, "config": base | {"num_repeats": num_repeats, "arms": arms,
-                                                                 "seed": seed, "warm_draft": warm_draft},
+    result = {"bench": "rl", "device": device,
+              "config": base | {"num_repeats": num_repeats, "arms": arms, "seed": seed, "warm_draft": warm_draft,
+                                "max_seconds": max_seconds},
               **(figures(runs) if full else partial_figures(runs)),
               "steps": {ARMS[arm]: [[step_row(s, reclaimed_of(r, s["rl_step"])) for s in r["steps"]] for r in rs]
                         for arm, rs in runs.items()},
+              "num_repeats_done": len(repeat_s), "stopped_early": stopped_early,
+              "warm_start_s": warm_start_s, "repeat_seconds": repeat_s,
+              "job_seconds": {ARMS[arm]: [r["seconds"] for r in rs] for arm, rs in runs.items()},
               "seconds": time.perf_counter() - t0}
+    result["goals_met"] = goals_met(result) if full else {}
     if device == "cuda":
         import torch
 
@@ -208,22 +140,17 @@ def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: 
     return result
 
 
-def reclaimed_of(run: dict, rl_step: int) -> float:
-    """Worker-seconds of drafter training inside step rl_step's rollout (GET /drafts' reclaimed_by_step)."""
-    return float((run.get("drafts") or {}).get("reclaimed_by_step", {}).get(str(rl_step), 0.0))
-
-
-def partial_figures(runs: dict[str, list[dict]]) -> dict:
-    """With arm b or c left out: the ratios against plain that can be computed."""
-    steps = {arm: [s for r in rs for s in r["steps"]] for arm, rs in runs.items()}
-    out = {}
-    for arm, prefix in (("c", ""), ("b", "frozen_")):
-        if arm in runs:
-            out[f"{prefix}rollout_speedup"] = (sum(s["timings"].get("rollout", 0.0) for s in steps["a"])
-                                               / sum(s["timings"].get("rollout", 0.0) for s in steps[arm]))
-            out[f"{prefix}step_speedup"] = sum(map(step_seconds, steps["a"])) / sum(map(step_seconds, steps[arm]))
-            out[f"{prefix}bucket_ratio_vs_plain"] = bucket_ratios(steps[arm], steps["a"])
-    return out
+def over_budget(r: int, num_repeats: int, elapsed: float, repeat_s: list[float],
+                max_seconds: float | None) -> str | None:
+    """Why repeat r (0-based) is not started, or None: the first always runs; a later one only if the run would
+    still end within max_seconds, were it to take as long as the longest repeat so far."""
+    if max_seconds is None or r == 0:
+        return None
+    projected = elapsed + max(repeat_s)
+    if projected <= max_seconds:
+        return None
+    return (f"repeats {r + 1}..{num_repeats} not started: {elapsed:.0f} s spent, and one more repeat (up to "
+            f"{max(repeat_s):.0f} s) would end past the budget of {max_seconds:.0f} s")
 
 
 def gpu_share(num_gpus: int, num_workers: int, device: str) -> float:
@@ -250,29 +177,49 @@ def warm_draft_for(model: str, task: str, device: str, recipe) -> str:
     if device == "cpu" and recipe == WarmRecipe():
         raise ValueError("arms b and c start from a warm draft: build one with `make warm-draft` (about 15 minutes "
                          "on a 2-core CPU), pass --warm-draft, or run with --device cuda (built there)")
-    log(f"warm draft: building it on {device} ({recipe.num_prompts} prompts, {recipe.num_steps} steps), cached in "
+    log(f"warm draft: building it on {device} ({recipe.num_prompts} prompts, {recipe.num_steps} steps"
+        f"{f' or {recipe.train_seconds:.0f} s' if recipe.train_seconds else ''}), cached in "
         f"{warm_cache_dir(model, task, recipe)}")
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(sys.stderr):
         path = ensure_warm_draft(model, task, device, recipe)
+    if device == "cuda":  # the build's model and features are gone: their cached blocks go back to the jobs
+        import torch
+
+        torch.cuda.empty_cache()
     log(f"warm draft: built in {time.perf_counter() - t0:.0f} s")
     return path
 
 
 FULL = {"model": "smollm2-135m", "task": "longtail", "steps": 3, "repeats": 2, "prompts": 10, "group_size": 4,
-        "new_tokens": 512, "workers": 2, "k": 4}
-# --size: "full" measures (on one GPU, with the warm draft cached, about 6 minutes: unmeasured yet); "smallest"
-# proves the path in about a minute on a 2-core CPU: the tiny preset, one step, its own small warm draft
-SIZES = {"full": FULL, "smallest": FULL | {"model": "tiny", "task": "arithmetic", "steps": 1, "repeats": 1,
-                                             "prompts": 2, "group_size": 2, "new_tokens": 16, "k": 2}}
+        "new_tokens": 512, "workers": 2, "k": 4, "policy_dtype": "float32", "micro_batch": None, "max_seconds": None}
+# --size gpu: one H100, within 8 minutes from a fresh node. Its warm start (GPU_WARM, below) about 2 minutes: the
+# GGUF's conversion (~15 s), 1,024 task prompts harvested at batch 128 (at most 197k tokens, ~150k with the short
+# answers' early stops: ~25 s at the 6.1k tokens/s an H100 harvested at batch 128 in `tlt bench gpu`), 60 s of
+# training (1,500 steps took 54 s there), 16 held-out prompts scored. Then per job about 20 s to start a driver and two
+# workers (CUDA contexts, the cached model, graph captures) and per step about 5 s: 128 rollouts of up to 512
+# tokens, the tail's rows decoding at 2-4 ms a token on a shared GPU (1-2 s), a bf16 weight sync, log-probs and the
+# update in micro-batches of 16 (float32 learner). 3 arms x (20 + 4 x 5 s) = 2 minutes a repeat: one repeat in
+# about 4.5 minutes, and the second only where the budget (450 s) still holds it. Estimates, not yet measured.
+SIZES = {"full": FULL,
+         "gpu": FULL | {"steps": 4, "prompts": 32, "policy_dtype": "bfloat16", "micro_batch": 16, "max_seconds": 450.0},
+         "smallest": FULL | {"model": "tiny", "task": "arithmetic", "steps": 1, "repeats": 1, "prompts": 2,
+                             "group_size": 2, "new_tokens": 16, "k": 2}}
 SMALLEST_RECIPE = {"num_prompts": 4, "max_new_tokens": 16, "num_steps": 4, "batch_size": 4, "num_eval_prompts": 0}
+# the gpu size's warm start: workers.warm.GPU_RECIPE shortened to fit the 8 minutes (GPU_RECIPE's own 3,072 prompts
+# and 150 s of training come to about 5 minutes alone), trained on the positions k=4 drafts
+GPU_WARM = {"num_prompts": 1024, "max_new_tokens": 192, "num_steps": 1_000_000, "num_unroll": 4, "batch_size": 128,
+            "num_eval_prompts": 16, "train_seconds": 60.0, "position_loss": "reach"}
+RECIPES = {"smallest": SMALLEST_RECIPE, "gpu": GPU_WARM}
 
 
 def add_arguments(p) -> None:
     from workers.tasks import TASKS
 
     p.add_argument("--size", default="full", choices=sorted(SIZES), help="the defaults of the options below: full "
-                   "(the measurement), smallest (the tiny preset, one step: proves the path in about a minute)")
+                   "(the CPU measurement), gpu (one H100 in at most 8 minutes, warm start included: bf16 policy, a "
+                   "time budget; --device cuda only), smallest (the tiny preset, one step: proves the path in about a "
+                   "minute)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the jobs run (JobSpec.device); "
                    "cuda writes rl_gpu.json, with the workers sharing the GPUs when they outnumber them")
     p.add_argument("--model", default=None, help=f"default {FULL['model']}")
@@ -288,8 +235,14 @@ def add_arguments(p) -> None:
                    f"CPU (default {FULL['workers']})")
     p.add_argument("--k", type=int, default=None, help="draft_k: the longest draft the adaptive choice may use "
                    f"(default {FULL['k']})")
+    p.add_argument("--policy-dtype", default=None, choices=("float32", "bfloat16"), help="JobSpec.policy_dtype: the "
+                   "rollout workers' policy precision (default float32; bfloat16 with --size gpu)")
+    p.add_argument("--micro-batch", type=int, default=None, help="JobSpec.micro_batch_size: sequences per backward "
+                   "of the update (default JobSpec's; 16 with --size gpu)")
+    p.add_argument("--max-seconds", type=float, default=None, help="time budget: a repeat starts only if the run "
+                   "would still end within it (default none; 450 with --size gpu)")
     p.add_argument("--warm-draft", default=None, help="the draft b and c start from (default: the cached one "
-                   "`make warm-draft` builds for the task; built here with --device cuda or --size smallest)")
+                   "`make warm-draft` builds for the task; built here with --device cuda or --size smallest/gpu)")
     p.add_argument("--arms", default="abc", help="a plain, b frozen warm draft, c TLT (a and b or c)")
     p.add_argument("--seed", type=int, default=0)
 
@@ -297,13 +250,18 @@ def add_arguments(p) -> None:
 def run(args) -> dict:
     from workers.warm import WarmRecipe
 
+    if args.size == "gpu" and args.device != "cuda":
+        raise ValueError("--size gpu is sized for one GPU (a bf16 policy, 128 rollouts of 512 tokens a step): run it "
+                         "with --device cuda; on a CPU, --size smallest --policy-dtype bfloat16 runs its path")
     size = SIZES[args.size]
     opt = {key: size[key] if getattr(args, key) is None else getattr(args, key) for key in FULL}
-    recipe = WarmRecipe(**SMALLEST_RECIPE) if args.size == "smallest" else None
+    recipe = WarmRecipe(**RECIPES[args.size]) if args.size in RECIPES else None
     result = bench_rl(num_steps=opt["steps"], num_repeats=opt["repeats"], num_prompts_per_step=opt["prompts"],
                       group_size=opt["group_size"], max_new_tokens=opt["new_tokens"], num_workers=opt["workers"],
                       draft_k=opt["k"], task=opt["task"], model=opt["model"], warm_draft=args.warm_draft,
-                      seed=args.seed, arms=args.arms, device=args.device, warm_recipe=recipe)
+                      seed=args.seed, arms=args.arms, device=args.device, warm_recipe=recipe,
+                      policy_dtype=opt["policy_dtype"], micro_batch_size=opt["micro_batch"],
+                      max_seconds=opt["max_seconds"])
     result["config"]["size"] = args.size
     return result
 
@@ -311,3 +269,15 @@ def run(args) -> dict:
 def record_as(result: dict) -> tuple[str, str | None]:
     """rl_gpu.json, with the GPU named, for a CUDA run; rl.json for a CPU one (which never writes rl_gpu.json)."""
     return ("rl_gpu", result.get("gpu")) if result["device"] == "cuda" else ("rl", None)
+
+
+def summary(result: dict) -> list[str]:
+    """The headline figures and their goals, for a run without --json."""
+    from bench.rl_figures import goals_for
+
+    goals = goals_for(result["device"])
+    lines = [f"{key:34s} {result.get(key)!s:>22s}  goal {' '.join(map(str, goals[key]))}: "
+             f"{'-' if ok is None else 'met' if ok else 'NOT met'}" for key, ok in result["goals_met"].items()]
+    if result.get("stopped_early"):
+        lines.append(result["stopped_early"])
+    return lines

@@ -1,4 +1,5 @@
-"""`tlt bench rl`'s figures from step records (pure arithmetic; the bench itself runs real jobs)."""
+"""`tlt bench rl`'s figures from step records and its time budget (pure arithmetic; the bench itself runs real
+jobs: test_rl_device.py, test_rl_gpu_path.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import math
 
 import pytest
 
-from bench.rl import bucket_ratios, figures, pooled_reward
+from bench.rl import over_budget
+from bench.rl_figures import bucket_ratios, figures, goals_met, met, pooled_reward, step_row
 
 
 def step(rl_step, rollout, update, reward, acc, buckets, n=4, std=0.5):
@@ -47,3 +49,47 @@ def test_a_bucket_counts_only_once_both_arms_decoded_in_it_long_enough():
     arm = [step(0, 1, 1, 0, 1, {"1": [10, 1.0], "2": [50, 5.0]})]
     plain = [step(0, 1, 1, 0, 1, {"1": [30, 1.0], "2": [40, 5.0]})]
     assert bucket_ratios(arm, plain) == {"2": pytest.approx(1.25)}  # bucket 1: a second each, too little
+
+
+def test_a_step_row_has_the_tail_share_and_per_bucket_acceptance_and_k():
+    s = step(3, 20.0, 5.0, 0.5, 1.5, {"1": [90, 3.0], "5-8": [300, 2.0]})
+    s["bucket_served"] = {"1": {"0": [10, 10, 10], "4": [80, 20, 20]}, "5-8": {"0": [300, 50, 300]}}
+    s["draft_versions_published"] = [2, 3]
+    row = step_row(s, reclaimed=2.5)
+    assert row["tail_fraction"] == pytest.approx(0.5) and row["reclaimed_worker_s"] == 2.5
+    assert row["idle_worker_s"] == 3.0 and row["draft_versions_published"] == [2, 3]
+    assert row["accepted_length_by_bucket"] == {"1": pytest.approx(90 / 30), "5-8": 1.0}
+    assert row["accepted_length_drafting_by_bucket"] == {"1": pytest.approx(4.0)}  # k > 0 only
+    assert row["k_served_by_bucket"] == {"1": {"0": 10, "4": 20}, "5-8": {"0": 50}}
+    old = step_row(step(0, 1.0, 1.0, 0, 1, {}), 0.0)  # a record from before bucket_served: empty, not an error
+    assert old["accepted_length_by_bucket"] == {} and old["draft_versions_published"] == []
+
+
+def test_tail_acceptance_and_the_goals():
+    def arm(acc_tail):
+        s = step(0, 10.0, 1.0, 0.25, 1.5, {})
+        s["bucket_served"] = {"1": {"2": [acc_tail * 10, 10, 10]}, "3-4": {"2": [acc_tail * 30, 10, 30]},
+                              "9-16": {"0": [160, 10, 160]}}
+        return [{"steps": [s], "drafts": {"idle_worker_s": 4.0, "reclaimed_worker_s": 3.8}}]
+
+    runs = {"a": [{"steps": [step(0, 16.0, 1.0, 0.25, 1.0, {})], "drafts": {}}], "b": arm(1.4), "c": arm(2.0)}
+    f = figures(runs)
+    assert f["tail_accepted_length_tlt"] == pytest.approx(2.0)
+    assert f["tail_accepted_length_frozen"] == pytest.approx(1.4)
+    assert f["accepted_length_by_bucket"]["tlt"] == {"1": 2.0, "3-4": 2.0, "9-16": 1.0}
+    f |= {"device": "cuda", "seconds": 400.0}
+    met_ = goals_met(f)
+    assert met_["rollout_speedup"] and met_["reclaimed_ratio"] and met_["seconds"]  # 1.6, 0.95, 400 s
+    assert met_["reward_delta_se"] and not met_["accepted_length_last_step_gain"]  # the same last-step length
+    assert set(goals_met(f | {"device": "cpu"})) == {"frozen_rollout_speedup", "rollout_speedup",
+                                                     "tail_accepted_length_tlt", "tail_accepted_length_frozen"}
+    assert met(-1.9, ("abs<", 2.0)) and not met(2.0, ("abs<", 2.0)) and met(None, (">=", 1)) is None
+    assert not met(1.01, ("in", (0.9, 1.0)))
+
+
+def test_a_repeat_starts_only_if_the_run_still_ends_within_the_budget():
+    assert over_budget(0, 2, 1000.0, [], 10.0) is None  # the first always runs
+    assert over_budget(1, 2, 200.0, [100.0], 300.0) is None
+    why = over_budget(1, 3, 250.0, [100.0, 60.0], 300.0)
+    assert why.startswith("repeats 2..3 not started") and "300 s" in why
+    assert over_budget(5, 9, 1e6, [1e6], None) is None  # no budget

@@ -95,6 +95,12 @@ def test_a_two_step_job_records_its_steps_and_one_result(ray_cluster, private_re
         assert set(s.speculation) == {"w0", "w1"} and all(s.speculation.values())  # k per live-batch bucket
         assert sum(tokens for tokens, _ in s.bucket_throughput.values()) == s.num_tokens
         assert 0.0 <= s.reward_std <= 1.0
+        # per bucket and k served: the same tokens as bucket_throughput's, and 1..k+1 tokens per live row a step
+        assert s.bucket_served.keys() == s.bucket_throughput.keys()
+        for bucket, by_k in s.bucket_served.items():
+            assert sum(c[0] for c in by_k.values()) == s.bucket_throughput[bucket][0]
+            assert all(rows <= tokens <= rows * (int(k) + 1) for k, (tokens, _, rows) in by_k.items())
+        assert s.draft_versions_published == []  # no scheduler here: nothing trains, nothing is published
     # each worker runs on its own cores (this box: one each), as many torch threads as cores
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) >= 2:
