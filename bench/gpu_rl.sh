@@ -11,9 +11,11 @@
 #                                            come; once all are there, unpacks and checks them (unpack.py: sizes and
 #                                            sha256), installs the bundle (once), and runs the bench from this tree
 #
-# The bench writes rl_gpu.json, its log and the install's under $OUT (default artifacts/gpu-rl). Environment:
-#   TLT_VENV     where the bundle installs (default: python3's own venv when it runs in one, as on the lent nodes,
-#                so torch is kept; else a new venv over the system's torch, /tmp/tlt-venv)
+# The bench writes rl_gpu.json, its log, rl_progress.json (the finished jobs' steps, rewritten after each job: what
+# is left of a run stopped at the call's limit) and the install's log under $OUT (default artifacts/gpu-rl).
+# Environment:
+#   TLT_VENV     where the bundle installs (default /tmp/tlt-venv: made by the bundle's install.sh over python3,
+#                which sees the node's torch, also where python3 is a venv itself, as on the lent nodes)
 #   RL_ARGS      more options of the bench, e.g. "--steps 3 --max-seconds 400"
 #   RL_TESTS=1   first the CUDA cases of the bf16 worker's test (tests/workers/test_policy_dtype.py, ~20 s)
 #   RL_TIMEOUT   seconds the bench may run before it is stopped (default: what is left of 590 s since this
@@ -67,8 +69,7 @@ print(" ".join(p["name"] for p in manifest["parts"] if not os.path.isfile(os.pat
     return 0
   fi
 
-  prefix=$(python3 -c 'import sys; print(sys.prefix if sys.prefix != sys.base_prefix else "")')
-  venv=${TLT_VENV:-${prefix:-/tmp/tlt-venv}}
+  venv=${TLT_VENV:-/tmp/tlt-venv}
   stamp=$(sha256sum "$stash/parts.json" | cut -d' ' -f1)
   if [ "$(cat "$stash/.installed" 2>/dev/null)" != "$stamp" ]; then
     echo "gpu_rl.sh: all parts here; unpacking, checking and installing into $venv"
@@ -94,7 +95,8 @@ print(" ".join(p["name"] for p in manifest["parts"] if not os.path.isfile(os.pat
   echo "gpu_rl.sh: tlt bench rl $bench ${RL_ARGS:-} (log: $out/rl_gpu.log)"
   set +e
   # shellcheck disable=SC2086  # the options, split on purpose
-  timeout "$limit" "$py" -m bench.cli rl $bench --json --out-dir "$out" ${RL_ARGS:-} \
+  timeout "$limit" "$py" -m bench.cli rl $bench --json --out-dir "$out" --progress-file "$out/rl_progress.json" \
+    ${RL_ARGS:-} \
     >"$out/rl_gpu.stdout" 2>"$out/rl_gpu.log"
   rc=$?
   set -e

@@ -45,11 +45,13 @@ def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: 
              max_new_tokens: int = 512, num_workers: int = 2, draft_k: int = 4, task: str = "longtail",
              model: str = "smollm2-135m", warm_draft: str | None = None, seed: int = 0,
              arms: str = "abc", device: str = "cpu", warm_recipe=None, policy_dtype: str = "float32",
-             micro_batch_size: int | None = None, max_seconds: float | None = None) -> dict:
+             micro_batch_size: int | None = None, max_seconds: float | None = None,
+             progress_file: str | None = None) -> dict:
     """device "cuda": every job on this machine's GPUs (JobSpec.device), its workers sharing them when they
     outnumber them (JobSpec.gpus_per_worker), the warm draft built there if none is cached; "cpu": each worker
     pinned to its own cores. warm_recipe: the workers.warm.WarmRecipe of the warm draft (None: its defaults).
-    policy_dtype, micro_batch_size: JobSpec's (None: its default). max_seconds: the time budget (None: none)."""
+    policy_dtype, micro_batch_size: JobSpec's (None: its default). max_seconds: the time budget (None: none).
+    progress_file: rewritten after every job with the finished jobs' step rows, for a run stopped from outside."""
     import ray
 
     from scheduler.app import Settings
@@ -116,6 +118,8 @@ def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: 
                     log(f"  {ARMS[arm]}: rollout {sum(s['timings'].get('rollout', 0) for s in steps):.1f} s, "
                         f"step {sum(step_seconds(s) for s in steps):.1f} s, accepted length per step "
                         f"{[round(s['mean_accepted_length'], 2) for s in steps]}; job {runs[arm][-1]['seconds']:.0f} s")
+                    if progress_file:
+                        write_progress(progress_file, base, runs, time.perf_counter() - t0)
                 repeat_s.append(time.perf_counter() - started)
             server.should_exit = True
             server.thread.join(30)
@@ -138,6 +142,18 @@ def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: 
 
         result["gpu"] = torch.cuda.get_device_name(0)
     return result
+
+
+def write_progress(path: str, config: dict, runs: dict[str, list[dict]], seconds: float) -> None:
+    """The finished jobs' step rows so far (rl.json's "steps" form), written whole (a temporary file renamed)."""
+    import json
+
+    rows = {ARMS[arm]: [[step_row(s, reclaimed_of(r, s["rl_step"])) for s in r["steps"]] for r in rs]
+            for arm, rs in runs.items()}
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps({"config": config, "seconds": seconds, "steps": rows,
+                               "job_seconds": {ARMS[arm]: [r["seconds"] for r in rs] for arm, rs in runs.items()}}))
+    tmp.replace(path)
 
 
 def over_budget(r: int, num_repeats: int, elapsed: float, repeat_s: list[float],
@@ -241,6 +257,8 @@ def add_arguments(p) -> None:
                    "of the update (default JobSpec's; 16 with --size gpu)")
     p.add_argument("--max-seconds", type=float, default=None, help="time budget: a repeat starts only if the run "
                    "would still end within it (default none; 450 with --size gpu)")
+    p.add_argument("--progress-file", default=None, help="rewritten after every job with the finished jobs' step "
+                   "rows (for a run that may be stopped from outside, as on a lent GPU machine)")
     p.add_argument("--warm-draft", default=None, help="the draft b and c start from (default: the cached one "
                    "`make warm-draft` builds for the task; built here with --device cuda or --size smallest/gpu)")
     p.add_argument("--arms", default="abc", help="a plain, b frozen warm draft, c TLT (a and b or c)")
@@ -261,7 +279,7 @@ def run(args) -> dict:
                       draft_k=opt["k"], task=opt["task"], model=opt["model"], warm_draft=args.warm_draft,
                       seed=args.seed, arms=args.arms, device=args.device, warm_recipe=recipe,
                       policy_dtype=opt["policy_dtype"], micro_batch_size=opt["micro_batch"],
-                      max_seconds=opt["max_seconds"])
+                      max_seconds=opt["max_seconds"], progress_file=args.progress_file)
     result["config"]["size"] = args.size
     return result
 
