@@ -26,6 +26,7 @@ SIZES' comment has the arithmetic; bench/gpu_rl.sh runs it on a node from the of
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import sys
 import tempfile
@@ -46,12 +47,14 @@ def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: 
              model: str = "smollm2-135m", warm_draft: str | None = None, seed: int = 0,
              arms: str = "abc", device: str = "cpu", warm_recipe=None, policy_dtype: str = "float32",
              micro_batch_size: int | None = None, max_seconds: float | None = None,
-             progress_file: str | None = None) -> dict:
+             progress_file: str | None = None, policy=None) -> dict:
     """device "cuda": every job on this machine's GPUs (JobSpec.device), its workers sharing them when they
     outnumber them (JobSpec.gpus_per_worker), the warm draft built there if none is cached; "cpu": each worker
     pinned to its own cores. warm_recipe: the workers.warm.WarmRecipe of the warm draft (None: its defaults).
     policy_dtype, micro_batch_size: JobSpec's (None: its default). max_seconds: the time budget (None: none).
-    progress_file: rewritten after every job with the finished jobs' step rows, for a run stopped from outside."""
+    progress_file: rewritten after every job with the finished jobs' step rows, for a run stopped from outside.
+    policy: the scheduler's scheduler.policy.PolicySettings (None: scheduler.demo.DEMO_POLICY, sized for a CPU)."""
+
     import ray
 
     from scheduler.app import Settings
@@ -70,6 +73,7 @@ def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: 
         raise ValueError(f"device must be cpu or cuda, got {device!r}")
     if max_seconds is not None and not max_seconds > 0:
         raise ValueError(f"max_seconds must be > 0, got {max_seconds!r}")
+    policy = policy or DEMO_POLICY
     t0 = time.perf_counter()
     if warm_draft is None and set(arms) & {"b", "c"}:
         warm_draft = warm_draft_for(model, task, device, warm_recipe)
@@ -91,7 +95,7 @@ def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: 
             store_dir = tempfile.mkdtemp(prefix="tlt-bench-rl-")
             # the warm draft named on the command line is allowed wherever it is (the server's roots bound REST)
             roots = default_roots(store_dir) + ((str(Path(warm_draft).resolve().parent),) if warm_draft else ())
-            settings = Settings(redis_url=redis_server.url, store_dir=store_dir, start_ray=False, policy=DEMO_POLICY,
+            settings = Settings(redis_url=redis_server.url, store_dir=store_dir, start_ray=False, policy=policy,
                                 watch_tick_s=0.25, model_roots=roots)
             url, server = start_server(settings)
             for r in range(num_repeats):
@@ -128,7 +132,7 @@ def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: 
     full = set(arms) == set(ARMS)
     result = {"bench": "rl", "device": device,
               "config": base | {"num_repeats": num_repeats, "arms": arms, "seed": seed, "warm_draft": warm_draft,
-                                "max_seconds": max_seconds},
+                                "max_seconds": max_seconds, "policy": dataclasses.asdict(policy)},
               **(figures(runs) if full else partial_figures(runs)),
               "steps": {ARMS[arm]: [[step_row(s, reclaimed_of(r, s["rl_step"])) for s in r["steps"]] for r in rs]
                         for arm, rs in runs.items()},
@@ -227,6 +231,10 @@ SMALLEST_RECIPE = {"num_prompts": 4, "max_new_tokens": 16, "num_steps": 4, "batc
 GPU_WARM = {"num_prompts": 1024, "max_new_tokens": 192, "num_steps": 1_000_000, "num_unroll": 4, "batch_size": 128,
             "num_eval_prompts": 16, "train_seconds": 60.0, "position_loss": "reach"}
 RECIPES = {"smallest": SMALLEST_RECIPE, "gpu": GPU_WARM}
+# the scheduler's settings per size, over DEMO_POLICY's (min_lease_s 2, min_buffer_tokens 128): a GPU's tail lasts
+# seconds, and a lease there loads its parent in a fraction of one and trains about 28 steps a second (tlt bench
+# gpu), so leases of 1 s still train
+POLICIES = {"gpu": {"min_lease_s": 1.0}}
 
 
 def add_arguments(p) -> None:
@@ -274,12 +282,17 @@ def run(args) -> dict:
     size = SIZES[args.size]
     opt = {key: size[key] if getattr(args, key) is None else getattr(args, key) for key in FULL}
     recipe = WarmRecipe(**RECIPES[args.size]) if args.size in RECIPES else None
+    policy = None
+    if args.size in POLICIES:
+        from scheduler.demo import DEMO_POLICY
+
+        policy = dataclasses.replace(DEMO_POLICY, **POLICIES[args.size])
     result = bench_rl(num_steps=opt["steps"], num_repeats=opt["repeats"], num_prompts_per_step=opt["prompts"],
                       group_size=opt["group_size"], max_new_tokens=opt["new_tokens"], num_workers=opt["workers"],
                       draft_k=opt["k"], task=opt["task"], model=opt["model"], warm_draft=args.warm_draft,
                       seed=args.seed, arms=args.arms, device=args.device, warm_recipe=recipe,
                       policy_dtype=opt["policy_dtype"], micro_batch_size=opt["micro_batch"],
-                      max_seconds=opt["max_seconds"], progress_file=args.progress_file)
+                      max_seconds=opt["max_seconds"], progress_file=args.progress_file, policy=policy)
     result["config"]["size"] = args.size
     return result
 

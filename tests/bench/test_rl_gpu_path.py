@@ -5,10 +5,11 @@ there and sane. The gpu size itself refuses a CPU, naming the option."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from bench.cli import main
-from bench.rl import RECIPES, SIZES
+from bench.rl import POLICIES, RECIPES, SIZES
 from bench.rl_figures import GOALS
 
 PER_STEP = {"tail_fraction", "idle_worker_s", "reclaimed_worker_s", "accepted_length_by_bucket",
@@ -27,6 +28,7 @@ def test_the_gpu_sizes_path_runs_on_a_cpu_scaled_down(tmp_path, monkeypatch, cap
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["path"] == str(tmp_path / "rl.json")
     config = result["config"]
     assert (config["policy_dtype"], config["micro_batch_size"], config["max_seconds"]) == ("bfloat16", 2, 1.0)
+    assert config["policy"]["min_lease_s"] == 2.0  # the CPU's scheduler settings (DEMO_POLICY)
     # the budget: the first repeat always runs, the second would end past 1 s and is left out, saying so
     assert result["num_repeats_done"] == 1 and result["stopped_early"].startswith("repeats 2..2 not started")
     assert len(result["repeat_seconds"]) == 1 and all(len(v) == 1 for v in result["job_seconds"].values())
@@ -56,3 +58,6 @@ def test_the_gpu_size_is_for_a_gpu_and_fits_its_goals(tmp_path, capsys):
     gpu = SIZES["gpu"]
     assert gpu["policy_dtype"] == "bfloat16" and gpu["max_seconds"] < GOALS["seconds"][1]
     assert RECIPES["gpu"]["train_seconds"] <= 60 and RECIPES["gpu"]["num_unroll"] >= gpu["k"]
+    from scheduler.demo import DEMO_POLICY
+
+    assert dataclasses.replace(DEMO_POLICY, **POLICIES["gpu"]).min_lease_s < DEMO_POLICY.min_lease_s  # valid, shorter
