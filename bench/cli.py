@@ -48,6 +48,8 @@ BENCHES: dict[str, Bench] = {
                        "simulated workers"),
     "rl": Bench("bench.rl", "the same RL job plain, with a frozen warm draft, and with TLT, side by side"),
     "faults": Bench("bench.faults", "fuzz, hostile input, Redis outage, driver kill, idempotency: counts"),
+    "bundle": Bench("bench.bundle", "the offline bundle a GPU node needs (make bundle HAVE=... SPLIT=60M): parts, "
+                    "sizes, the GGUF"),
 }
 
 

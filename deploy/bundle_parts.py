@@ -7,7 +7,8 @@ python3 and little else. On the node:
 
 checks every part named in parts.json (size and sha256) and names each one missing or damaged before anything
 is written; then joins them as one stream and unpacks the tar into DIR (default: the parts' own directory),
-and with --install runs the bundle's install.sh into VENV.
+and with --install runs the bundle's install.sh into VENV (a new VENV is made with the python3 running
+unpack.py, so that it sees that python3's torch).
 
 deploy/bundle.py writes the parts with `write_parts`: one gzipped tar of the bundle directory, cut into files
 of at most `max_part_bytes` each, and parts.json: each part's name, bytes and sha256, in order. Wheels are zip
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -216,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.install is None:
         print(f"next: sh {bundle}/install.sh VENV")
         return 0
-    return subprocess.run(["sh", str(bundle / "install.sh"), args.install]).returncode
+    # a new venv is made with the python3 running this (PYTHON= another), e.g. the node's with torch
+    env = {**os.environ, "PYTHON": os.environ.get("PYTHON", sys.executable)}
+    return subprocess.run(["sh", str(bundle / "install.sh"), args.install], env=env).returncode
 
 
 if __name__ == "__main__":

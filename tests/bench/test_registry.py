@@ -48,7 +48,7 @@ def last_json(out: str) -> dict:
 
 def test_every_bench_declares_its_options_and_a_run_and_gets_the_common_options():
     assert set(cli.BENCHES) == {"engine", "drafter", "drafter-history", "gpu", "dataplane", "observability",
-                                "scheduler", "rl", "faults"}
+                                "scheduler", "rl", "faults", "bundle"}
     for name in cli.BENCHES:
         module = cli.load(name)
         assert callable(module.add_arguments) and callable(module.run), name
