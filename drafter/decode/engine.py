@@ -88,6 +88,9 @@ class DraftLengthChooser(Protocol):
 
     def record(self, batch_size: int, k: int, num_tokens: int, seconds: float, steady: bool = True) -> None: ...
 
+    def record_sources(self, batch_size: int, sources: dict[str, tuple[int, int, int]]) -> None:
+        """What each draft source of the step drafted and had accepted (Drafter.step_sources): reports only."""
+
 
 class Engine:
     def __init__(self, model: CausalLM, tokenizer=None, static: bool | None = None) -> None:
@@ -213,6 +216,9 @@ class Engine:
             steady = step_k == last_k and marks == self.shape_marks(drafter)
             if tuner is not None:
                 tuner.record(num_live, step_k, sum(len(r.tokens) for r in batch) - num_before, seconds, steady)
+                sources = drafter.step_sources() if step_k > 0 else None  # which source drafted: reported only
+                if sources:
+                    tuner.record_sources(num_live, sources)
             last_k = step_k
             finished = [j for j, r in enumerate(batch) if r.finish_reason]
             if on_step is not None:

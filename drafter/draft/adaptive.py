@@ -27,6 +27,9 @@ smaller batch already shows do not pay. A rollout reaches its small buckets last
 large-batch steps decode plainly.
 The engine asks `choose(batch_size)` before each step and reports `record(batch_size, k, num_tokens,
 seconds)` after it; the choice depends only on past steps, so verification stays lossless.
+A drafter of two sources (drafter.draft.combined: history or the EAGLE head, per row) also says which source
+drafted how many rows and what they had accepted (`record_sources`): every chooser keeps that per bucket
+(`bucket_sources`) for its reports, and no choice reads it (the chooser serves the k the mix of sources pays at).
 """
 
 from __future__ import annotations
@@ -132,6 +135,8 @@ class _Bucket:
     # k -> [steps, rows]: the steps it served and their live rows (each row is one policy forward's position),
     # all time; tokens / rows is the bucket's accepted length at k (1.0 for plain decoding)
     served: dict[int, list[int]] = field(default_factory=dict)
+    # source -> [rows, tokens drafted, drafts accepted] over the steps a drafter of several sources served, all time
+    sources: dict[str, list[int]] = field(default_factory=dict)
 
 
 class _Meter:
@@ -164,6 +169,23 @@ class _Meter:
         n = b.served.setdefault(k, [0, 0])
         n[0] += 1
         n[1] += batch_size
+
+    def record_sources(self, batch_size: int, sources: dict[str, tuple[int, int, int]]) -> None:
+        """A step's drafts per source ({source: (rows, tokens drafted, drafts accepted)}, Drafter.step_sources):
+        counted in the bucket's reports only; no choice depends on them."""
+        with self._lock:
+            b = self._bucket(batch_size)
+            for source, (rows, drafted, accepted) in sources.items():
+                cell = b.sources.setdefault(source, [0, 0, 0])
+                cell[0], cell[1], cell[2] = cell[0] + rows, cell[1] + drafted, cell[2] + accepted
+
+    def bucket_sources(self) -> dict[str, dict[str, tuple[int, int, int]]]:
+        """{bucket: {source: (rows, tokens drafted, drafts accepted)}} over every step so far (cumulative), the
+        buckets where no drafter of several sources served left out; 1 + accepted / rows is a source's accepted
+        length there."""
+        with self._lock:
+            return {name: {source: tuple(cell) for source, cell in sorted(b.sources.items())}
+                    for name, b in self._buckets.items() if b.sources}
 
     def bucket_served(self) -> dict[str, dict[int, tuple[float, int, int]]]:
         """{bucket: {k: (tokens, steps, rows)}} over every step so far (cumulative: take differences): what each

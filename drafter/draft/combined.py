@@ -9,6 +9,9 @@ and, per match length, what every history draft would have had accepted, drafted
 tokens are each accepted with the policy's chance of emitting them, so the expected number accepted is the
 expected common prefix of the draft and the tokens the policy goes on to emit (whatever drafted them: the output
 is the policy's sample); a draft's prefix is compared with the row's next tokens as they arrive, over steps.
+
+Each step also says which source drafted each row and what it had accepted (`step_sources`): the engine hands
+that to its draft-length tuner, which keeps it per live-batch bucket (drafter.draft.adaptive) for its reports.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from drafter.draft.history import HistoryDrafter
 HISTORY_MIN_MATCH = 4
 MIN_STEPS_TO_JUDGE = 32  # measured steps a source needs at a match length before the rule trusts them over min_match
 MAX_MATCH_BUCKET = 16  # longer matches share the last bucket
+SOURCES = ("history", "eagle")  # the names step_sources reports the two sources by
 
 
 class SourceChooser:
@@ -72,7 +76,8 @@ class CombinedDrafter(Drafter):
         self.num_eagle_rows = 0  # row-steps drafted by the head
         # row -> (the part of a history draft not yet judged, its match length, its tokens agreed so far)
         self._pending: list[tuple[list[int], int, int] | None] = []
-        self._head_rows: list[bool] = []  # row -> the head drafted it this step
+        self._drafted_by: list[tuple[str, int] | None] = []  # row -> (source, tokens drafted) this step
+        self._step_sources: dict[str, tuple[int, int, int]] = {}
 
     @property
     def min_match(self) -> int:
@@ -85,12 +90,24 @@ class CombinedDrafter(Drafter):
     def begin(self, prompts, prefill_hidden, max_len: int = 0) -> None:
         self.eagle.begin(prompts, prefill_hidden, max_len=max_len)
         self.history.begin(prompts, prefill_hidden, max_len=max_len)
-        self._pending, self._head_rows = [None] * len(prompts), [False] * len(prompts)
+        self._pending, self._drafted_by = [None] * len(prompts), [None] * len(prompts)
+        self._step_sources = {}
+
+    def step_sources(self) -> dict[str, tuple[int, int, int]]:
+        """The last step's drafts by source: {"history" or "eagle": (rows, tokens drafted, drafts accepted)},
+        the sources that drafted no row left out ({} after a plain step)."""
+        return dict(self._step_sources)
 
     def observe(self, new_tokens, hidden) -> None:
+        counts: dict[str, list[int]] = {}
         for b, toks in enumerate(new_tokens):
-            if self._head_rows[b] and toks:
-                self.chooser.record_head(len(toks) - 1)
+            drafted = self._drafted_by[b]
+            if drafted is not None and toks:
+                source, num_drafted = drafted
+                cell = counts.setdefault(source, [0, 0, 0])
+                cell[0], cell[1], cell[2] = cell[0] + 1, cell[1] + num_drafted, cell[2] + len(toks) - 1
+                if source == "eagle":
+                    self.chooser.record_head(len(toks) - 1)
             pending = self._pending[b]
             if pending is None or not toks:
                 continue
@@ -103,7 +120,8 @@ class CombinedDrafter(Drafter):
                 continue
             self.chooser.record_history(match, agreed + agree)
             self._pending[b] = None
-        self._head_rows = [False] * len(new_tokens)
+        self._step_sources = {source: tuple(counts[source]) for source in SOURCES if source in counts}
+        self._drafted_by = [None] * len(new_tokens)
         self.eagle.observe(new_tokens, hidden)
         self.history.observe(new_tokens, hidden)
 
@@ -112,7 +130,7 @@ class CombinedDrafter(Drafter):
         self.history.keep_rows(rows)
         keep = rows.tolist()
         self._pending = [self._pending[j] for j in keep]
-        self._head_rows = [self._head_rows[j] for j in keep]
+        self._drafted_by = [self._drafted_by[j] for j in keep]
 
     def shape_counts(self):
         return self.eagle.shape_counts()
@@ -127,10 +145,12 @@ class CombinedDrafter(Drafter):
             if d and self._pending[b] is None:
                 self._pending[b] = (list(d), lens[b], 0)
         picked = set(chosen)
-        self._head_rows = [c > 0 and b not in picked for b, c in enumerate(caps)]
+        # the head drafts every row with room (chains of its cap); the chosen rows take history's draft instead
+        self._drafted_by = [("history", len(drafts[b])) if b in picked else ("eagle", c) if c > 0 else None
+                            for b, c in enumerate(caps)]
         prop = widen(self.eagle.propose(contexts, caps, sampling, uniforms, width=K), K)
         self.num_history_rows += len(chosen)
-        self.num_eagle_rows += sum(self._head_rows)
+        self.num_eagle_rows += sum(1 for d in self._drafted_by if d is not None and d[0] == "eagle")
         if not chosen:
             return prop
         device = prop.tokens.device

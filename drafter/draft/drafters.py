@@ -70,6 +70,11 @@ class Drafter(ABC):
         """The drafter's static-path counters (drafter.decode.static.ShapeCounts), None where it keeps none."""
         return None
 
+    def step_sources(self) -> dict[str, tuple[int, int, int]]:
+        """A drafter of several sources (drafter.draft.combined): the last step's drafts per source, {source:
+        (rows, tokens drafted, drafts accepted)}, for the draft-length tuner's reports; {} for one source."""
+        return {}
+
 
 def pad_proposal(drafts: list[list[int]], device: torch.device | str = "cpu", width: int | None = None
                  ) -> Proposal:

@@ -170,3 +170,32 @@ def test_the_tuner_follows_a_fake_clock_not_its_prior(pays, expect_spec):
     chosen = run(tuner, rates, 2, 600, random.Random(9))
     assert (tuner.best(2) > 0) == expect_spec
     assert chosen[-100:].count(tuner.best(2)) >= 95
+
+
+def test_each_chooser_counts_what_each_draft_source_served_per_bucket_and_chooses_as_without():
+    """A drafter of two sources reports per step which drafted how many rows and what they had accepted: kept
+    per bucket for reports, never read by a choice (the same steps give the same k with or without them)."""
+    told, blind = DraftLengthTuner(2), DraftLengthTuner(2)
+    rng = random.Random(3)
+    for step in range(300):
+        batch_size = (1, 3, 8)[step // 100]  # smallest first: the larger buckets then draft what paid there
+        k = told.choose(batch_size)
+        assert blind.choose(batch_size) == k
+        seconds = 0.01 * (1 + 0.3 * k) * (1 + rng.uniform(-0.1, 0.1))
+        num_tokens = batch_size * (1 + k // 2)
+        for tuner in (told, blind):
+            tuner.record(batch_size, k, num_tokens, seconds)
+        if k:
+            told.record_sources(batch_size, {"history": (1, k, k), "eagle": (batch_size - 1, k * (batch_size - 1), 0)})
+    sources = told.bucket_sources()
+    assert blind.bucket_sources() == {} and set(sources) == {"1", "3-4", "5-8"}
+    spec_steps = {name: sum(s for kk, (_, s, _) in by_k.items() if kk) for name, by_k in told.bucket_served().items()}
+    for name, by_source in sources.items():
+        rows, drafted, accepted = by_source["history"]
+        assert rows == spec_steps[name] and accepted == drafted > 0  # history: one row a step, every draft accepted
+        others = {"1": 0, "3-4": 2, "5-8": 7}[name]  # the rest of the batch drafted from the head, none accepted
+        assert by_source["eagle"][2] == 0 and by_source["eagle"][0] == spec_steps[name] * others
+    fixed = FixedDraftLength(3)
+    fixed.record_sources(40, {"eagle": (40, 120, 30)})
+    fixed.record_sources(40, {"eagle": (40, 120, 50), "history": (2, 6, 6)})
+    assert fixed.bucket_sources() == {"33+": {"eagle": (80, 240, 80), "history": (2, 6, 6)}}

@@ -8,6 +8,7 @@ import torch
 
 from drafter.decode.engine import Engine, Request
 from drafter.decode.sampling import BatchSampling, SamplingParams
+from drafter.draft.adaptive import DraftLengthTuner, FixedDraftLength, StepCostPrior
 from drafter.draft.combined import CombinedDrafter, SourceChooser
 from drafter.draft.drafters import NgramDrafter
 from drafter.draft.eagle import EagleDrafter
@@ -168,3 +169,32 @@ def test_combined_judges_every_history_draft_on_the_tokens_that_follow():
     combined.observe([[24], [5, 6]], None)
     assert combined.chooser.history[2] == [1, 1]  # judged: 1 of its 2 tokens was what the policy emitted
     assert combined.chooser.head[0] == 2  # both rows' head steps were counted
+
+
+def test_the_tuner_is_told_which_source_drafted_per_bucket(tiny, device):
+    """The combined drafter says per step which source drafted each row and what it had accepted; the engine hands
+    that to its draft-length tuner, which keeps it per live-batch bucket: the rows and drafts accepted add up to
+    the drafter's counts and the outputs' own, and greedy outputs are still plain decoding's."""
+    model = on(tiny, device)
+    engine = Engine(model)
+    requests = groups_of(random_prompts([5, 9], tiny.cfg.vocab_size), 4, [40, 13, 27, 7, 33, 20, 9, 40])
+    plain = engine.generate(requests)
+    store = ResponseStore()
+    for o in plain[:4]:
+        store.add(o.prompt_ids, o.token_ids)
+    for tuner in (FixedDraftLength(3), DraftLengthTuner(3, prior=StepCostPrior(acceptance=0.9))):
+        combined = CombinedDrafter(EagleDrafter(model, EagleHead(model.cfg).to(device)), HistoryDrafter(store),
+                                   min_match=3)
+        spec = engine.generate(requests, k=3, drafter=combined, tuner=tuner)
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+        sources = tuner.bucket_sources()
+        assert set(sources) <= set(tuner.bucket_served())
+        totals = {s: [sum(by[s][i] for by in sources.values() if s in by) for i in range(3)]
+                  for s in ("history", "eagle")}
+        assert totals["history"][0] == combined.num_history_rows > 0
+        assert totals["eagle"][0] == combined.num_eagle_rows
+        assert totals["history"][2] + totals["eagle"][2] == sum(o.num_accepted for o in spec)
+        assert totals["history"][1] + totals["eagle"][1] == sum(o.num_draft_tokens for o in spec)
+    # the first group's rows (stored answers) draft from history and have it all accepted; the others from the head
+    assert len([by for by in sources.values() if "history" in by]) >= 2
+    assert all(by["history"][1] == by["history"][2] for by in sources.values() if "history" in by)
