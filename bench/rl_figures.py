@@ -12,12 +12,11 @@ from __future__ import annotations
 import math
 import statistics
 
-from drafter.draft.adaptive import bucket_low_edge
+from scheduler.served import accepted_by_bucket, by_edge, tail_accepted_length
 
 ARMS = {"a": "plain", "b": "frozen", "c": "tlt"}
 # a bucket counts in min_bucket_ratio_vs_plain once both arms decoded in it this long (seconds, all steps)
 MIN_BUCKET_SECONDS = 2.0
-MAX_TAIL_BUCKET = 4  # the tail's buckets: at most this many live rows (the issue's "buckets of <= 4 live rows")
 
 # the headline keys and their goals on a GPU (issue 40, one H100 or H200, SmolLM2-135M); None: reported only.
 # ("in", (lo, hi)): lo <= value <= hi; ("abs<", x): |value| < x
@@ -86,35 +85,6 @@ def bucket_ratios(arm: list[dict], plain: list[dict]) -> dict[str, float]:
     mine, theirs = bucket_rates(arm), bucket_rates(plain)
     return {name: mine[name][0] / theirs[name][0] for name in sorted(mine)
             if name in theirs and min(mine[name][1], theirs[name][1]) >= MIN_BUCKET_SECONDS}
-
-
-def served_sums(steps: list[dict], drafting_only: bool = False) -> dict[str, list[float]]:
-    """{bucket: [tokens, rows]} over the steps' bucket_served (StepRecord.bucket_served), every k or k > 0 only."""
-    acc: dict[str, list[float]] = {}
-    for s in steps:
-        for name, by_k in s.get("bucket_served", {}).items():
-            for k, (tokens, _steps, rows) in by_k.items():
-                if drafting_only and int(k) == 0:
-                    continue
-                a = acc.setdefault(name, [0.0, 0.0])
-                a[0], a[1] = a[0] + tokens, a[1] + rows
-    return acc
-
-
-def accepted_by_bucket(steps: list[dict], drafting_only: bool = False) -> dict[str, float]:
-    """{bucket: tokens per row-forward} over `steps` (plain steps count 1.0 each row unless drafting_only)."""
-    return {name: t / r for name, (t, r) in sorted(served_sums(steps, drafting_only).items(), key=by_edge) if r > 0}
-
-
-def by_edge(item: tuple[str, object]) -> int:
-    return bucket_low_edge(item[0])
-
-
-def tail_accepted_length(steps: list[dict]) -> float | None:
-    """Tokens per row-forward in the buckets of at most MAX_TAIL_BUCKET live rows, every k; None if none ran."""
-    sums = [tr for name, tr in served_sums(steps).items() if bucket_low_edge(name) <= MAX_TAIL_BUCKET]
-    rows = sum(r for _, r in sums)
-    return sum(t for t, _ in sums) / rows if rows > 0 else None
 
 
 def k_served(step: dict) -> dict[str, dict[str, int]]:

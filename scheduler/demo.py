@@ -25,6 +25,7 @@ import time
 from drafter.draft.adaptive import bucket_low_edge
 from scheduler.client import call
 from scheduler.policy import PolicySettings
+from scheduler.served import MAX_TAIL_BUCKET, accepted_by_bucket, tail_accepted_length
 from workers.protocol.states import TERMINAL_JOB_STATES, JobState, WorkerState
 
 NUM_STEPS = 2
@@ -47,27 +48,33 @@ def say(msg: str = "") -> None:
 
 
 def ensure_warm_draft(model: str, task: str) -> str | None:
-    """The warm draft the TLT-on job starts from: workers.warm's, cached under $TLT_CACHE_DIR keyed by model, task
-    and recipe (workers.warm.warm_cache_dir, WarmRecipe's defaults), built once by `tlt drafter train --task`
-    (workers.warm.build_warm_draft) in a process of its own: this one stays torch-free. The build took about
-    15 minutes on a quiet 2-core box (920 s for longtail), over the demo's 10: it runs only with
-    TLT_DEMO_BUILD_WARM_DRAFT=1 (`make warm-draft`); without a cached draft the TLT-on job starts from an
-    untrained head, and None is returned."""
-    from workers.warm import WARM_REPORT, WarmRecipe, warm_cache_dir
+    """The warm draft the TLT-on job starts from, the first there is of:
+    - workers.warm's, cached under $TLT_CACHE_DIR keyed by model, task and recipe (workers.warm.warm_cache_dir,
+      WarmRecipe's defaults): `make warm-draft` builds it;
+    - the one the checkout ships (workers.warm.shipped_warm_draft: deploy/drafts/, built by the same recipe), so
+      that a fresh clone's demo starts from a draft that pays;
+    - with TLT_DEMO_BUILD_WARM_DRAFT=1 (`make warm-draft`), one built now by `tlt drafter train --task`
+      (workers.warm.build_warm_draft) in a process of its own (this one stays torch-free): about 25 minutes on a
+      2-core box, over the demo's 10.
+    None (the TLT-on job starts from an untrained head) when there is none of these."""
+    from workers.warm import WARM_REPORT, WarmRecipe, shipped_warm_draft, warm_cache_dir
     from workers.warm import ensure_warm_draft as cached_warm_draft
 
     path = cached_warm_draft(model, task, is_build_allowed=False)
     out = warm_cache_dir(model, task, WarmRecipe())
+    building = os.environ.get("TLT_DEMO_BUILD_WARM_DRAFT") == "1"
+    shipped = shipped_warm_draft(model, task)
+    if path is None and shipped is not None and not building:
+        path, out = str(shipped), shipped.parent
     if path is not None:
         rep = json.loads((out / WARM_REPORT).read_text())
-        say(f"warm draft: reusing the cached {path} (accepted length at k=2,3,4 on held-out {task} prompts: "
-            f"{_acceptance(rep)})")
+        say(f"warm draft: {path} (accepted length at k=2,3,4 on held-out {task} prompts: {_acceptance(rep)})")
         return path
-    if os.environ.get("TLT_DEMO_BUILD_WARM_DRAFT") != "1":
-        say(f"warm draft: none cached in {out}; TLT on starts from an untrained head. Build one once with "
-            "`make warm-draft` (about 15 minutes on a quiet 2-core box), then run the demo again")
+    if not building:
+        say(f"warm draft: none cached in {out} and none shipped; TLT on starts from an untrained head. Build one "
+            "once with `make warm-draft` (about 25 minutes on a 2-core box), then run the demo again")
         return None
-    say(f"warm draft: building it once with `tlt drafter train --task {task}` (cached in {out}; a few minutes)")
+    say(f"warm draft: building it once with `tlt drafter train --task {task}` (cached in {out}; about 25 minutes)")
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "scheduler.cli", "drafter", "train", "--task", task, "--model", model,
            "--threads", "2"]  # no --out: into the cache, by WarmRecipe's defaults
@@ -159,6 +166,12 @@ def summarize(url: str, jobs: dict[str, dict]) -> bool:
                 f"{lengths:>12} {s['mean_accepted_length']:7.2f} "
                 f"{versions:>7}  {ks}")
     idle, reclaimed = t_on["idle_worker_s"], t_on["reclaimed_worker_s"]
+    by_bucket = accepted_by_bucket(steps["TLT on"])
+    if by_bucket:
+        tail = tail_accepted_length(steps["TLT on"])
+        say("TLT on: accepted tokens per row-forward by live-batch bucket (plain steps count 1.0): "
+            + ", ".join(f"{b}: {a:.2f}" for b, a in by_bucket.items())
+            + (f"; in the tail (<= {MAX_TAIL_BUCKET} live rows): {tail:.2f}" if tail is not None else ""))
     say()
     say(f"TLT on: idle worker-seconds at the barrier {idle:.1f}; reclaimed for drafter training {reclaimed:.1f} "
         f"({t_on['reclaimed_ratio']:.0%} of the idle time)" if idle else "TLT on: no idle time: nothing to reclaim")
@@ -216,8 +229,10 @@ def run_demo() -> int:
     import ray
 
     from scheduler.app import Settings
+    from scheduler.paths import default_roots
     from workers.protocol.keys import RAY_NAMESPACE
     from workers.redis_server import PrivateRedis
+    from workers.warm import SHIPPED_DRAFTS
 
     t0 = time.perf_counter()
     say("tlt-scheduler demo: RL on SmolLM2-135M-Instruct (longtail task) through the scheduler's REST API, CPU")
@@ -229,8 +244,10 @@ def run_demo() -> int:
     try:
         with PrivateRedis() as redis_server:
             say(f"private redis-server at {redis_server.url}; local Ray with {NUM_WORKERS} logical GPUs, a core each")
-            settings = Settings(redis_url=redis_server.url, store_dir=tempfile.mkdtemp(prefix="tlt-demo-"),
-                                start_ray=False, policy=DEMO_POLICY, watch_tick_s=0.25)
+            store_dir = tempfile.mkdtemp(prefix="tlt-demo-")
+            # the shipped drafts' folder is a model root too: the TLT-on job names its warm draft there
+            settings = Settings(redis_url=redis_server.url, store_dir=store_dir, start_ray=False, policy=DEMO_POLICY,
+                                watch_tick_s=0.25, model_roots=default_roots(store_dir) + (str(SHIPPED_DRAFTS),))
             url, server = start_server(settings)
             say(f"scheduler at {url} (OpenAPI: {url}/docs, metrics: {url}/metrics)")
             say("legend: gen = generating, STRAGGLER = still generating in the long tail, idle = waiting at the "

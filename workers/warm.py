@@ -78,6 +78,17 @@ def warm_cache_dir(model: str, task: str, recipe: WarmRecipe) -> Path:
 
 
 WARM_REPORT = "report.json"  # beside a cached warm draft: what building it measured; its presence marks it whole
+# warm drafts that come with the checkout (not with the installed package: a bundle stays small), one folder per
+# model and task, each a draft file and its WARM_REPORT: what a fresh clone's `tlt demo` starts its TLT-on job from
+SHIPPED_DRAFTS = Path(__file__).resolve().parents[1] / "deploy" / "drafts"
+
+
+def shipped_warm_draft(model: str, task: str) -> Path | None:
+    """The warm draft the checkout ships for `model` on `task` (SHIPPED_DRAFTS/MODEL-TASK, with its WARM_REPORT),
+    None when it ships none (or runs from an installed package, which has no deploy/)."""
+    out = SHIPPED_DRAFTS / f"{model}-{task}"
+    path = out / "draft-v000001.safetensors"
+    return path if path.is_file() and (out / WARM_REPORT).is_file() else None
 
 
 def ensure_warm_draft(model: str, task: str, device: str = "cpu", recipe: WarmRecipe | None = None,

@@ -26,24 +26,29 @@ def test_one_step_gives_no_noise_estimate_and_no_claim():
     assert rollout_verdict([], [], []) == ["rollout: no timings to compare"]
 
 
-def test_the_demo_reads_the_warm_draft_workers_warm_caches(tmp_path, monkeypatch, capsys):
-    """The demo's warm draft is workers.warm's: none cached (and no build asked for) is None, naming the cache;
-    one cached under warm_cache_dir for the default recipe (as `tlt drafter train --task` writes it) is reused."""
+def test_the_demo_reads_the_warm_draft_workers_warm_caches_then_the_shipped_one(tmp_path, monkeypatch, capsys):
+    """The demo's warm draft is workers.warm's: the one cached under warm_cache_dir for the default recipe (as
+    `tlt drafter train --task` writes it) first, else the one the checkout ships (SHIPPED_DRAFTS), else None
+    (and no build unless asked for), naming where it looked. A draft without its report is not whole."""
     import json
 
     from scheduler.demo import ensure_warm_draft
-    from workers.warm import WARM_REPORT, WarmRecipe, warm_cache_dir
+    from workers import warm
 
-    monkeypatch.setenv("TLT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TLT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(warm, "SHIPPED_DRAFTS", tmp_path / "shipped")
     monkeypatch.delenv("TLT_DEMO_BUILD_WARM_DRAFT", raising=False)
-    out = warm_cache_dir("smollm2-135m", "longtail", WarmRecipe())
+    out = warm.warm_cache_dir("smollm2-135m", "longtail", warm.WarmRecipe())
+    shipped = tmp_path / "shipped" / "smollm2-135m-longtail"
     assert ensure_warm_draft("smollm2-135m", "longtail") is None
-    assert f"none cached in {out}" in capsys.readouterr().out
-    out.mkdir(parents=True)
-    (out / "draft-v000001.safetensors").write_bytes(b"")
-    assert ensure_warm_draft("smollm2-135m", "longtail") is None  # a draft without its report is not whole
-    capsys.readouterr()
-    (out / WARM_REPORT).write_text(json.dumps({"acceptance": {"2": 1.8, "3": 1.9, "4": 2.0}}))
-    assert ensure_warm_draft("smollm2-135m", "longtail") == str(out / "draft-v000001.safetensors")
-    said = capsys.readouterr().out
-    assert "reusing the cached" in said and "k=2,3,4 on held-out longtail prompts: 1.80, 1.90, 2.00" in said
+    assert f"none cached in {out} and none shipped" in capsys.readouterr().out
+    for folder, acceptance in ((shipped, [1.7, 1.8, 1.9]), (out, [1.8, 1.9, 2.0])):
+        folder.mkdir(parents=True)
+        (folder / "draft-v000001.safetensors").write_bytes(b"")
+        assert ensure_warm_draft("smollm2-135m", "longtail") == (  # no report: not whole (the shipped one stands)
+            None if folder == shipped else str(shipped / "draft-v000001.safetensors"))
+        capsys.readouterr()
+        (folder / warm.WARM_REPORT).write_text(json.dumps({"acceptance": dict(zip("234", acceptance))}))
+        assert ensure_warm_draft("smollm2-135m", "longtail") == str(folder / "draft-v000001.safetensors")
+        said = capsys.readouterr().out
+        assert f"k=2,3,4 on held-out longtail prompts: {', '.join(f'{a:.2f}' for a in acceptance)}" in said

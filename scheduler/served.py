@@ -1,0 +1,39 @@
+"""What a job's steps served per live-batch bucket, from their step records (GET /v1/jobs/{id}/steps'
+bucket_served: {bucket: {k: [tokens, steps, rows]}}): pure arithmetic over JSON, shared by `tlt demo` and
+`tlt bench rl` (bench.rl_figures)."""
+
+from __future__ import annotations
+
+from drafter.draft.adaptive import bucket_low_edge
+
+MAX_TAIL_BUCKET = 4  # the tail's buckets: at most this many live rows (issue 40's "buckets of <= 4 live rows")
+
+
+def by_edge(item: tuple[str, object]) -> int:
+    """Sort key of a (bucket, value) pair: the bucket's smallest batch size."""
+    return bucket_low_edge(item[0])
+
+
+def served_sums(steps: list[dict], drafting_only: bool = False) -> dict[str, list[float]]:
+    """{bucket: [tokens, rows]} over the steps' bucket_served (StepRecord.bucket_served), every k or k > 0 only."""
+    acc: dict[str, list[float]] = {}
+    for s in steps:
+        for name, by_k in s.get("bucket_served", {}).items():
+            for k, (tokens, _steps, rows) in by_k.items():
+                if drafting_only and int(k) == 0:
+                    continue
+                a = acc.setdefault(name, [0.0, 0.0])
+                a[0], a[1] = a[0] + tokens, a[1] + rows
+    return acc
+
+
+def accepted_by_bucket(steps: list[dict], drafting_only: bool = False) -> dict[str, float]:
+    """{bucket: tokens per row-forward} over `steps` (plain steps count 1.0 each row unless drafting_only)."""
+    return {name: t / r for name, (t, r) in sorted(served_sums(steps, drafting_only).items(), key=by_edge) if r > 0}
+
+
+def tail_accepted_length(steps: list[dict]) -> float | None:
+    """Tokens per row-forward in the buckets of at most MAX_TAIL_BUCKET live rows, every k; None if none ran."""
+    sums = [tr for name, tr in served_sums(steps).items() if bucket_low_edge(name) <= MAX_TAIL_BUCKET]
+    rows = sum(r for _, r in sums)
+    return sum(t for t, _ in sums) / rows if rows > 0 else None
