@@ -55,6 +55,44 @@ class RecordingHistory(HistoryDrafter):
         super().observe(new_tokens, hidden)
 
 
+class TimedHistory(HistoryDrafter):
+    """A HistoryDrafter that adds up the host seconds it spends (begin, observe, drafts, keep_rows): its own cost,
+    alone or inside a CombinedDrafter (which calls these, never its propose)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.seconds = 0.0
+
+    def _timed(self, fn, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def begin(self, prompts, prefill_hidden=None, max_len: int = 0) -> None:
+        self._timed(super().begin, prompts, prefill_hidden, max_len=max_len)
+
+    def observe(self, new_tokens, hidden=None) -> None:
+        self._timed(super().observe, new_tokens, hidden)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        self._timed(super().keep_rows, rows)
+
+    def drafts(self, contexts, caps):
+        return self._timed(super().drafts, contexts, caps)
+
+
+def tail_rows(num_steps: list[int], group: int) -> list[int]:
+    """Tail rows: of each `group` consecutive rows (one prompt's responses), the last TAIL_FRACTION to finish (the
+    most steps: a batch's rows all start at its first step)."""
+    tail = []
+    for g in range(len(num_steps) // group):
+        rows = sorted(range(g * group, (g + 1) * group), key=lambda i: num_steps[i])
+        tail += rows[len(rows) - max(1, round(TAIL_FRACTION * group)):]
+    return tail
+
+
 def detailed_prompts(tok, num_groups: int, seed: int) -> list[list[int]]:
     """The long-tail task's detailed prompts (the ones asking for step-by-step reasoning: its tail)."""
     task, found = make_task("longtail", seed), []
@@ -71,10 +109,7 @@ def run_arm(engine, prompts, group, k, drafter, temperature, new_tokens, seed=0)
     start = time.perf_counter()
     outs = engine.generate(reqs, k=k, drafter=drafter)
     seconds = time.perf_counter() - start
-    tail = []
-    for g in range(len(prompts)):
-        rows = sorted(range(g * group, (g + 1) * group), key=lambda i: outs[i].num_steps)
-        tail += rows[len(rows) - max(1, round(TAIL_FRACTION * group)):]
+    tail = tail_rows([o.num_steps for o in outs], group)
 
     def stats(rows) -> dict:
         tokens = sum(len(outs[i].token_ids) for i in rows)

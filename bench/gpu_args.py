@@ -47,7 +47,7 @@ class Sizes:
     drift_eval_prompts: int
     adapt_prompts: int
     adapt_seconds: float
-    longtail_prompts: int  # (g): prompts of one rollout batch, each answered longtail_group times
+    longtail_prompts: int  # (g): prompts of one rollout batch, each answered longtail_group times (a group)
     longtail_group: int
     longtail_new_tokens: int
     longtail_repeats: int  # interleaved rollouts of each arm
@@ -65,7 +65,8 @@ CUDA_SIZES = Sizes(
     # issue 39: 32 held-out prompts (greedy and T=1, each with its standard error), 512 rollouts of the moved
     # policy (64 gave 15 s of adaptation about 50 passes: short of data), a 30 s budget (a long-tail idle window)
     drift_steps=40, drift_eval_prompts=32, adapt_prompts=512, adapt_seconds=30.0,
-    longtail_prompts=16, longtail_group=4, longtail_new_tokens=512, longtail_repeats=2,
+    # (g): groups of 8, as GRPO samples them (issue 41: history drafts come from the group), 64 responses
+    longtail_prompts=8, longtail_group=8, longtail_new_tokens=512, longtail_repeats=2,
 )
 CPU_SIZES = Sizes(
     physics_batches=(1, 8), physics_tokens=(1, 4), physics_dtypes=("fp32",), physics_context=128,
@@ -75,7 +76,7 @@ CPU_SIZES = Sizes(
     batch_sizes=(1, 4), batch_new_tokens=16, repeats=1, k=4,
     train_seconds=3.0, stop_trials=3,
     drift_steps=3, drift_eval_prompts=2, adapt_prompts=8, adapt_seconds=5.0,
-    longtail_prompts=10, longtail_group=2, longtail_new_tokens=64, longtail_repeats=1,
+    longtail_prompts=3, longtail_group=8, longtail_new_tokens=64, longtail_repeats=1,
 )
 
 

@@ -1,19 +1,15 @@
-"""`tlt bench gpu` (c), (d), (g): speculative decoding against plain decoding on the device, side by side.
+"""`tlt bench gpu` (c), (d): speculative decoding against plain decoding on the device, side by side.
 
 (c) batch 1, greedy and T=1, at each k (bench.drafter.sweep: prompt by prompt, the arms interleaved);
 (d) fixed batch sizes (every row runs the same number of tokens, so the batch never shrinks): plain, a
     fixed k and the adaptive tuner (drafter.draft.adaptive, from a prior of the draft's measured acceptance),
     each once untimed on the same requests, then repeated in rotating order; per cell ms per step and what the
     timed runs captured or rebuilt (bench.gpu_cells); greedy outputs are compared with plain decoding's;
-(g) one rollout batch of the longtail task (workers.tasks: several responses per prompt, T=1, up to 512
-    tokens, the short answers stopping at their line's end) decoded plain, with the frozen warm draft at a
-    fixed k, and adaptively: the whole batch's time and its tail's (after 90% of the responses finished).
+(g), the long-tail rollout, is bench.gpu_longtail's.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 
 from bench.drafter import calibrate, sweep
@@ -24,11 +20,6 @@ from drafter.decode.sampling import SamplingParams
 from drafter.draft.adaptive import DraftLengthTuner, StepCostPrior
 from drafter.draft.eagle import EagleDrafter
 from drafter.model.loading import encode_prompt, encode_text
-from workers.tasks import make_task
-
-LONGTAIL_SEED = 7  # the rollout batch's prompts: neither the warm start's seed nor its held-out one
-TAIL_FRACTION = 0.9  # the tail: what runs after this share of the responses finished
-MIN_TAIL_SHARE = 0.05  # a tail shorter than this share of plain's rollout is too short to time
 
 
 class ByteTokenizer:
@@ -82,7 +73,7 @@ def prior_from(sweep: dict | None, k: int, knee_tokens: float | None = None) -> 
     return StepCostPrior(**costs)
 
 
-def _cell(runs: dict[str, list[RunCost]], name: str) -> dict:
+def cell_of(runs: dict[str, list[RunCost]], name: str) -> dict:
     rs = runs[name]
     seconds = sum(r.seconds for r in rs)
     return {"tokens_per_s": round(sum(r.num_tokens for r in rs) / seconds, 2),
@@ -129,7 +120,7 @@ def batch_sweep(engine: Engine, tok, head, batch_sizes: tuple[int, ...], k: int,
                 for name in rotated(list(arms), r):
                     kk, tn = arms[name]
                     runs[name].append(timed(engine, reqs, kk, drafter, tn))
-            row = {name: _cell(runs, name) for name in arms}
+            row = {name: cell_of(runs, name) for name in arms}
             plain = row["plain"]
             for name in arms:
                 row[name]["ratio"] = round(row[name]["tokens_per_s"] / plain["tokens_per_s"], 3)
@@ -158,71 +149,3 @@ def batch_sweep(engine: Engine, tok, head, batch_sizes: tuple[int, ...], k: int,
                                                for row in t.values()),
             f"greedy_identical_fraction{suffix}": round(identical / max(compared, 1), 4),
             "greedy_compared": compared, "graph_captures_timed": captures, "cache_rebuilds_timed": rebuilds}
-
-
-def longtail_requests(tok, num_prompts: int, group: int, new_tokens: int) -> list[Request]:
-    """One rollout batch of the longtail task: each prompt `group` times, T=1, with the task's stop strings."""
-    problems = make_task("longtail", LONGTAIL_SEED).sample(num_prompts)
-    return [Request(encode_prompt(tok, p.prompt), SamplingParams(temperature=1.0, max_new_tokens=new_tokens,
-                                                                 stop_strings=p.stop_strings, seed=1000 * i + j))
-            for i, p in enumerate(problems) for j in range(group)]
-
-
-def longtail(engine: Engine, tok, head, num_prompts: int, group: int, new_tokens: int, k: int, repeats: int,
-             draft_dtype, progress: Callable[[str], None], tuner: DraftLengthTuner | None = None,
-             prior: StepCostPrior | None = None) -> dict:
-    """(g): the batch decoded plain, with the frozen warm draft at k, and adaptively, in rotating order, each arm
-    first once untimed on the same requests. tuner: the adaptive arm's, e.g. (d)'s at T=1 (a worker's, which
-    has seen every batch size), else a fresh one from `prior` (a worker's first rollout). The tail: what runs
-    after TAIL_FRACTION of the responses finished; its accepted length says whether adaptive speculated there."""
-    reqs = longtail_requests(tok, num_prompts, group, new_tokens)
-    drafter = EagleDrafter(engine.model, head, draft_dtype)
-    tuner_from = "fresh, from the prior" if tuner is None else "the batch sweep's, T=1"
-    tuner = tuner or DraftLengthTuner(k, prior=prior)
-    arms = {"plain": (0, None), f"k{k}": (k, None), "adaptive": (k, tuner)}
-    num_before_tail = max(1, int(TAIL_FRACTION * len(reqs)))  # the tail: the last 10% of the responses
-    stats = engine.stats
-    for kk, tn in arms.values():
-        timed(engine, reqs, kk, drafter, tn)
-    runs: dict = {name: [] for name in arms}
-    for r in range(repeats):
-        for name in rotated(list(arms), r):
-            marks: dict = {}
-
-            def on_step(num_finished: int, num_generated: int, marks=marks) -> None:
-                if num_finished >= num_before_tail and "tail" not in marks:
-                    marks["tail"] = (time.perf_counter(), stats.num_generated, stats.num_seq_steps)
-
-            kk, tn = arms[name]
-            cost = timed(engine, reqs, kk, drafter, tn, on_step)
-            end = (time.perf_counter(), stats.num_generated, stats.num_seq_steps)
-            tail = marks.get("tail", end)
-            lengths = sorted(len(o.token_ids) for o in cost.outputs)
-            runs[name].append({"cost": cost, "tail_s": end[0] - tail[0], "tail_tokens": end[1] - tail[1],
-                               "tail_seq_steps": end[2] - tail[2], "max_len": lengths[-1],
-                               "median_len": statistics.median(lengths)})
-            progress(f"long tail {name}: {cost.seconds:.1f} s, {cost.num_tokens} tokens, tail {end[0] - tail[0]:.1f} s")
-    table = {}
-    for name, rs in runs.items():
-        cell = _cell({name: [x["cost"] for x in rs]}, name)
-        table[name] = {**cell, "rollout_s": round(sum(x["cost"].seconds for x in rs) / len(rs), 3),
-                       "tail_s": round(sum(x["tail_s"] for x in rs) / len(rs), 3),
-                       "tail_accepted_length": round(sum(x["tail_tokens"] for x in rs)
-                                                     / sum(x["tail_seq_steps"] for x in rs), 3)
-                       if sum(x["tail_seq_steps"] for x in rs) else None,  # None: the tail ran no step
-                       "mean_tokens": round(sum(x["cost"].num_tokens for x in rs) / len(rs), 1),
-                       "median_response_tokens": statistics.median(x["median_len"] for x in rs),
-                       "max_response_tokens": max(x["max_len"] for x in rs)}
-    table["adaptive"]["k_served"] = tuner.summary()
-    plain = table["plain"]["rollout_s"]
-    return {"table": table, "num_responses": len(reqs), "max_new_tokens": new_tokens, "k": k, "repeats": repeats,
-            "tuner": tuner_from,
-            "longtail_rollout_speedup": round(plain / table["adaptive"]["rollout_s"], 3),
-            "longtail_rollout_speedup_fixed_k": round(plain / table[f"k{k}"]["rollout_s"], 3),
-            # None where there is no tail to speak of (plain's under MIN_TAIL_SHARE of its rollout: the responses
-            # ran to the cap together, as in the CPU form's short rollouts)
-            "longtail_tail_speedup": round(table["plain"]["tail_s"] / table["adaptive"]["tail_s"], 3)
-            if table["adaptive"]["tail_s"] > 0 and table["plain"]["tail_s"] >= MIN_TAIL_SHARE * plain else None,
-            "longtail_tail_accepted_length": table["adaptive"]["tail_accepted_length"],
-            "graph_captures_timed": sum(c["graph_captures_timed"] for c in table.values()),
-            "cache_rebuilds_timed": sum(c["cache_rebuilds_timed"] for c in table.values())}

@@ -95,6 +95,23 @@ def test_the_cpu_form_runs_end_to_end_without_the_control_planes_packages(tmp_pa
     assert result["tuner_prior"]["acceptance"] >= 0 and (tail_accepted is None or tail_accepted >= 1.0)
     assert result["longtail_rollout_speedup"] == pytest.approx(
         tail["table"]["plain"]["rollout_s"] / tail["table"]["adaptive"]["rollout_s"], rel=0.01)
+    # issue 41: history alone, EAGLE alone and both per row, on all rows and on tail rows (1 of each group of 2)
+    assert set(tail["table"]) == {"plain", "k4", "adaptive", "history", "combined", "combined_adaptive"}
+    for name, cell in tail["table"].items():
+        rows = cell["rows"]
+        assert (rows["all"]["rows"], rows["tail"]["rows"]) == (4, 2) and rows["tail"]["accepted_length"] >= 1.0
+        assert rows["all"]["tokens_per_s"] > 0 and rows["tail"]["row_tokens_per_s"] > 0
+        assert (cell["history_ms_per_step"] > 0) == (name in ("history", "combined", "combined_adaptive"))
+    assert tail["table"]["plain"]["rows"]["tail"]["accepted_length"] == 1.0
+    assert result["longtail_rollout_speedup_history"] == pytest.approx(
+        tail["table"]["plain"]["rollout_s"] / tail["table"]["combined_adaptive"]["rollout_s"], rel=0.01)
+    assert "longtail_tail_speedup_history" in result and result["longtail_history_step_fraction"] > 0
+    assert result["longtail_tail_rows_accepted_history"] >= 1.0
+    for name in ("combined", "combined_adaptive"):  # the chooser's drafts per source and bucket
+        sources = tail["table"][name]["sources"]
+        assert sources and {s for by in sources.values() for s in by} <= {"history", "eagle"}
+        assert sum(c["rows"] for by in sources.values() for c in by.values()) <= tail["table"][name]["mean_tokens"]
+    assert result["longtail_greedy_identical_fraction_history"] == 1.0 and tail["greedy"]["compared"] == 2 * 4
     assert result["train_fp32_tokens_per_s"] > 0 and result["train_bf16_tokens_per_s"] > 0
     assert 0 <= result["stop_p50_s"] <= result["stop_max_s"] < 10
     assert result["drift"]["drift_adapt_steps"] > 0
