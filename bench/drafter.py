@@ -4,7 +4,9 @@
     temperature 1.0, against plain decoding in the same run;
 (b) drift: the policy is fine-tuned a few steps on another prompt distribution, then the frozen
     drafter is compared with a copy adapted for a fixed budget of training seconds;
-(c) training throughput and stop-request-to-stopped latency.
+(c) training throughput and stop-request-to-stopped latency;
+(h) history drafts, the warm head and both per row on the long-tail task in groups at T=1
+    (bench.drafter_history.history_part, the figures of `tlt bench drafter-history`).
 The warm-started drafter is cached under $TLT_CACHE_DIR/drafters/ (keyed by model and settings).
 """
 
@@ -22,6 +24,7 @@ import time
 
 import torch
 
+from bench.drafter_history import history_part
 from bench.drift import drift_part
 from bench.drift import eval_prompts as drift_eval_prompts
 from bench.prompts import PROMPTS, synthetic_prompts
@@ -161,17 +164,21 @@ def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_p
                   warm_steps: int = 2000, warm_unroll: int = 4, draft_vocab: int = 8192, drift_steps: int = 40,
                   drift_lr: float = 1e-4,
                   adapt_seconds: float = 30.0, adapt_lr: float = 3e-4, adapt_prompts: int = 256,
-                  stop_trials: int = 20, parts: str = "abc", num_drift_eval_prompts: int = 32,
+                  stop_trials: int = 20, parts: str = "abch", num_drift_eval_prompts: int = 32,
                   draft_dtype: str | None = "auto", tree: str = "", tree_side_depth: int = 1,
-                  device: str = "cpu") -> dict:
-    """parts: any of "a" (sweep), "b" (drift), "c" (throughput, stops). Without (a), the drift is
+                  device: str = "cpu", history_groups: int = 2, history_new_tokens: int = 256) -> dict:
+    """parts: any of "a" (sweep), "b" (drift), "c" (throughput, stops), "h" (history drafts: history_groups
+    groups of 8 responses, up to history_new_tokens each, k=4). Without (a), the drift is
     measured at k=4; without (b), (c) trains the warm-started head on 64 fresh rollouts. draft_dtype:
     the precision the heads draft in (drafter.draft.eagle.serving_dtype), as the rollout workers serve them;
     tree, tree_side_depth: the warm head's draft tree in (a) (drafter.decode.tree; "" for a chain), with a
     chain of the same head beside it. The drift (b) is measured with chains: it is about the head.
     device: where the policy runs (every head and batch follows it)."""
-    if not parts or set(parts) - set("abc"):
-        raise ValueError(f"parts must be made of a, b and c, got {parts!r}")
+    if not parts or set(parts) - set("abch"):
+        raise ValueError(f"parts must be made of a, b, c and h, got {parts!r}")
+    if "h" in parts and (history_groups < 1 or history_new_tokens < 2):
+        raise ValueError(f"history_groups must be >= 1 and history_new_tokens >= 2, got {history_groups}, "
+                         f"{history_new_tokens}")
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     loaded = load_model(model_spec, device=device)
@@ -187,6 +194,10 @@ def bench_drafter(model_spec: str = "smollm2-135m", threads: int = 2, num_eval_p
     best_k = (_sweep_part(result, engine, eval_prompts, ks, policy, head, new_tokens, draft_dtype, tree,
                           tree_side_depth)
               if "a" in parts else 4)
+    if "h" in parts:  # before (b), which fine-tunes a copy of the policy: the warm head's own policy here
+        log("(h) history drafts, the head and both, long-tail groups at T=1")
+        history_part(result, policy, tok, head, k=4, num_groups=history_groups, new_tokens=history_new_tokens,
+                     draft_dtype=draft_dtype)
     train_policy, train_head, buffer = policy, head, None
     if "b" in parts:
         # the loss is a difference of two accepted lengths: measured on many held-out prompts, not (a)'s 6
@@ -263,7 +274,10 @@ def add_arguments(p) -> None:
     p.add_argument("--warm-prompts", type=int, default=1536)
     p.add_argument("--warm-steps", type=int, default=2000)
     p.add_argument("--warm-unroll", type=int, default=4, help="draft positions the warm start trains")
-    p.add_argument("--parts", default="abc", help="a: acceptance sweep, b: drift, c: training throughput and stops")
+    p.add_argument("--parts", default="abch", help="a: acceptance sweep, b: drift, c: training throughput and "
+                   "stops, h: history drafts (issue 41)")
+    p.add_argument("--history-groups", type=int, default=2, help="(h): detailed long-tail prompts, 8 responses each")
+    p.add_argument("--history-new-tokens", type=int, default=256, help="(h): tokens per response at most")
     p.add_argument("--adapt-seconds", type=float, default=30.0,
                    help="online training budget after the drift (30 s: a long-tail idle window)")
     p.add_argument("--drift-prompts", type=int, default=32,
@@ -287,4 +301,5 @@ def run(args) -> dict:
                          adapt_lr=args.adapt_lr, adapt_prompts=args.adapt_prompts, stop_trials=args.stop_trials,
                          num_drift_eval_prompts=args.drift_prompts,
                          parts=args.parts, draft_dtype=None if args.draft_dtype == "policy" else args.draft_dtype,
-                         tree=args.tree, tree_side_depth=args.tree_side_depth)
+                         tree=args.tree, tree_side_depth=args.tree_side_depth, history_groups=args.history_groups,
+                         history_new_tokens=args.history_new_tokens)

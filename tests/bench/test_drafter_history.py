@@ -3,8 +3,12 @@ length and the tail rows (a real tiny policy; the SmolLM2 run is `tlt bench draf
 
 from __future__ import annotations
 
-from bench.drafter_history import RecordingHistory, run_arm, threshold_from
+import pytest
+
+from bench.drafter import bench_drafter
+from bench.drafter_history import RecordingHistory, TimedHistory, run_arm, tail_rows, threshold_from
 from drafter.decode.engine import Engine
+from drafter.draft.history import HistoryDrafter
 from tests.conftest import random_prompts
 
 
@@ -26,3 +30,27 @@ def test_recorded_acceptance_and_tail_rows(tiny):
     assert all(0 <= x <= 3 for a in history.by_match.values() for x in a)
     assert arm["tail"]["tokens"] == 2 * 24 and arm["all"]["tokens"] == 8 * 24  # one tail row per group of 4
     assert arm["all"]["accepted_length"] >= 1.0 and len(arm["outputs"]) == 8
+
+
+def test_tail_rows_are_the_last_quarter_of_each_group_to_finish():
+    assert tail_rows([3, 9, 5, 7, 1, 1, 8, 2], group=4) == [1, 6]
+    assert tail_rows(list(range(16)), group=8) == [6, 7, 14, 15]
+    assert tail_rows([4, 2, 6, 1], group=2) == [0, 2]  # at least one row a group
+
+
+def test_timed_history_drafts_as_history_does_and_counts_its_own_time(tiny):
+    engine = Engine(tiny)
+    prompts = random_prompts([5, 7], tiny.cfg.vocab_size)
+    timed = TimedHistory()
+    got = run_arm(engine, prompts, group=4, k=3, drafter=timed, temperature=0.0, new_tokens=24)
+    want = run_arm(engine, prompts, group=4, k=3, drafter=HistoryDrafter(), temperature=0.0, new_tokens=24)
+    assert got["outputs"] == want["outputs"]
+    assert [got[s]["accepted_length"] for s in ("all", "tail")] == [want[s]["accepted_length"] for s in ("all", "tail")]
+    assert timed.seconds > 0
+
+
+def test_bench_drafter_names_a_bad_history_part_before_loading_anything():
+    with pytest.raises(ValueError, match="parts must be made of a, b, c and h"):
+        bench_drafter("no-such-model", parts="x")
+    with pytest.raises(ValueError, match="history_groups must be >= 1"):
+        bench_drafter("no-such-model", parts="h", history_groups=0)
