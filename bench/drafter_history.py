@@ -8,7 +8,7 @@
      then chooses by what it measures as it serves (drafter.draft.combined.SourceChooser);
 (h2) the history drafter's own cost per step (observe + propose) at batch 64 against a plain decode step there;
 (h3) greedy: history and combined outputs compared with plain decoding's, token for token.
-Part of issue 41; `tlt bench drafter` (bench/drafter.py) can call `history_part` with its loaded model and head.
+Part of issue 41; `tlt bench drafter` runs `history_part` as its part (h), with its model and warm head.
 """
 
 from __future__ import annotations
@@ -245,7 +245,7 @@ def run(args) -> dict:
         head = head_from_state(meta.head_config, state).to(loaded.model.dtype).eval().requires_grad_(False)
         result["draft"] = {"path": args.draft, "train_steps": meta.num_steps}
     else:
-        from bench.drafter import warm_drafter
+        from bench.drafter_warm import warm_drafter
 
         head, result["draft"] = warm_drafter(loaded, 1536, 2000, 8192)
     history_part(result, loaded.model, loaded.tokenizer, head, k=args.k, group=args.group, num_groups=args.groups,

@@ -21,7 +21,8 @@ from collections.abc import Callable
 
 import torch
 
-from bench.drafter import _key, stop_latencies
+from bench.drafter import stop_latencies
+from bench.drafter_warm import _key
 from bench.drift import drift_part, eval_prompts
 from bench.prompts import synthetic_prompts
 from drafter.decode.engine import Engine
