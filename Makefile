@@ -11,7 +11,7 @@ export TLT_CACHE_DIR ?= $(CURDIR)/.cache/tlt
 # when apt-get and root are available; otherwise those tests skip and say why.
 SYSTEM_PKGS := prometheus chromium chromium-driver
 
-.PHONY: venv venv-engines test lint demo warm-draft bench gpu-check bundle install-offline clean system-deps
+.PHONY: venv venv-engines test lint demo warm-draft ship-draft bench gpu-check bundle install-offline clean system-deps
 
 venv: $(STAMP)
 
@@ -74,10 +74,16 @@ lint: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/tlt demo
 
-# builds the warm draft `make demo` starts its TLT-on job from (cached under TLT_CACHE_DIR; about 15 min
-# here), then runs the demo with it
+# builds the warm draft `make demo` starts its TLT-on job from (workers.warm.WarmRecipe, cached under
+# TLT_CACHE_DIR; about 25 min on a 2-core box), then runs the demo with it
 warm-draft: $(STAMP)
 	TLT_DEMO_BUILD_WARM_DRAFT=1 $(BIN)/tlt demo
+
+# refreshes the warm draft the checkout ships (deploy/drafts/: a fresh clone's demo starts from it): the same
+# build as warm-draft's, without the demo, copied there with its report
+ship-draft: $(STAMP)
+	$(BIN)/tlt drafter train --task longtail --threads 2 >/dev/null
+	$(BIN)/python -c 'import workers.warm as w; print(w.ship_warm_draft("smollm2-135m", "longtail"))'
 
 bench: $(STAMP)
 	$(BIN)/tlt bench engine --json

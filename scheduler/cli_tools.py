@@ -150,8 +150,9 @@ def add_tool_commands(sub) -> None:
                     "head trains; cuda's recipe (workers.warm.GPU_RECIPE) trains "
                     f"{GPU_RECIPE.train_seconds:.0f} s, a warm start within 5 minutes")
     tr.add_argument("--steps", type=int, default=None,
-                    help=f"training micro-steps (with --task, default {_RECIPE.num_steps}; on cuda the recipe's "
-                         "time budget binds)")
+                    help=f"training micro-steps (with --task a limit, default {_RECIPE.num_steps}: the recipe's "
+                         f"time budget binds, {_RECIPE.train_seconds:.0f} s on a CPU, {GPU_RECIPE.train_seconds:.0f} s "
+                         "on cuda)")
     tr.add_argument("--seconds", type=float, default=None, help="training time budget (with --task, the steps "
                     "stay a limit too)")
     tr.add_argument("--max-new-tokens", type=int, default=None, help=f"default {_RECIPE.max_new_tokens}")

@@ -25,7 +25,7 @@ import time
 from drafter.draft.adaptive import bucket_low_edge
 from scheduler.client import call
 from scheduler.policy import PolicySettings
-from scheduler.served import MAX_TAIL_BUCKET, accepted_by_bucket, tail_accepted_length
+from scheduler.served import MAX_TAIL_BUCKET, accepted_by_bucket, tail_accepted_length, tail_tokens_per_s
 from workers.protocol.states import TERMINAL_JOB_STATES, JobState, WorkerState
 
 NUM_STEPS = 2
@@ -183,6 +183,11 @@ def summarize(url: str, jobs: dict[str, dict]) -> bool:
         say(f"  candidate from copies {d['merged']}: accepted length {cand if cand is None else round(cand, 2)} "
             f"vs serving {serv if serv is None else round(serv, 2)} -> {verdict}")
     say()
+    rates = [tail_tokens_per_s(steps[label]) for label in ("TLT off", "TLT on")]
+    if None not in rates:
+        say(f"decoding in the tail (<= {MAX_TAIL_BUCKET} live rows), tokens/s per worker: TLT off {rates[0]:.1f}, "
+            f"TLT on {rates[1]:.1f} (ratio {rates[1] / rates[0]:.2f}): a rate, which does not depend on how long the "
+            "two jobs' samples happened to be")
     for line in rollout_verdict([s["timings"].get("rollout", 0.0) for s in steps["TLT off"]],
                                 [s["timings"].get("rollout", 0.0) for s in steps["TLT on"]],
                                 [s["mean_accepted_length"] for s in steps["TLT on"]]):

@@ -37,3 +37,14 @@ def tail_accepted_length(steps: list[dict]) -> float | None:
     sums = [tr for name, tr in served_sums(steps).items() if bucket_low_edge(name) <= MAX_TAIL_BUCKET]
     rows = sum(r for _, r in sums)
     return sum(t for t, _ in sums) / rows if rows > 0 else None
+
+
+def tail_tokens_per_s(steps: list[dict]) -> float | None:
+    """Tokens per second a worker decoded while its live batch was in the tail (buckets of at most MAX_TAIL_BUCKET
+    rows), from the steps' bucket_throughput ({bucket: [tokens, seconds]}); None if none ran. A rate, so two jobs
+    whose samples differ in length (speculative sampling draws other samples than plain, from the same
+    distribution) still compare."""
+    sums = [ts for name, ts in ((n, v) for s in steps for n, v in s.get("bucket_throughput", {}).items())
+            if bucket_low_edge(name) <= MAX_TAIL_BUCKET]
+    seconds = sum(s for _, s in sums)
+    return sum(t for t, _ in sums) / seconds if seconds > 0 else None

@@ -23,32 +23,33 @@ STORE_REF = re.compile(r"^store:([A-Za-z0-9_.-]{1,64}):([1-9][0-9]{0,8})$")  # "
 
 @dataclass(frozen=True)
 class WarmRecipe:
-    """`tlt drafter train --task`'s defaults. Measured on SmolLM2-135M on 2-core AMD EPYC boxes:
-    - arithmetic, 1 torch thread while other work shared the cores: 14,655 harvested tokens in 574 s, 300
-      steps in 1,021 s; greedy accepted length on 8 held-out prompts 2.04 / 2.31 / 2.42 at k = 2 / 3 / 4;
-    - longtail (tail_fraction 0.75), 2 threads, quiet (AVX2 only): 13,251 tokens in 220 s, 300 steps in
-      577 s (920 s in all); greedy 1.82 / 1.97 / 2.05 at k = 2 / 3 / 4, 2.46 expected tokens per step at
-      T=1, k=4 (draft temperature 1.0)."""
+    """`tlt drafter train --task`'s defaults on a CPU: the draft `make warm-draft` builds and the checkout ships
+    (deploy/drafts/). Sized for the long tail speculation serves: prompts mostly asking for detailed reasoning,
+    rollouts long enough to reach past the openings, 15 minutes of training in bf16 where the CPU has it natively.
+    MEASURED_BUILD below is what building it measured."""
 
-    num_prompts: int = 128  # task prompts harvested at T=1 (templated: a hundred or so cover the task's phrasing)
-    max_new_tokens: int = 128  # per harvested rollout; the head learns the openings and the reasoning's phrasing
+    num_prompts: int = 96  # task prompts harvested at T=1 (templated: a hundred or so cover the task's phrasing)
+    max_new_tokens: int = 320  # per harvested rollout: the tail's responses run to 512, past the openings
     temperature: float = 1.0  # as RL samples
-    num_steps: int = 300  # training micro-steps (4 packed rows of 256 pairs each)
-    num_unroll: int = 4  # draft positions trained: evaluation goes up to k=4
+    num_steps: int = 1_000_000  # training micro-steps (4 packed rows of 256 pairs each): a limit, the budget binds
+    num_unroll: int = 4  # draft positions trained: the demo and `tlt bench rl` draft up to k=4
     draft_vocab_size: int = 8192  # JobSpec's default
     batch_size: int = 16  # rollouts harvested together
     num_eval_prompts: int = 8  # held-out prompts for the accepted-length evaluation
     # longtail: share of the harvested and held-out prompts asking for detailed reasoning (the task's own 0.1
     # would leave the head few tokens of the tail, where speculation serves: the short answers are a line)
     tail_fraction: float = 0.75
-    train_seconds: float | None = None  # a training budget in seconds (the rate anneals to it); None: num_steps only
-    position_loss: str = "decay"  # how the unrolled positions weigh (TrainConfig's); the measured CPU draft's
+    train_seconds: float | None = 900.0  # a training budget in seconds (the rate anneals to it); None: num_steps only
+    position_loss: str = "reach"  # how the unrolled positions weigh (TrainConfig's)
+    # bf16 autocast in training: None where the device has native bf16 (drafter.model.causal_lm.fast_bf16: 1.5x a
+    # float32 step on an AVX512-BF16 CPU), never elsewhere (emulated, slower than float32)
+    bf16_autocast: bool | None = None
 
     def train_config(self) -> TrainConfig:
-        """The trainer's settings: TrainConfig's defaults but for the recipe's, with numerics that never depend on
-        the box (no bf16 autocast); the cosine spans num_steps, or the time budget where there is one."""
+        """The trainer's settings: TrainConfig's defaults but for the recipe's; the cosine spans num_steps, or the
+        time budget where there is one."""
         return TrainConfig(total_steps=self.num_steps, num_unroll=self.num_unroll, position_loss=self.position_loss,
-                           anneal_to_budget=self.train_seconds is not None, bf16_autocast=False)
+                           anneal_to_budget=self.train_seconds is not None, bf16_autocast=self.bf16_autocast)
 
     def key(self, model: str, task: str) -> str:
         """Cache key: the model, the task, every field of the recipe and the draft layout (DRAFT_FORMAT: a
@@ -63,7 +64,7 @@ class WarmRecipe:
 # GPU_TOKENS_PER_STEP pairs on every position inference drafts (k up to 6), weighed by reach; 32 held-out prompts
 # for the draft temperature and the accepted length. Not measured on a GPU yet.
 GPU_RECIPE = WarmRecipe(num_prompts=3072, max_new_tokens=192, num_steps=1_000_000, num_unroll=6, batch_size=128,
-                        num_eval_prompts=32, train_seconds=150.0, position_loss="reach")
+                        num_eval_prompts=32, train_seconds=150.0, position_loss="reach", bf16_autocast=False)
 
 
 def default_recipe(device: str) -> WarmRecipe:
@@ -89,6 +90,30 @@ def shipped_warm_draft(model: str, task: str) -> Path | None:
     out = SHIPPED_DRAFTS / f"{model}-{task}"
     path = out / "draft-v000001.safetensors"
     return path if path.is_file() and (out / WARM_REPORT).is_file() else None
+
+
+def ship_warm_draft(model: str, task: str) -> Path:
+    """Copy the warm draft cached for WarmRecipe() (`make warm-draft`'s) to SHIPPED_DRAFTS as the checkout's
+    (`make ship-draft`): its weights in bf16 (half the bytes in git; load_warm_draft serves them in float32), its
+    report with the recipe and where, when and from which commit it was shipped (workers.results.provenance).
+    Returns the shipped draft's path."""
+    from drafter.train.checkpoint import load_draft, save_draft
+    from workers.results import provenance
+
+    src = warm_cache_dir(model, task, WarmRecipe())
+    if not (src / WARM_REPORT).is_file():
+        raise ValueError(f"no warm draft cached in {src}: build it first (`make warm-draft` or `tlt drafter train "
+                         f"--task {task}`)")
+    state, meta = load_draft(src / "draft-v000001.safetensors")
+    meta.extra = {**meta.extra, "stored_dtype": "bfloat16"}
+    out = SHIPPED_DRAFTS / f"{model}-{task}"
+    out.mkdir(parents=True, exist_ok=True)
+    save_draft(out / "draft-v000001.safetensors",
+               {k: v.bfloat16() if v.is_floating_point() else v for k, v in state.items()}, meta)
+    report = json.loads((src / WARM_REPORT).read_text())
+    (out / WARM_REPORT).write_text(json.dumps({**report, "recipe": asdict(WarmRecipe()), "shipped": provenance()},
+                                              indent=1))
+    return out / "draft-v000001.safetensors"
 
 
 def ensure_warm_draft(model: str, task: str, device: str = "cpu", recipe: WarmRecipe | None = None,
@@ -213,7 +238,8 @@ def load_warm_draft(ref: str, redis, store_dir: str | Path, policy_cfg):
     except (ValueError, OSError) as exc:  # CheckpointError is a ValueError; so is a version not in the index
         raise ValueError(f"warm_draft {ref}: {exc}") from None
     check_fits(meta.head_config, policy_cfg, ref)
-    return state, meta
+    # float32, as a job's drafts are trained and served (a shipped draft is stored in bf16, half the bytes)
+    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, meta
 
 
 def publish_warm_draft(ref: str, served, redis, store_dir: str | Path, policy_cfg, draft_k: int) -> int:

@@ -93,3 +93,21 @@ def test_a_repeat_starts_only_if_the_run_still_ends_within_the_budget():
     why = over_budget(1, 3, 250.0, [100.0, 60.0], 300.0)
     assert why.startswith("repeats 2..3 not started") and "300 s" in why
     assert over_budget(5, 9, 1e6, [1e6], None) is None  # no budget
+
+
+def test_the_cpu_arms_start_from_the_cached_draft_else_the_shipped_one_else_a_clear_error(tmp_path, monkeypatch):
+    """bench.rl.warm_draft_for on a CPU with the default recipe: the cached draft first, else the one the checkout
+    ships (workers.warm.shipped_warm_draft), else ValueError naming the ways to get one (a build is 25 minutes)."""
+    from bench.rl import warm_draft_for
+    from workers import warm
+
+    monkeypatch.setenv("TLT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(warm, "SHIPPED_DRAFTS", tmp_path / "shipped")
+    with pytest.raises(ValueError, match="build one with `make warm-draft`.*pass --warm-draft"):
+        warm_draft_for("smollm2-135m", "longtail", "cpu", None)
+    for folder in (tmp_path / "shipped" / "smollm2-135m-longtail",
+                   warm.warm_cache_dir("smollm2-135m", "longtail", warm.WarmRecipe())):
+        folder.mkdir(parents=True)
+        for name in ("draft-v000001.safetensors", warm.WARM_REPORT):
+            (folder / name).write_text("{}")
+        assert warm_draft_for("smollm2-135m", "longtail", "cpu", None) == str(folder / "draft-v000001.safetensors")

@@ -73,18 +73,21 @@ def test_the_warm_cache_key_names_the_draft_layout(monkeypatch):
     assert recipe.key("m", "arithmetic") != before
 
 
-def test_the_cpu_recipe_trains_as_before_and_the_gpu_recipe_by_a_time_budget():
-    """WarmRecipe() (the CPU's, the demo's cache key) trains as it was measured: 300 steps of 4 positions weighed
-    by decay, no budget; GPU_RECIPE (cuda's default) trains every position inference drafts, weighed by reach, to a
-    time budget that keeps a warm start within 5 minutes."""
+def test_the_cpu_and_gpu_recipes_train_to_a_time_budget():
+    """WarmRecipe() (the CPU's, the demo's cache key and the shipped draft's) trains 4 positions weighed by reach
+    for 15 minutes, in bf16 only where the box has it natively (None: the trainer asks fast_bf16); GPU_RECIPE
+    (cuda's default) trains every position inference drafts, in float32 (autocast ran slower there), to a budget
+    that keeps a warm start within 5 minutes."""
     from drafter.model.config import TrainConfig
     from workers.warm import GPU_RECIPE, WarmRecipe, default_recipe
 
     assert default_recipe("cpu") == WarmRecipe() and default_recipe("cuda") == GPU_RECIPE
-    assert WarmRecipe().train_config() == TrainConfig(total_steps=300, num_unroll=4, position_loss="decay",
-                                                      anneal_to_budget=False, bf16_autocast=False)
+    cpu = WarmRecipe()
+    assert cpu.train_config() == TrainConfig(total_steps=cpu.num_steps, num_unroll=4, position_loss="reach",
+                                             anneal_to_budget=True, bf16_autocast=None)
+    assert cpu.train_seconds == 900.0 and cpu.tail_fraction == 0.75 and cpu.max_new_tokens >= 256
     gpu = GPU_RECIPE.train_config()
-    assert (gpu.num_unroll, gpu.position_loss, gpu.anneal_to_budget) == (6, "reach", True)
+    assert (gpu.num_unroll, gpu.position_loss, gpu.anneal_to_budget, gpu.bf16_autocast) == (6, "reach", True, False)
     assert GPU_RECIPE.train_seconds <= 240 and GPU_RECIPE.batch_size >= 128 and GPU_RECIPE.temperature == 1.0
 
 
@@ -122,6 +125,42 @@ def test_publish_from_a_file_and_from_another_jobs_store(redis_client, tmp_path)
     corrupt.write_bytes(Path(path).read_bytes()[:-7])
     with pytest.raises(ValueError, match="warm_draft .*corrupt.safetensors"):
         publish_warm_draft(str(corrupt), other, redis_client, tmp_path, TINY, draft_k=2)
+
+
+def test_a_shipped_draft_is_the_cached_one_in_bf16_and_is_served_in_float32(redis_client, tmp_path, monkeypatch):
+    """ship_warm_draft (`make ship-draft`) copies the draft cached for WarmRecipe() to SHIPPED_DRAFTS in bf16 with
+    its report, the recipe and provenance; shipped_warm_draft finds it; a job publishes it in float32, each weight
+    its bf16 rounding. Nothing cached: a ValueError that says to build one first."""
+    import json
+
+    import torch
+
+    from drafter.train.checkpoint import load_draft
+    from workers import warm
+
+    monkeypatch.setenv("TLT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(warm, "SHIPPED_DRAFTS", tmp_path / "shipped")
+    with pytest.raises(ValueError, match="no warm draft cached in .*: build it first"):
+        warm.ship_warm_draft("tiny", "arithmetic")
+    assert warm.shipped_warm_draft("tiny", "arithmetic") is None
+    cached = warm.warm_cache_dir("tiny", "arithmetic", warm.WarmRecipe())
+    cached.mkdir(parents=True)
+    write_draft(cached / "draft-v000001.safetensors")
+    (cached / warm.WARM_REPORT).write_text(json.dumps({"acceptance": {"2": 1.8}}))
+    path = warm.ship_warm_draft("tiny", "arithmetic")
+    assert warm.shipped_warm_draft("tiny", "arithmetic") == path == tmp_path / "shipped/tiny-arithmetic" / path.name
+    report = json.loads((path.parent / warm.WARM_REPORT).read_text())
+    assert report["acceptance"] == {"2": 1.8} and report["recipe"]["train_seconds"] == warm.WarmRecipe().train_seconds
+    assert {"commit", "machine", "date"} <= set(report["shipped"])
+    original, _ = load_draft(cached / "draft-v000001.safetensors")
+    stored, meta = load_draft(path)
+    assert {t.dtype for t in stored.values() if t.is_floating_point()} == {torch.bfloat16}
+    served, _ = job_stores(redis_client, tmp_path, "job")
+    assert publish_warm_draft(str(path), served, redis_client, tmp_path, TINY, draft_k=2) == 1
+    state, _ = served.load(1)
+    for name, weight in original.items():
+        expected = weight.bfloat16().float() if weight.is_floating_point() else weight
+        assert state[name].dtype == expected.dtype and torch.equal(state[name], expected), name
 
 
 def test_task_prompts_by_name_are_seeded():
