@@ -5,7 +5,8 @@ scheduler's REST API on loopback. Two RL jobs on SmolLM2-135M-Instruct with the 
 prompts ask for the answer alone, one in ten for detailed reasoning: a long tail in every step) are submitted
 over REST, the same job with TLT off and with TLT on, one after the other so they do not share the cores.
 The TLT-on job starts from a warm draft (JobSpec.warm_draft) that `tlt drafter train --task` builds on the
-task's own prompts (`make warm-draft`; cached under $TLT_CACHE_DIR, keyed by model, task and recipe).
+task's own prompts: the one `make warm-draft` cached under $TLT_CACHE_DIR (keyed by model, task and recipe), else
+the one the checkout ships (deploy/drafts/, `make ship-draft`).
 While a job runs the demo prints each worker's live progress and the scheduler's view of it
 (rolling out, straggler, idle at the barrier, training the drafter); at the end it prints per step
 the time by phase, the idle and the reclaimed worker-seconds, the draft version served and the
@@ -190,7 +191,8 @@ def summarize(url: str, jobs: dict[str, dict]) -> bool:
             "two jobs' samples happened to be")
     for line in rollout_verdict([s["timings"].get("rollout", 0.0) for s in steps["TLT off"]],
                                 [s["timings"].get("rollout", 0.0) for s in steps["TLT on"]],
-                                [s["mean_accepted_length"] for s in steps["TLT on"]]):
+                                [s["mean_accepted_length"] for s in steps["TLT on"]],
+                                None if None in rates else rates[1] / rates[0]):
         say(line)
     rest_off, rest_on = t_off["step_s"] - t_off["rollout_s"], t_on["step_s"] - t_on["rollout_s"]
     say(f"  (the steps' other phases, weight sync and the learner's update, took {rest_off:.1f} s and {rest_on:.1f} s: "
@@ -204,11 +206,15 @@ def summarize(url: str, jobs: dict[str, dict]) -> bool:
 MIN_PAYING_ACCEPTED_LENGTH = 1.05
 
 
-def rollout_verdict(off_s: list[float], on_s: list[float], accepted: list[float]) -> list[str]:
+def rollout_verdict(off_s: list[float], on_s: list[float], accepted: list[float],
+                    tail_rate_ratio: float | None = None) -> list[str]:
     """What the demo may say of its two jobs' rollout times (per step, TLT off and on), given the TLT-on job's
-    accepted lengths: a speed-up only when the drafter paid (accepted length above MIN_PAYING_ACCEPTED_LENGTH)
-    and the difference is larger than the run-to-run noise, here the spread of the TLT-off job's own steps
-    ((max - min) / mean; one step gives no estimate, and then no speed-up is claimed either)."""
+    accepted lengths and, where both decoded in the tail, the TLT-on job's tail decoding rate over the TLT-off
+    job's (scheduler.served.tail_tokens_per_s): a speed-up only when the drafter paid (accepted length above
+    MIN_PAYING_ACCEPTED_LENGTH), the difference is larger than the run-to-run noise, here the spread of the
+    TLT-off job's own steps ((max - min) / mean; one step gives no estimate, and then no speed-up is claimed
+    either), and the tail decoded faster too (speculative sampling draws other samples than plain decoding, from
+    the same distribution: a shorter longest response shortens a rollout whatever the drafter did)."""
     r_off, r_on = sum(off_s), sum(on_s)
     if not (r_off > 0 and r_on > 0):
         return ["rollout: no timings to compare"]
@@ -224,6 +230,12 @@ def rollout_verdict(off_s: list[float], on_s: list[float], accepted: list[float]
     elif change <= noise:
         lines.append(f"  the difference ({change:.0%}) lies within run-to-run noise (the TLT-off job's steps "
                      f"spread {noise:.0%}): no speed-up is claimed")
+    elif r_on > r_off:
+        lines.append(f"  rollout slow-down: TLT on took {r_on / r_off:.2f}x as long, beyond the run-to-run noise "
+                     f"({noise:.0%} spread between the TLT-off job's steps)")
+    elif tail_rate_ratio is not None and tail_rate_ratio <= 1.0:
+        lines.append(f"  not the drafter's doing: the tail decoded at {tail_rate_ratio:.2f}x the TLT-off job's rate, "
+                     "so the rollouts differ by how long their samples were: no speed-up is claimed")
     else:
         lines.append(f"  rollout speed-up {r_off / r_on:.2f}x, beyond the run-to-run noise ({noise:.0%} spread "
                      "between the TLT-off job's steps)")

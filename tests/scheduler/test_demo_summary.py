@@ -10,6 +10,15 @@ def test_a_speed_up_the_drafter_caused_and_larger_than_the_noise_is_claimed():
     assert "rollout speed-up 1.49x" in lines[-1]
 
 
+def test_a_shorter_rollout_the_tails_rate_does_not_show_is_not_claimed_and_a_slower_one_is_called_so():
+    # the rollout is 30% shorter, but the tail decoded at 0.86x plain's rate: the samples were shorter
+    lines = rollout_verdict([30.0, 31.0], [20.0, 21.0], [1.4, 1.4], tail_rate_ratio=0.86)
+    assert "not the drafter's doing" in lines[-1] and "0.86x" in lines[-1] and "no speed-up is claimed" in lines[-1]
+    assert "rollout speed-up 1.49x" in rollout_verdict([30.0, 31.0], [20.0, 21.0], [1.4, 1.4], 1.2)[-1]
+    slower = rollout_verdict([20.0, 21.0], [30.0, 31.0], [1.4, 1.4], 0.8)[-1]
+    assert "rollout slow-down: TLT on took 1.49x as long" in slower and "speed-up" not in slower
+
+
 def test_no_speed_up_when_the_drafter_never_paid():
     lines = rollout_verdict([30.0, 31.0], [20.0, 21.0], [1.0, 1.01])
     assert "never paid" in lines[-1] and "speed-up" not in lines[-1]
