@@ -111,8 +111,9 @@ class BuiltinEngine(RolloutEngine):
             self.serving.new_head()
         # what the old draft measured says little about the new one; its score says what to expect of it
         scored = 1.0 <= accepted_length <= self.draft_k + 1 and self.draft_k > 0
-        self.tuner.new_draft(StepCostPrior.from_accepted_length(accepted_length, self.draft_k) if scored
-                             else StepCostPrior())
+        costs = StepCostPrior.step_costs(self.policy.device.type)
+        self.tuner.new_draft(StepCostPrior.from_accepted_length(accepted_length, self.draft_k, **costs) if scored
+                             else StepCostPrior(**costs))
         with self._lock:
             self._num_installs += 1
 

@@ -76,11 +76,17 @@ class StepCostPrior:
     until n nears the knee, by compute past it), and drafting k tokens k x draft_cost of one. So at batch B:
         gain(B, k) = E(k) / ((1 + B (k + 1) / knee_tokens + k draft_cost) / (1 + B / knee_tokens))
     Defaults: a weak draft and SmolLM2's measured costs (a 4-token verify at batch 1 costs 1.06-1.24 one-token
-    forwards on a CPU and an H100: knee 32; the head's k draft passes 3-5% of a forward each)."""
+    forwards on a CPU and an H100: knee 32; the head's k draft passes 3-5% of a forward each). A CPU's batch
+    costs grow faster (step_costs: CPU_KNEE_TOKENS)."""
 
     acceptance: float = 0.55
     knee_tokens: float = 32.0
     draft_cost: float = 0.04
+
+    @classmethod
+    def step_costs(cls, device_type: str) -> dict[str, float]:
+        """The costs of a device kind where they differ from the defaults: a CPU's knee is CPU_KNEE_TOKENS."""
+        return {"knee_tokens": CPU_KNEE_TOKENS} if device_type == "cpu" else {}
 
     def __post_init__(self) -> None:
         if not 0 <= self.acceptance < 1:
@@ -108,6 +114,13 @@ class StepCostPrior:
         """Expected tokens/s of k over plain's at batch_size."""
         plain = 1 + batch_size / self.knee_tokens
         return self.expected_tokens(k) * plain / (1 + batch_size * (k + 1) / self.knee_tokens + k * self.draft_cost)
+
+
+# A CPU core runs out of compute near 8 tokens per forward: SmolLM2-135M plain decoding, one pinned core per worker,
+# 115 ms a step at 9-16 live rows and 185 ms at 17-32 (tlt bench rl, docs/bench/rl.json at d202dd6) gives
+# 1 + n / knee with knee ~8 (the knee of 32 holds on a GPU and made the tuner try drafts in the CPU's bulk, at
+# 0.80-0.88x plain there)
+CPU_KNEE_TOKENS = 8.0
 
 
 @dataclass

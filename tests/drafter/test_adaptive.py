@@ -161,6 +161,19 @@ def test_a_draft_the_prior_expects_to_pay_serves_from_the_first_step():
     assert 4 not in chosen and chosen[-250:].count(0) >= 245  # the prior never expected k=4 to pay there
 
 
+def test_a_cpus_prior_keeps_the_bulk_plain_and_drafts_in_the_tail():
+    """On a CPU (step_costs: the knee at CPU_KNEE_TOKENS) the shipped draft's score (2.07 at k=4) expects no gain
+    from any k at 9 live rows or more, where the GPU's knee still expects k=1 to pay; both draft in the tail."""
+    cpu = StepCostPrior.from_accepted_length(2.07, 4, **StepCostPrior.step_costs("cpu"))
+    gpu = StepCostPrior.from_accepted_length(2.07, 4, **StepCostPrior.step_costs("cuda"))
+    assert StepCostPrior.step_costs("cuda") == {} and cpu.knee_tokens < gpu.knee_tokens
+    assert max(cpu.gain(9, k) for k in (1, 2, 4)) <= 1.0 < gpu.gain(9, 1)
+    assert cpu.gain(1, 4) > 1.2 and gpu.gain(1, 4) > 1.2
+    tuner = DraftLengthTuner(4, prior=cpu)
+    rng = random.Random(3)
+    assert set(run(tuner, {0: 100, 1: 90, 2: 80, 4: 70}, 17, 40, rng)) == {0}  # no forced tries where none pays
+
+
 @pytest.mark.parametrize(("pays", "expect_spec"), [(True, True), (False, False)])
 def test_the_tuner_follows_a_fake_clock_not_its_prior(pays, expect_spec):
     """The prior only orders the first tries: where the clock says speculation pays the tuner speculates, where
