@@ -231,11 +231,12 @@ SIZES = {"full": FULL,
          "gpu": FULL | {"steps": 4, "prompts": 32, "policy_dtype": "bfloat16", "micro_batch": 16, "max_seconds": 450.0},
          "smallest": FULL | {"model": "tiny", "task": "arithmetic", "steps": 1, "repeats": 1, "prompts": 2,
                              "group_size": 2, "new_tokens": 16, "k": 2}}
-SMALLEST_RECIPE = {"num_prompts": 4, "max_new_tokens": 16, "num_steps": 4, "batch_size": 4, "num_eval_prompts": 0}
+SMALLEST_RECIPE = {"num_prompts": 4, "max_new_tokens": 16, "num_steps": 4, "batch_size": 4, "num_eval_prompts": 0,
+                   "train_seconds": None, "bf16_autocast": False}
 # the gpu size's warm start: workers.warm.GPU_RECIPE shortened to fit the 8 minutes (GPU_RECIPE's own 3,072 prompts
 # and 150 s of training come to about 5 minutes alone), trained on the positions k=4 drafts
 GPU_WARM = {"num_prompts": 1024, "max_new_tokens": 192, "num_steps": 1_000_000, "num_unroll": 4, "batch_size": 128,
-            "num_eval_prompts": 16, "train_seconds": 60.0, "position_loss": "reach"}
+            "num_eval_prompts": 16, "train_seconds": 60.0, "position_loss": "reach", "bf16_autocast": False}
 RECIPES = {"smallest": SMALLEST_RECIPE, "gpu": GPU_WARM}
 # the scheduler's settings per size, over DEMO_POLICY's (min_lease_s 2, min_buffer_tokens 128): a GPU's tail lasts
 # seconds, and a lease there loads its parent in a fraction of one and trains about 28 steps a second (tlt bench
