@@ -26,7 +26,9 @@ class WarmRecipe:
     """`tlt drafter train --task`'s defaults on a CPU: the draft `make warm-draft` builds and the checkout ships
     (deploy/drafts/). Sized for the long tail speculation serves: prompts mostly asking for detailed reasoning,
     rollouts long enough to reach past the openings, 15 minutes of training in bf16 where the CPU has it natively.
-    MEASURED_BUILD below is what building it measured."""
+    Measured on SmolLM2-135M, 2-core AMD EPYC (AVX512-BF16), 2 threads, other work sharing the cores: 20,692 tokens
+    harvested in 587 s, 447 steps in the 900 s; greedy accepted length on 8 held-out prompts 1.83 / 1.98 / 2.07 at
+    k = 2 / 3 / 4 (deploy/drafts/smollm2-135m-longtail/report.json)."""
 
     num_prompts: int = 96  # task prompts harvested at T=1 (templated: a hundred or so cover the task's phrasing)
     max_new_tokens: int = 320  # per harvested rollout: the tail's responses run to 512, past the openings
