@@ -21,8 +21,8 @@ from scheduler.simulate.profiles import Acceptance, Phases, Profile, Workload
 BENCH_DIR = Path(__file__).resolve().parents[2] / "docs" / "bench"
 PROMPT_TOKENS = 92.0  # longtail prompts in SmolLM2's chat template: mean 91.8 / 91.4 (seeds 0, 1; 73-124)
 DRAFT_RELATIVE_COST = 0.11  # a draft token costs about 0.11x a policy step (docs/benchmarks.md, RL section)
-# a lease on the other core no longer slows decoding here (2026-11-27: plain at batch 1 17.8 tokens/s alone, 18.0 beside a
-# drafter training on the other core; before issue 38's static path the TLT arm decoded at 0.89x plain at batch 1)
+# a lease on the other core no longer slows decoding here (2026-11-27: plain at batch 1 17.8 tokens/s alone, 18.0
+# beside a drafter training on the other core; before issue 38's static path the TLT arm decoded at 0.89x plain)
 TRAIN_SLOWDOWN = 1.0
 # the shipped warm draft at T=1 on this box, batch 1, detailed-reasoning prompts, k -> accepted length (2026-11-27)
 WARM_ACCEPTED = {1: 1.50, 2: 1.57, 3: 1.64, 4: 1.82}
