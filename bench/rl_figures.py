@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from scheduler.served import accepted_by_bucket, by_edge, tail_accepted_length
+from scheduler.served import accepted_by_bucket, bucket_rates, by_edge, tail_accepted_length
 
 ARMS = {"a": "plain", "b": "frozen", "c": "tlt"}
 # a bucket counts in min_bucket_ratio_vs_plain once both arms decoded in it this long (seconds, all steps)
@@ -68,16 +68,6 @@ def pooled_reward(steps: list[dict]) -> tuple[float, float, int]:
     mean = sum(s["mean_reward"] * s["num_rollouts"] for s in steps) / n
     var = sum(s["num_rollouts"] * (s.get("reward_std", 0.0) ** 2 + (s["mean_reward"] - mean) ** 2) for s in steps) / n
     return mean, math.sqrt(var / max(n - 1, 1)), n
-
-
-def bucket_rates(steps: list[dict]) -> dict[str, tuple[float, float]]:
-    """{live-batch bucket: (tokens/s, seconds decoded)} over `steps`."""
-    acc: dict[str, list[float]] = {}
-    for s in steps:
-        for name, (tokens, seconds) in s.get("bucket_throughput", {}).items():
-            a = acc.setdefault(name, [0.0, 0.0])
-            a[0], a[1] = a[0] + tokens, a[1] + seconds
-    return {name: (t / s, s) for name, (t, s) in acc.items() if s > 0}
 
 
 def bucket_ratios(arm: list[dict], plain: list[dict]) -> dict[str, float]:

@@ -39,12 +39,23 @@ def tail_accepted_length(steps: list[dict]) -> float | None:
     return sum(t for t, _ in sums) / rows if rows > 0 else None
 
 
+
+def bucket_rates(steps: list[dict]) -> dict[str, tuple[float, float]]:
+    """{live-batch bucket: (tokens/s, seconds decoded)} over the steps' bucket_throughput ({bucket: [tokens,
+    seconds]}, summed over workers)."""
+    acc: dict[str, list[float]] = {}
+    for s in steps:
+        for name, (tokens, seconds) in s.get("bucket_throughput", {}).items():
+            a = acc.setdefault(name, [0.0, 0.0])
+            a[0], a[1] = a[0] + tokens, a[1] + seconds
+    return {name: (t / s, s) for name, (t, s) in acc.items() if s > 0}
+
+
 def tail_tokens_per_s(steps: list[dict]) -> float | None:
     """Tokens per second a worker decoded while its live batch was in the tail (buckets of at most MAX_TAIL_BUCKET
-    rows), from the steps' bucket_throughput ({bucket: [tokens, seconds]}); None if none ran. A rate, so two jobs
-    whose samples differ in length (speculative sampling draws other samples than plain, from the same
-    distribution) still compare."""
-    sums = [ts for name, ts in ((n, v) for s in steps for n, v in s.get("bucket_throughput", {}).items())
+    rows), from bucket_rates; None if none ran. A rate, so two jobs whose samples differ in length (speculative
+    sampling draws other samples than plain, from the same distribution) still compare."""
+    tail = [(rate * seconds, seconds) for name, (rate, seconds) in bucket_rates(steps).items()
             if bucket_low_edge(name) <= MAX_TAIL_BUCKET]
-    seconds = sum(s for _, s in sums)
-    return sum(t for t, _ in sums) / seconds if seconds > 0 else None
+    seconds = sum(s for _, s in tail)
+    return sum(t for t, _ in tail) / seconds if seconds > 0 else None
