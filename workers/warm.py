@@ -99,8 +99,11 @@ def ship_warm_draft(model: str, task: str) -> Path:
     (`make ship-draft`): its weights in bf16 (half the bytes in git; load_warm_draft serves them in float32), its
     report with the recipe and where, when and from which commit it was shipped (workers.results.provenance).
     Returns the shipped draft's path."""
+    import torch
+
     from drafter.train.checkpoint import load_draft, save_draft
     from workers.results import provenance
+    from workers.step_data import cast_state
 
     src = warm_cache_dir(model, task, WarmRecipe())
     if not (src / WARM_REPORT).is_file():
@@ -111,7 +114,7 @@ def ship_warm_draft(model: str, task: str) -> Path:
     out = SHIPPED_DRAFTS / f"{model}-{task}"
     out.mkdir(parents=True, exist_ok=True)
     save_draft(out / "draft-v000001.safetensors",
-               {k: v.bfloat16() if v.is_floating_point() else v for k, v in state.items()}, meta)
+               cast_state(state, torch.bfloat16), meta)
     report = json.loads((src / WARM_REPORT).read_text())
     (out / WARM_REPORT).write_text(json.dumps({**report, "recipe": asdict(WarmRecipe()), "shipped": provenance()},
                                               indent=1))
@@ -225,7 +228,10 @@ def check_fits(head_config: dict, policy_cfg, source: str) -> None:
 def load_warm_draft(ref: str, redis, store_dir: str | Path, policy_cfg):
     """The weights and meta of `ref` (a draft file, or "store:JOBID:VERSION"), checksum-checked and
     checked to fit `policy_cfg`. ValueError naming warm_draft for anything that does not load or fit."""
+    import torch
+
     from drafter.train.checkpoint import load_draft
+    from workers.step_data import cast_state
     from workers.store import job_stores
 
     parsed = parse_store_ref(ref)
@@ -241,7 +247,7 @@ def load_warm_draft(ref: str, redis, store_dir: str | Path, policy_cfg):
         raise ValueError(f"warm_draft {ref}: {exc}") from None
     check_fits(meta.head_config, policy_cfg, ref)
     # float32, as a job's drafts are trained and served (a shipped draft is stored in bf16, half the bytes)
-    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, meta
+    return cast_state(state, torch.float32), meta
 
 
 def publish_warm_draft(ref: str, served, redis, store_dir: str | Path, policy_cfg, draft_k: int) -> int:
