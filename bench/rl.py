@@ -235,8 +235,9 @@ SMALLEST_RECIPE = {"num_prompts": 4, "max_new_tokens": 16, "num_steps": 4, "batc
                    "train_seconds": None, "bf16_autocast": False}
 # the gpu size's warm start: workers.warm.GPU_RECIPE shortened to fit the 8 minutes (GPU_RECIPE's own 3,072 prompts
 # and 150 s of training come to about 5 minutes alone), trained on the positions k=4 drafts
-GPU_WARM = {"num_prompts": 1024, "max_new_tokens": 192, "num_steps": 1_000_000, "num_unroll": 4, "batch_size": 128,
-            "num_eval_prompts": 16, "train_seconds": 60.0, "position_loss": "reach", "bf16_autocast": False}
+GPU_WARM = {"num_prompts": 1024, "num_unroll": 4, "num_eval_prompts": 16, "train_seconds": 60.0}
+# per size, what its warm recipe changes of a workers.warm recipe (SMALLEST_RECIPE of WarmRecipe(), GPU_WARM of
+# GPU_RECIPE: run() reads which)
 RECIPES = {"smallest": SMALLEST_RECIPE, "gpu": GPU_WARM}
 # the scheduler's settings per size, over DEMO_POLICY's (min_lease_s 2, min_buffer_tokens 128): a GPU's tail lasts
 # seconds, and a lease there loads its parent in a fraction of one and trains about 28 steps a second (tlt bench
@@ -281,14 +282,15 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> dict:
-    from workers.warm import WarmRecipe
+    from workers.warm import GPU_RECIPE, WarmRecipe
 
     if args.size == "gpu" and args.device != "cuda":
         raise ValueError("--size gpu is sized for one GPU (a bf16 policy, 128 rollouts of 512 tokens a step): run it "
                          "with --device cuda; on a CPU, --size smallest --policy-dtype bfloat16 runs its path")
     size = SIZES[args.size]
     opt = {key: size[key] if getattr(args, key) is None else getattr(args, key) for key in FULL}
-    recipe = WarmRecipe(**RECIPES[args.size]) if args.size in RECIPES else None
+    bases = {"smallest": WarmRecipe(), "gpu": GPU_RECIPE}
+    recipe = dataclasses.replace(bases[args.size], **RECIPES[args.size]) if args.size in RECIPES else None
     policy = None
     if args.size in POLICIES:
         from scheduler.demo import DEMO_POLICY
