@@ -33,7 +33,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from bundle_have import constraints, demands, provided, read_freeze
-from bundle_parts import PARTS_MANIFEST, PartsError, parse_size, unpack, write_parts
+from bundle_parts import PARTS_MANIFEST, PartsError, file_sha256, parse_size, unpack, write_parts
 from packaging.requirements import Requirement
 from packaging.tags import sys_tags
 from packaging.utils import canonicalize_name
@@ -69,11 +69,6 @@ def run(cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = No
 def isolated_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
     return {**env, **ISOLATED_PIP_ENV, **extra}
-
-
-def sha256(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def platform_tags(platform: str) -> list[str]:
@@ -238,7 +233,7 @@ def fetch(pins: list[dict], tags: list[str], cache: Path) -> dict[str, Path]:
                 got = Path(tmp) / p["file"]
                 if not got.is_file():
                     raise SystemExit(f"bundle: pip download did not fetch {p['file']} (got {os.listdir(tmp)})")
-                if p["sha256"] and sha256(got) != p["sha256"]:
+                if p["sha256"] and file_sha256(got) != p["sha256"]:
                     raise SystemExit(f"bundle: {p['file']}: sha256 differs from the index's")
                 os.replace(got, wheels / p["file"])
     return {p["file"]: wheels / p["file"] for p in pins}
@@ -290,7 +285,7 @@ def build(args: argparse.Namespace) -> tuple[Path, Path | None]:
         script = script.replace(f"@{field}@", value)
     (out / "install.sh").write_text(script)
     (out / "install.sh").chmod(0o755)
-    files = [{"path": str(p.relative_to(out)), "bytes": p.stat().st_size, "sha256": sha256(p)}
+    files = [{"path": str(p.relative_to(out)), "bytes": p.stat().st_size, "sha256": file_sha256(p)}
              for p in sorted(out.rglob("*")) if p.is_file()]
     manifest = {
         "project": wheel.name, "python_version": python_version,
