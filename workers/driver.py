@@ -18,7 +18,7 @@ import redis as redis_lib
 import torch
 from ray.exceptions import RayError
 
-from drafter.model.loading import encode_text, load_model
+from drafter.model.loading import cast_state, encode_text, load_model
 from workers.actors import start_worker
 from workers.device import job_device
 from workers.engines import unavailable_reason
@@ -36,7 +36,6 @@ from workers.rollout import BUFFER_BYTES, BUFFER_DTYPE
 from workers.spec import JobSpec
 from workers.step_data import (
     assign,
-    cast_state,
     length_percentiles,
     rollout_seed,
     shareable_state,

@@ -67,18 +67,6 @@ def sum_served(per_worker) -> dict[str, dict[str, list[float]]]:
     return out
 
 
-def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """`state` with its floating-point tensors in `dtype` (the others as they are); tied weights (one tensor under
-    two names) stay one tensor, so a sync writes them once."""
-    out, seen = {}, {}
-    for k, v in state.items():
-        if v.is_floating_point() and v.dtype != dtype:
-            key = (v.data_ptr(), tuple(v.shape), tuple(v.stride()), v.dtype)
-            v = seen[key] if key in seen else seen.setdefault(key, v.to(dtype))
-        out[k] = v
-    return out
-
-
 def rollout_seed(spec: JobSpec, rl_step: int, index: int) -> int:
     """Each rollout's own seed: a job reruns the same, and no two rollouts of a job share one."""
     return spec.seed * 1_000_003 + rl_step * 10_007 + index

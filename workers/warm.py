@@ -101,9 +101,9 @@ def ship_warm_draft(model: str, task: str) -> Path:
     Returns the shipped draft's path."""
     import torch
 
+    from drafter.model.loading import cast_state
     from drafter.train.checkpoint import load_draft, save_draft
     from workers.results import provenance
-    from workers.step_data import cast_state
 
     src = warm_cache_dir(model, task, WarmRecipe())
     if not (src / WARM_REPORT).is_file():
@@ -230,8 +230,8 @@ def load_warm_draft(ref: str, redis, store_dir: str | Path, policy_cfg):
     checked to fit `policy_cfg`. ValueError naming warm_draft for anything that does not load or fit."""
     import torch
 
+    from drafter.model.loading import cast_state
     from drafter.train.checkpoint import load_draft
-    from workers.step_data import cast_state
     from workers.store import job_stores
 
     parsed = parse_store_ref(ref)

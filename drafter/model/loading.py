@@ -228,6 +228,18 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32,
     return LoadedModel(_finish(model, dtype, device), tokenizer, path.name, path)
 
 
+def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`state` with its floating-point tensors in `dtype` (the others as they are); tied weights (one tensor under
+    two names) stay one tensor, so a sync writes them once."""
+    out, seen = {}, {}
+    for k, v in state.items():
+        if v.is_floating_point() and v.dtype != dtype:
+            key = (v.data_ptr(), tuple(v.shape), tuple(v.stride()), v.dtype)
+            v = seen[key] if key in seen else seen.setdefault(key, v.to(dtype))
+        out[k] = v
+    return out
+
+
 def hf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our state dict (fused q/k/v and gate/up) under HF names, un-fused, as contiguous CPU copies: what an HF
     directory's model.safetensors holds, and what an engine that loads HF checkpoints (vLLM) takes."""

@@ -9,10 +9,11 @@ import torch
 from pydantic import ValidationError
 
 from drafter.draft.head import head_config, new_head
+from drafter.model.loading import cast_state
 from drafter.train.checkpoint import DraftMeta
 from workers.rollout import RolloutRunner
 from workers.spec import JobSpec
-from workers.step_data import cast_state, sum_served
+from workers.step_data import sum_served
 
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], [4, 4, 4]]
 SAMPLED = [{"max_new_tokens": 40, "temperature": 1.0, "seed": 7 + i, "ignore_eos": True} for i in range(3)]
