@@ -232,6 +232,10 @@ class PackedBatch:
     seg_start: torch.Tensor  # (R, T) long: position of the segment's first pair (a chain cannot reach before it)
     num_tokens: int  # real pairs
     num_sequences: int  # segments (a chunk of a long sequence counts as one)
+    # (R, T) long: the first pair of the slot's rollout a decoding chain can start at, num_prompt - 1 (the policy
+    # emits the first response token from the prompt's last pair, and drafting starts there: no draft ever guesses
+    # prompt tokens); None: every pair (batches built by hand)
+    response_start: torch.Tensor | None = None
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> PackedBatch:
         """The batch on `device` (the head's that trains or scores on it), features in `dtype` (None: as they
@@ -241,7 +245,8 @@ class PackedBatch:
             return t.to(device, to or t.dtype, non_blocking=True)
 
         return PackedBatch(move(self.feats, dtype), move(self.tokens), move(self.positions), move(self.seq_ids),
-                           move(self.target_mask), move(self.seg_start), self.num_tokens, self.num_sequences)
+                           move(self.target_mask), move(self.seg_start), self.num_tokens, self.num_sequences,
+                           None if self.response_start is None else move(self.response_start))
 
 
 @dataclass(eq=False)  # tensors inside: compare by identity
@@ -307,6 +312,7 @@ def _pack(rows: list[_Row], hidden_size: int) -> PackedBatch:
     seq_ids = torch.full((R, T), -1, dtype=torch.long, device=cpu)
     target_mask = torch.zeros(R, T, dtype=torch.bool, device=cpu)
     seg_start = torch.zeros(R, T, dtype=torch.long, device=cpu)
+    response_start = torch.zeros(R, T, dtype=torch.long, device=cpu)
     num_segments = num_tokens = 0
     for b, row in enumerate(rows):
         t = 0
@@ -318,5 +324,7 @@ def _pack(rows: list[_Row], hidden_size: int) -> PackedBatch:
             seq_ids[b, t : t + n] = num_segments
             target_mask[b, t : t + n - 1] = True
             seg_start[b, t : t + n] = s
+            response_start[b, t : t + n] = max(seg.rollout.num_prompt - 1, 0)
             num_segments, num_tokens, t = num_segments + 1, num_tokens + n, t + n
-    return PackedBatch(feats, tokens, positions, seq_ids, target_mask, seg_start, num_tokens, num_segments)
+    return PackedBatch(feats, tokens, positions, seq_ids, target_mask, seg_start, num_tokens, num_segments,
+                       response_start)

@@ -12,8 +12,10 @@ Per draft step the acceptance probability alpha is
   sampled:  sum_x min(p(x), q(x)), the rejection-sampling acceptance rate for draft q, target p
             (p at temperature 1; q over the head's logits / draft_temperature, or its argmax at 0).
 A chain starting at position i then yields 1 + sum_{m=1..k} prod_{s<m} alpha_s(i+s) tokens per step,
-averaged over every chain start whose k targets are in the sequence. Online decoding visits only the
-chain starts its own acceptances lead to, so the two agree in expectation, not token for token.
+averaged over every chain start whose k targets are in the sequence and that decoding could draft from: the
+prompt's last pair on (the policy emits the first response token there; a chain rooted inside the prompt would
+score guesses of prompt tokens, which no draft makes, and a templated prompt's are easy). Online decoding visits
+only the chain starts its own acceptances lead to, so the two agree in expectation, not token for token.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ def acceptance_by_position(head: EagleHead, policy: CausalLM, rollouts: list[Rol
 @torch.no_grad()
 def _survival(head: EagleHead, policy: CausalLM, rollouts: list[Rollout], k: int, greedy: bool,
               draft_temperatures: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed over every chain start whose k targets are in the sequence: per draft temperature and m = 1..k,
+    """Summed over every chain start whose k targets are in the sequence, from the prompt's last pair on (the
+    batch's response_start): per draft temperature and m = 1..k,
     the chance that the first m drafts are all accepted ((n, k) float64, on the CPU), and the number of chains."""
     if any(t < 0 for t in draft_temperatures) or not draft_temperatures:
         raise ValueError(f"draft_temperatures must be >= 0 and not empty, got {draft_temperatures!r}")
@@ -122,6 +125,8 @@ def _survival(head: EagleHead, policy: CausalLM, rollouts: list[Rollout], k: int
                 ok = loss_mask(batch, s)  # the chain's root is inside the segment
                 valid.append(torch.cat([ok[:, s:], ok.new_zeros(R, s)], dim=1))
             chain_ok = torch.stack(valid).all(0)  # (R, T-1): every draft step of the chain has its target
+            if batch.response_start is not None:  # and its root is where decoding drafts: not inside the prompt
+                chain_ok &= batch.positions[:, :-1] >= batch.response_start[:, :-1]
             for i in range(n):
                 survive = torch.stack(alphas[i]).cumprod(0)  # (k, R, T-1): the first m drafts all accepted
                 total[i] += torch.where(chain_ok, survive, 0.0).sum((1, 2))  # (k,); no mask indexing: no sync

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import shutil
 import subprocess
 import time
@@ -145,7 +146,8 @@ def test_prometheus_gets_data_for_every_dashboard_query_and_recording_rule(stack
     assert job_state(stack)["state"] == "SUCCEEDED"
     time.sleep(3)  # a last scrape and rule evaluation
     drafts = http_json(f"{stack['base']}/v1/jobs/{stack['job_id']}/drafts")
-    assert drafts["num_leases"] >= 1 and drafts["num_published"] >= 1, drafts
+    # the whole record on failure (leases, rounds, decisions and their reasons): pytest would shorten a dict
+    assert drafts["num_leases"] >= 1 and drafts["num_published"] >= 1, json.dumps(drafts)
     exprs = panel_exprs(dashboard()) + [(r["record"], r["record"]) for r in rules() if "record" in r]
     empty = [(where, expr) for where, expr in exprs if not query_range(stack, expr)]
     assert not empty, f"no data for: {empty}"

@@ -162,6 +162,29 @@ def test_acceptance_by_position_multiplies_to_the_expected_accepted_length(struc
             expected_accepted_length(head, model, buffer.rollouts[:16], 4, greedy), rel=1e-6)
 
 
+def test_offline_scores_start_chains_where_decoding_drafts_not_inside_the_prompt(structured):
+    """Decoding drafts from the prompt's last pair on (the policy emits the first response token there): a chain
+    rooted inside the prompt would score guesses of prompt tokens, which no draft ever makes."""
+    from drafter.train.evaluate import _survival
+
+    model, _, buffer, _ = structured
+    head = new_head(model, None, None)
+    rollouts = [r for r in buffer.rollouts if r.num_prompt > 1 and r.tokens.numel() <= 200][:8]
+    assert rollouts
+    k = 3
+    _, count = _survival(head, model, rollouts, k, True, (1.0,))
+    # pairs j = 0..L-2, the last without a target: roots i from num_prompt - 1 to L - k - 2
+    assert int(count) == sum(r.tokens.numel() - k - r.num_prompt for r in rollouts)
+    whole = [dataclasses.replace(r, num_prompt=1) for r in rollouts]
+    _, count_all = _survival(head, model, whole, k, True, (1.0,))
+    assert int(count_all) == int(count) + sum(r.num_prompt - 1 for r in rollouts)
+    late = [dataclasses.replace(r, num_prompt=r.tokens.numel() - k - 1) for r in rollouts]  # one root each
+    assert int(_survival(head, model, late, k, True, (1.0,))[1]) == len(late)
+    with pytest.raises(ValueError, match="too short to score"):
+        _survival(head, model, [dataclasses.replace(r, num_prompt=r.tokens.numel()) for r in rollouts], k, True,
+                  (1.0,))
+
+
 def test_reach_weighs_each_pair_by_the_acceptance_of_its_chain(structured):
     """position_loss "reach" with a floor of 1 weighs every pair 1 (decay with unroll_decay 1); with a small floor,
     step 1's loss is its pairs' losses weighed by the acceptance of their chain's draft 0 (alpha_0)."""
