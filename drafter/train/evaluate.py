@@ -122,11 +122,9 @@ def _survival(head: EagleHead, policy: CausalLM, rollouts: list[Rollout], k: int
                         alpha = torch.minimum(p_draft_vocab, (draft_logits / tau).softmax(-1)).sum(-1)
                     # re-index by chain start i = j - s
                     alphas[i].append(torch.cat([alpha[:, s:], alpha.new_zeros(R, s)], dim=1))
-                ok = loss_mask(batch, s)  # the chain's root is inside the segment
+                ok = loss_mask(batch, s, response_only=True)  # the chain's root is in the segment's response
                 valid.append(torch.cat([ok[:, s:], ok.new_zeros(R, s)], dim=1))
             chain_ok = torch.stack(valid).all(0)  # (R, T-1): every draft step of the chain has its target
-            if batch.response_start is not None:  # and its root is where decoding drafts: not inside the prompt
-                chain_ok &= batch.positions[:, :-1] >= batch.response_start[:, :-1]
             for i in range(n):
                 survive = torch.stack(alphas[i]).cumprod(0)  # (k, R, T-1): the first m drafts all accepted
                 total[i] += torch.where(chain_ok, survive, 0.0).sum((1, 2))  # (k,); no mask indexing: no sync

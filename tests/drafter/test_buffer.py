@@ -305,3 +305,24 @@ def test_load_rejects_a_broken_file_and_adds_nothing(tmp_path):
         with pytest.raises(ValueError, match=name):
             target.load(tmp_path / f"{name}.safetensors")
         assert len(target) == 0
+
+
+def test_response_only_chains_start_at_the_prompts_last_pair_and_keep_the_prompt_as_context():
+    from drafter.train.buffer import Rollout
+    from drafter.train.unroll import loss_mask
+
+    lengths, prompts = (40, 25, 300), (10, 1, 30)  # the 300-token one is cut into chunks of 128 pairs
+    rollouts = [Rollout(torch.arange(n, dtype=torch.int32), torch.randn(n - 1, 8), 0, p)
+                for n, p in zip(lengths, prompts)]
+    batches = list(iter_batches(rollouts, 128, 8, shuffle=False))
+    assert len(batches) == 1
+    batch = batches[0]
+    # pairs j = 0..L-2, the last of each chunk without a target; a response root j >= num_prompt - 1
+    everywhere, responses = loss_mask(batch, 0), loss_mask(batch, 0, response_only=True)
+    assert int(everywhere.sum()) == (40 - 2) + (25 - 2) + (299 - 3)  # three chunks: three last pairs
+    assert int(responses.sum()) == int(everywhere.sum()) - (10 - 1) - (30 - 1)
+    assert bool((batch.positions[:, :-1][responses] >= batch.response_start[:, :-1][responses]).all())
+    for s in (1, 3):  # step s trains pair j only if its chain's root j - s is a response root
+        roots, trained = batch.positions[:, :-1] - s, loss_mask(batch, s, response_only=True)
+        assert bool((roots[trained] >= batch.response_start[:, :-1][trained]).all())
+        assert int(loss_mask(batch, s, True).sum()) < int(loss_mask(batch, s).sum())
