@@ -32,7 +32,7 @@ from tests.deploy.promql import ROOT, RULES, dashboard, panel_exprs, rules, subs
 from tests.waiting import until
 from workers.redis_server import PrivateRedis, free_port
 
-SPEC = {"num_steps": 10, "num_prompts_per_step": 3, "group_size": 4, "max_new_tokens": 300, "num_workers": 2,
+SPEC = {"num_steps": 10, "num_prompts_per_step": 3, "group_size": 4, "max_new_tokens": 600, "num_workers": 2,
         "draft_k": 2, "speculation": "always"}
 ARTIFACTS = ROOT / "artifacts"
 
