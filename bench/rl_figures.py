@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from scheduler.served import accepted_by_bucket, bucket_rates, by_edge, tail_accepted_length
+from scheduler.served import accepted_by_bucket, bucket_rates, by_edge, k_rates, tail_accepted_length
 
 ARMS = {"a": "plain", "b": "frozen", "c": "tlt"}
 # a bucket counts in min_bucket_ratio_vs_plain once both arms decoded in it this long (seconds, all steps)
@@ -153,6 +153,8 @@ def figures(runs: dict[str, list[dict]]) -> dict:
         "bucket_ratio_vs_plain": {ARMS[arm]: r for arm, r in ratios.items()},
         "bucket_tokens_per_s": {ARMS[arm]: {k: v[0] for k, v in bucket_rates(steps[arm]).items()} for arm in runs},
         "accepted_length_by_bucket": {ARMS[arm]: accepted_by_bucket(steps[arm]) for arm in runs},
+        # each k's own tokens/s per worker where it served ({bucket: {k: [tokens/s, steps]}}): what the tuner chose from
+        "k_tokens_per_s_by_bucket": {ARMS[arm]: k_rates(steps[arm]) for arm in runs},
         "rollout_share_of_step": {ARMS[arm]: total(arm, rollout) / total(arm, step_seconds) for arm in runs},
         "num_draft_versions_published": sum(len(s.get("draft_versions_published", [])) for s in steps["c"]),
         "per_step_mean": {ARMS[arm]: {

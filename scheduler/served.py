@@ -1,6 +1,6 @@
 """What a job's steps served per live-batch bucket, from their step records (GET /v1/jobs/{id}/steps'
-bucket_served: {bucket: {k: [tokens, steps, rows]}}): pure arithmetic over JSON, shared by `tlt demo` and
-`tlt bench rl` (bench.rl_figures)."""
+bucket_served: {bucket: {k: [tokens, steps, rows, seconds]}}; records from before seconds were kept end at rows):
+pure arithmetic over JSON, shared by `tlt demo` and `tlt bench rl` (bench.rl_figures)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ def served_sums(steps: list[dict], drafting_only: bool = False) -> dict[str, lis
     acc: dict[str, list[float]] = {}
     for s in steps:
         for name, by_k in s.get("bucket_served", {}).items():
-            for k, (tokens, _steps, rows) in by_k.items():
+            for k, counts in by_k.items():
                 if drafting_only and int(k) == 0:
                     continue
                 a = acc.setdefault(name, [0.0, 0.0])
-                a[0], a[1] = a[0] + tokens, a[1] + rows
+                a[0], a[1] = a[0] + counts[0], a[1] + counts[2]
     return acc
 
 
@@ -49,6 +49,20 @@ def bucket_rates(steps: list[dict]) -> dict[str, tuple[float, float]]:
             a = acc.setdefault(name, [0.0, 0.0])
             a[0], a[1] = a[0] + tokens, a[1] + seconds
     return {name: (t / s, s) for name, (t, s) in acc.items() if s > 0}
+
+
+def k_rates(steps: list[dict]) -> dict[str, dict[str, list[float]]]:
+    """{bucket: {k: [tokens/s, steps]}} over the steps' bucket_served: each draft length's own rate where it served
+    (worker-seconds; records without seconds are left out), what the adaptive tuner chose between."""
+    acc: dict[str, dict[str, list[float]]] = {}
+    for s in steps:
+        for name, by_k in s.get("bucket_served", {}).items():
+            for k, counts in by_k.items():
+                if len(counts) > 3:
+                    a = acc.setdefault(name, {}).setdefault(k, [0.0, 0.0, 0])
+                    a[0], a[1], a[2] = a[0] + counts[0], a[1] + counts[3], a[2] + counts[1]
+    return {name: {k: [t / sec, n] for k, (t, sec, n) in sorted(by_k.items(), key=lambda kv: int(kv[0])) if sec > 0}
+            for name, by_k in sorted(acc.items(), key=by_edge)}
 
 
 def tail_tokens_per_s(steps: list[dict]) -> float | None:

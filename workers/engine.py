@@ -65,9 +65,9 @@ class Completion:
     # this batch's decoding per live-batch-size bucket, whatever k served: {"1": [tokens, seconds], ...}; the
     # same dict on every completion of a batch (speculation is judged against plain decoding per bucket)
     bucket_throughput: dict[str, list[float]] = field(default_factory=dict)
-    # this batch's steps per live-batch-size bucket and draft length served: {"1": {"2": [tokens, steps, rows]}}
-    # (rows: live rows summed over the steps, so tokens / rows is the accepted length); the same dict on every
-    # completion of a batch ({} from an engine that does not count them)
+    # this batch's steps per live-batch-size bucket and draft length served: {"1": {"2": [tokens, steps, rows,
+    # seconds]}} (rows: live rows summed over the steps, so tokens / rows is the accepted length, tokens / seconds
+    # its rate); the same dict on every completion of a batch ({} from an engine that does not count them)
     bucket_served: dict[str, dict[str, list[float]]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -91,15 +91,16 @@ def bucket_deltas(meter, before: dict[str, tuple[float, float]]) -> dict[str, li
     return {name: ts for name, ts in deltas.items() if ts[1] > 0}
 
 
-def served_deltas(meter, before: dict[str, dict[int, tuple[float, int, int]]]) -> dict[str, dict[str, list[float]]]:
+def served_deltas(meter, before: dict[str, dict[int, tuple[float, int, int, float]]]
+                  ) -> dict[str, dict[str, list[float]]]:
     """Completion.bucket_served: what `meter` (a draft-length chooser) served per bucket and k since its
     bucket_served() was `before`, the (bucket, k) pairs that served no step left out; k as text (JSON keys)."""
     out: dict[str, dict[str, list[float]]] = {}
     for name, by_k in meter.bucket_served().items():
-        for k, (tokens, steps, rows) in by_k.items():
-            t0, s0, r0 = before.get(name, {}).get(k, (0.0, 0, 0))
-            if steps > s0:
-                out.setdefault(name, {})[str(k)] = [tokens - t0, steps - s0, rows - r0]
+        for k, now in by_k.items():
+            then = before.get(name, {}).get(k, (0.0, 0, 0, 0.0))
+            if now[1] > then[1]:
+                out.setdefault(name, {})[str(k)] = [a - b for a, b in zip(now, then)]
     return out
 
 

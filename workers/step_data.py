@@ -56,12 +56,13 @@ def sum_buckets(per_worker) -> dict[str, list[float]]:
 
 
 def sum_served(per_worker) -> dict[str, dict[str, list[float]]]:
-    """{bucket: {k: [tokens, steps, rows]}} summed over the workers' batches (Completion.bucket_served)."""
+    """{bucket: {k: [tokens, steps, rows, seconds]}} summed over the workers' batches (Completion.bucket_served;
+    seconds are worker-seconds: each worker's steps' own)."""
     out: dict[str, dict[str, list[float]]] = {}
     for served in per_worker:
         for name, by_k in served.items():
             for k, counts in by_k.items():
-                acc = out.setdefault(name, {}).setdefault(k, [0.0, 0, 0])
+                acc = out.setdefault(name, {}).setdefault(k, [0.0, 0, 0, 0.0])
                 for i, value in enumerate(counts):
                     acc[i] += value
     return out

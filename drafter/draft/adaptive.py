@@ -200,11 +200,13 @@ class _Meter:
             return {name: {source: tuple(cell) for source, cell in sorted(b.sources.items())}
                     for name, b in self._buckets.items() if b.sources}
 
-    def bucket_served(self) -> dict[str, dict[int, tuple[float, int, int]]]:
-        """{bucket: {k: (tokens, steps, rows)}} over every step so far (cumulative: take differences): what each
-        draft length served and emitted there; tokens / rows is the accepted length per row-forward."""
+    def bucket_served(self) -> dict[str, dict[int, tuple[float, int, int, float]]]:
+        """{bucket: {k: (tokens, steps, rows, seconds)}} over every step so far (cumulative: take differences):
+        what each draft length served and emitted there, and its seconds; tokens / rows is the accepted length per
+        row-forward, tokens / seconds its rate (what the choice of k is judged by, steady steps or not)."""
         with self._lock:
-            return {name: {k: (b.totals[k][0], steps, rows) for k, (steps, rows) in sorted(b.served.items())}
+            return {name: {k: (b.totals[k][0], steps, rows, b.totals[k][1])
+                           for k, (steps, rows) in sorted(b.served.items())}
                     for name, b in self._buckets.items()}
 
     def bucket_totals(self) -> dict[str, tuple[float, float]]:

@@ -132,9 +132,10 @@ def test_each_chooser_counts_the_steps_and_rows_each_k_served_per_bucket():
     tuner.record(3, 0, 3, 0.1)
     tuner.record(4, 1, 7, 0.1)
     tuner.record(4, 1, 7, 0.0)  # no time: neither counted nor learned (as in the tokens/s totals)
-    assert tuner.bucket_served() == {"1": {2: (5.0, 2, 2)}, "3-4": {0: (3.0, 1, 3), 1: (7.0, 1, 4)}}
+    assert tuner.bucket_served() == {"1": {2: (5.0, 2, 2, pytest.approx(0.2))},
+                                     "3-4": {0: (3.0, 1, 3, pytest.approx(0.1)), 1: (7.0, 1, 4, pytest.approx(0.1))}}
     fixed.record(40, 0, 40, 1.0)
-    assert fixed.bucket_served() == {"33+": {0: (40.0, 1, 40)}}  # plain: one token a row
+    assert fixed.bucket_served() == {"33+": {0: (40.0, 1, 40, 1.0)}}  # plain: one token a row
 
 
 def test_the_prior_reads_a_calibrated_score_and_shrinks_with_the_batch():
@@ -202,7 +203,7 @@ def test_each_chooser_counts_what_each_draft_source_served_per_bucket_and_choose
             told.record_sources(batch_size, {"history": (1, k, k), "eagle": (batch_size - 1, k * (batch_size - 1), 0)})
     sources = told.bucket_sources()
     assert blind.bucket_sources() == {} and set(sources) == {"1", "3-4", "5-8"}
-    spec_steps = {name: sum(s for kk, (_, s, _) in by_k.items() if kk) for name, by_k in told.bucket_served().items()}
+    spec_steps = {name: sum(c[1] for kk, c in by_k.items() if kk) for name, by_k in told.bucket_served().items()}
     for name, by_source in sources.items():
         rows, drafted, accepted = by_source["history"]
         assert rows == spec_steps[name] and accepted == drafted > 0  # history: one row a step, every draft accepted

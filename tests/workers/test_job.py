@@ -99,7 +99,8 @@ def test_a_two_step_job_records_its_steps_and_one_result(ray_cluster, private_re
         assert s.bucket_served.keys() == s.bucket_throughput.keys()
         for bucket, by_k in s.bucket_served.items():
             assert sum(c[0] for c in by_k.values()) == s.bucket_throughput[bucket][0]
-            assert all(rows <= tokens <= rows * (int(k) + 1) for k, (tokens, _, rows) in by_k.items())
+            assert all(rows <= tokens <= rows * (int(k) + 1) and seconds > 0
+                       for k, (tokens, _, rows, seconds) in by_k.items())
         assert s.draft_versions_published == []  # no scheduler here: nothing trains, nothing is published
     # each worker runs on its own cores (this box: one each), as many torch threads as cores
     cores = sorted(os.sched_getaffinity(0))

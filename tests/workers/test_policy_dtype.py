@@ -39,11 +39,12 @@ def test_a_bf16_worker_drafts_reports_buckets_syncs_and_trains_float32_heads(dev
     assert all(o["bucket_served"] == served for o in out) and r.engine.stats().num_draft_tokens > 0
     assert set(served) == set(throughput)  # the same steps, counted by k as well
     for bucket, by_k in served.items():
-        assert sum(t for t, _, _ in by_k.values()) == pytest.approx(throughput[bucket][0])
-        for k, (tokens, steps, rows) in by_k.items():
+        assert sum(c[0] for c in by_k.values()) == pytest.approx(throughput[bucket][0])
+        assert sum(c[3] for c in by_k.values()) == pytest.approx(throughput[bucket][1])  # the same seconds, by k
+        for k, (tokens, steps, rows, _) in by_k.items():
             assert 0 <= int(k) <= spec.draft_k and steps >= 1 and rows >= steps
             assert rows <= tokens <= rows * (int(k) + 1)  # each live row emits 1..k+1 tokens a step
-    assert sum(t for by_k in served.values() for t, _, _ in by_k.values()) == sum(len(o["token_ids"]) for o in out)
+    assert sum(c[0] for by_k in served.values() for c in by_k.values()) == sum(len(o["token_ids"]) for o in out)
     assert sum_served([served, served]) == {b: {k: [2 * c for c in v] for k, v in by_k.items()}
                                             for b, by_k in served.items()}
 

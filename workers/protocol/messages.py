@@ -90,8 +90,9 @@ class StepRecord(Message):
     # live-batch bucket -> [tokens, seconds] decoded in it this step, summed over workers (whatever k served)
     bucket_throughput: dict = field(default_factory=dict)
     reward_std: float = 0.0  # of the step's rollouts' rewards (the reward's standard error is std / sqrt(n))
-    # live-batch bucket -> {k served: [tokens, steps, rows]}, summed over workers: what each draft length served
-    # there (rows: live rows summed over its steps; tokens / rows is the accepted length, 1.0 for plain)
+    # live-batch bucket -> {k served: [tokens, steps, rows, seconds]}, summed over workers: what each draft length
+    # served there (rows: live rows summed over its steps; tokens / rows is the accepted length, 1.0 for plain;
+    # seconds: worker-seconds, so tokens / seconds is a worker's rate at that k)
     bucket_served: dict = field(default_factory=dict)
     # draft versions that entered the job's served store since the previous step's record (the warm draft,
     # published before step 0, is not one of them)
