@@ -39,7 +39,6 @@ def tail_accepted_length(steps: list[dict]) -> float | None:
     return sum(t for t, _ in sums) / rows if rows > 0 else None
 
 
-
 def bucket_rates(steps: list[dict]) -> dict[str, tuple[float, float]]:
     """{live-batch bucket: (tokens/s, seconds decoded)} over the steps' bucket_throughput ({bucket: [tokens,
     seconds]}, summed over workers)."""
