@@ -21,6 +21,7 @@ from pathlib import Path
 from bench.record import ROOT
 
 BUILDER = ROOT / "deploy" / "bundle.py"
+TRANSFER = ROOT / "deploy" / "transfer.py"
 GGUF = "model/SmolLM2-135M-Instruct.Q4_1.gguf"
 GOAL_MAX_PARTS = 4  # issue 40: files reach the GPU nodes in transfers of at most about 60 MB
 GOAL_MAX_PART_BYTES = 60_000_000
@@ -67,8 +68,20 @@ def run(args: argparse.Namespace) -> dict:
         "goal": {"max_parts": GOAL_MAX_PARTS, "max_part_bytes": GOAL_MAX_PART_BYTES, "gguf_included": True},
         "goal_met": (len(part_bytes) <= GOAL_MAX_PARTS and max(part_bytes) <= GOAL_MAX_PART_BYTES
                      and GGUF in files),
+        "transfer": transfer_fit(Path(f"{out}-parts")),
         "seconds": seconds,
     }
+
+
+def transfer_fit(parts_dir: Path) -> dict:
+    """deploy/transfer.py's fit of these parts beside this tree in a lent machine's calls (a script of the
+    checkout, as the builder is)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tlt_transfer", TRANSFER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.fit(parts_dir, ROOT) | {"limit_bytes": module.TRANSFER_LIMIT}
 
 
 def summary(result: dict) -> list[str]:
@@ -80,4 +93,15 @@ def summary(result: dict) -> list[str]:
             f"{result['parts_total_bytes'] / 1e6:.1f} MB in all ({result['bundle_bytes'] / 1e6:.1f} MB unpacked), "
             f"GGUF {'in' if result['gguf_included'] else 'left out'}; the node provides "
             f"{result['num_provided_by_node']} + {result['num_excluded']} (torch and CUDA); goal "
-            f"{'met' if result['goal_met'] else 'NOT met'} (<= {GOAL_MAX_PARTS} parts of <= 60 MB with the GGUF)"]
+            f"{'met' if result['goal_met'] else 'NOT met'} (<= {GOAL_MAX_PARTS} parts of <= 60 MB with the GGUF)",
+            transfer_line(result.get("transfer"))]
+
+
+def transfer_line(transfer: dict | None) -> str:
+    if not transfer:
+        return "bundle: no transfer fit recorded"
+    tree = f"the tree ({transfer['tree_bytes'] / 1e6:.1f} MB)"
+    if transfer["fits"]:
+        return f"bundle: a lent machine takes these parts in {transfer['calls']} calls, each with {tree}"
+    return (f"bundle: these parts do not fit a lent machine's calls beside {tree}; parts of "
+            f"{transfer['room_bytes'] // 10**6}M would, in {transfer['calls_at_fitting_split']} calls")

@@ -3,8 +3,9 @@
 # and no internet, from the offline bundle's parts (docs/operations.md, "RL on one GPU: bench/gpu_rl.sh").
 #
 #   sh bench/gpu_rl.sh prepare [PARTS_DIR]   here: one folder per transfer, dist/gpu-rl/1..N, each holding one
-#                                            part of `make bundle ... SPLIT=60M` (PARTS_DIR, default
-#                                            dist/bundle-parts) with parts.json and unpack.py
+#                                            part of `make bundle ... SPLIT=43M` (PARTS_DIR, default
+#                                            dist/bundle-parts) with parts.json and unpack.py; refuses parts
+#                                            that do not fit a call beside the tree (the tree travels with each)
 #   sh bench/gpu_rl.sh node DIR              on the node, once per folder, in order: keeps DIR's part in
 #                                            $TLT_PARTS (default /tmp/tlt-parts, outside the tree: it survives
 #                                            between calls while the machine is held) and says which are still to
@@ -23,13 +24,16 @@
 #   RL_BENCH     the bench's device and size (default "--device cuda --size gpu"; the CPU test of this script
 #                runs "--device cpu --size smallest")
 #   TLT_CARRY    where prepare lays out the folders (default dist/gpu-rl: ignored by git, as a carry must be)
+#   TLT_TRANSFER_LIMIT  the bytes one call carries, the tree included (default 67108864: a lent machine's 64 MiB)
 set -eu
 die() { echo "gpu_rl.sh: $*" >&2; exit 1; }
 
 prepare() {
   parts=${1:-dist/bundle-parts}
-  [ -f "$parts/parts.json" ] || die "no parts.json in $parts: build the parts first (make bundle ... SPLIT=60M)"
+  [ -f "$parts/parts.json" ] || die "no parts.json in $parts: build the parts first (make bundle ... SPLIT=43M)"
   carry=${TLT_CARRY:-dist/gpu-rl}
+  # a call carries the whole tree beside its folder, within the limit (deploy/transfer.py)
+  python3 deploy/transfer.py "$parts" ${TLT_TRANSFER_LIMIT:+--limit "$TLT_TRANSFER_LIMIT"} || exit 1
   rm -rf "$carry"
   names=$(python3 -c 'import json, sys; print(" ".join(p["name"] for p in json.load(open(sys.argv[1]))["parts"]))' \
     "$parts/parts.json")
