@@ -26,7 +26,13 @@ import time
 from drafter.draft.adaptive import bucket_low_edge
 from scheduler.client import call
 from scheduler.policy import PolicySettings
-from scheduler.served import MAX_TAIL_BUCKET, accepted_by_bucket, tail_accepted_length, tail_tokens_per_s
+from scheduler.served import (
+    MAX_TAIL_BUCKET,
+    accepted_by_bucket,
+    tail_accepted_length,
+    tail_k_rates,
+    tail_tokens_per_s,
+)
 from workers.protocol.states import TERMINAL_JOB_STATES, JobState, WorkerState
 
 NUM_STEPS = 2
@@ -189,6 +195,11 @@ def summarize(url: str, jobs: dict[str, dict]) -> bool:
         say(f"decoding in the tail (<= {MAX_TAIL_BUCKET} live rows), tokens/s per worker: TLT off {rates[0]:.1f}, "
             f"TLT on {rates[1]:.1f} (ratio {rates[1] / rates[0]:.2f}): a rate, which does not depend on how long the "
             "two jobs' samples happened to be")
+    by_k = tail_k_rates(steps["TLT on"])
+    if by_k:
+        say("  TLT on in the tail by draft length k, tokens/s per worker (worker-seconds): "
+            + ", ".join(f"k={k} {rate:.1f} ({sec:.1f} s)" for k, (rate, sec) in by_k.items())
+            + ": what the adaptive choice of k weighed (k=0: plain steps of the same job)")
     for line in rollout_verdict([s["timings"].get("rollout", 0.0) for s in steps["TLT off"]],
                                 [s["timings"].get("rollout", 0.0) for s in steps["TLT on"]],
                                 [s["mean_accepted_length"] for s in steps["TLT on"]],

@@ -4,6 +4,8 @@ pure arithmetic over JSON, shared by `tlt demo` and `tlt bench rl` (bench.rl_fig
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from drafter.draft.adaptive import bucket_low_edge
 
 MAX_TAIL_BUCKET = 4  # the tail's buckets: at most this many live rows (issue 40's "buckets of <= 4 live rows")
@@ -14,16 +16,22 @@ def by_edge(item: tuple[str, object]) -> int:
     return bucket_low_edge(item[0])
 
 
+def served_cells(steps: list[dict]) -> Iterator[tuple[str, int, list[float]]]:
+    """(bucket, k, cell) over the steps' bucket_served cells ([tokens, steps, rows, seconds]; older records end at
+    rows)."""
+    for s in steps:
+        for name, by_k in s.get("bucket_served", {}).items():
+            for k, cell in by_k.items():
+                yield name, int(k), cell
+
+
 def served_sums(steps: list[dict], drafting_only: bool = False) -> dict[str, list[float]]:
     """{bucket: [tokens, rows]} over the steps' bucket_served (StepRecord.bucket_served), every k or k > 0 only."""
     acc: dict[str, list[float]] = {}
-    for s in steps:
-        for name, by_k in s.get("bucket_served", {}).items():
-            for k, counts in by_k.items():
-                if drafting_only and int(k) == 0:
-                    continue
-                a = acc.setdefault(name, [0.0, 0.0])
-                a[0], a[1] = a[0] + counts[0], a[1] + counts[2]
+    for name, k, cell in served_cells(steps):
+        if k > 0 or not drafting_only:
+            a = acc.setdefault(name, [0.0, 0.0])
+            a[0], a[1] = a[0] + cell[0], a[1] + cell[2]
     return acc
 
 
@@ -53,15 +61,24 @@ def bucket_rates(steps: list[dict]) -> dict[str, tuple[float, float]]:
 def k_rates(steps: list[dict]) -> dict[str, dict[str, list[float]]]:
     """{bucket: {k: [tokens/s, steps]}} over the steps' bucket_served: each draft length's own rate where it served
     (worker-seconds; records without seconds are left out), what the adaptive tuner chose between."""
-    acc: dict[str, dict[str, list[float]]] = {}
-    for s in steps:
-        for name, by_k in s.get("bucket_served", {}).items():
-            for k, counts in by_k.items():
-                if len(counts) > 3:
-                    a = acc.setdefault(name, {}).setdefault(k, [0.0, 0.0, 0])
-                    a[0], a[1], a[2] = a[0] + counts[0], a[1] + counts[3], a[2] + counts[1]
-    return {name: {k: [t / sec, n] for k, (t, sec, n) in sorted(by_k.items(), key=lambda kv: int(kv[0])) if sec > 0}
+    acc: dict[str, dict[int, list[float]]] = {}
+    for name, k, cell in served_cells(steps):
+        if len(cell) > 3:
+            a = acc.setdefault(name, {}).setdefault(k, [0.0, 0.0, 0])
+            a[0], a[1], a[2] = a[0] + cell[0], a[1] + cell[3], a[2] + cell[1]
+    return {name: {str(k): [t / sec, n] for k, (t, sec, n) in sorted(by_k.items()) if sec > 0}
             for name, by_k in sorted(acc.items(), key=by_edge)}
+
+
+def tail_k_rates(steps: list[dict]) -> dict[int, tuple[float, float]]:
+    """{k: (tokens/s, worker-seconds)} of each draft length over the tail's buckets (at most MAX_TAIL_BUCKET live
+    rows): what speculating in the tail paid against plain steps there, the same job's own comparison."""
+    acc: dict[int, list[float]] = {}
+    for name, k, cell in served_cells(steps):
+        if len(cell) > 3 and bucket_low_edge(name) <= MAX_TAIL_BUCKET:
+            a = acc.setdefault(k, [0.0, 0.0])
+            a[0], a[1] = a[0] + cell[0], a[1] + cell[3]
+    return {k: (t / sec, sec) for k, (t, sec) in sorted(acc.items()) if sec > 0}
 
 
 def tail_tokens_per_s(steps: list[dict]) -> float | None:
