@@ -8,10 +8,10 @@ into the output projections (in-place addmm_), 18 top-level ops per layer at one
 path's up to float rounding (greedy tokens identical: tests/drafter/test_static.py).
 
 Cache layout: (L, B, 2*Hkv, 1, S, D), keys then values: each KV head stored once. SDPA's fused CUDA kernels
-take an attention mask only without enable_gqa (with it they fall back to the unfused math path), so on a
-GPU the G = H / Hkv query heads of a group are folded into the query length instead (q (B, Hkv, G*T, D)
-against the group's one K/V head, the mask repeated per group: `fold_groups`), as flash-decoding does; a
-CPU's SDPA kernel groups heads itself (enable_gqa) under a mask.
+take an attention mask only without enable_gqa (with it they fall back to the unfused math path), so the
+G = H / Hkv query heads of a group are folded into the query length instead (q (B, Hkv, G*T, D) against the
+group's one K/V head, the mask repeated per group: `fold_groups`), as flash-decoding does. A CPU's flash kernel
+takes enable_gqa under a mask, but folded is faster there too (FOLD_GROUPS).
 
 Rows 0..B-1 of the cache are the live sequences, in the engine's order; rows past them are scratch that
 padded rows of a bucket write into. Graph outputs live in shared buffers valid until the next forward.
@@ -30,6 +30,11 @@ from drafter.model.config import ModelConfig
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # past 128: multiples of 64
 MIN_SLOTS = 64  # slot buckets are powers of two from here (a multiple of 16: SDPA's mask alignment)
 MAX_GRAPH_TOKENS = 16  # forwards of more tokens per row (a verify of k > 15) run uncaptured, as prefills do
+# fold each KV group's query heads into the query length on every device (attend). On a CPU (AMD EPYC, one
+# thread, torch 2.13; SmolLM2's 9 heads over 3 KV heads, 4 rows, 512 slots) SDPA with enable_gqa took 241 us
+# at 1 query token and 632 us at 5 in float32, folded 223 and 445; in bfloat16 2,004 and 834 us, folded 283 and
+# 500: the CPU's flash kernel splits work by query rows, which one token per head leaves too few of
+FOLD_GROUPS = True
 
 
 @dataclass
@@ -123,7 +128,7 @@ def attend(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotate: t
            mask: torch.Tensor, heads: tuple[int, int, int], fold_groups: bool | None = None) -> torch.Tensor:
     """One attention over a static cache layer: qkv (B*T, NH*D) fused projections -> (B*T, H*D). Rotary on
     q and k (v passes through), K/V written at `positions`, SDPA over `keys`/`values` (views of cache_l, one
-    head per KV group). fold_groups: fold each group's query heads into the query length (None: on CUDA);
+    head per KV group). fold_groups: fold each group's query heads into the query length (None: FOLD_GROUPS);
     `mask` may come folded already (B, 1, G*T, S), else it is folded here."""
     H, Hkv, D = heads
     B, T = positions.shape
@@ -132,14 +137,17 @@ def attend(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotate: t
     qkv = torch.addcmul(qkv * cos, qkv @ rotate, sin)  # x cos + rotate_half(x) sin
     q, kv = qkv.split((H, 2 * Hkv), dim=2)  # (B, T, H, 1, D), (B, T, 2Hkv, 1, D)
     torch.ops.aten.index_put_(cache_l, [rows, None, None, positions], kv)  # one write per layer: (B, T, 2Hkv, 1, D)
-    q = q.view(B, H, 1, D) if T == 1 else q.squeeze(3).transpose(1, 2)  # (B, H, T, D)
     G = H // keys.shape[1]
-    if G > 1 and (qkv.is_cuda if fold_groups is None else fold_groups):
+    if G > 1 and (FOLD_GROUPS if fold_groups is None else fold_groups):
         # query head h = j*G + g reads KV head j: (B, H, T, D) -> (B, Hkv, G*T, D), one fused kernel with a mask
         mask = mask if mask.shape[2] == G * T else fold_mask(mask, G)
-        out = F.scaled_dot_product_attention(q.reshape(B, H // G, G * T, D), keys, values, attn_mask=mask)
-        out = out.view(B, H, T, D)
+        if T == 1:  # as many ops as unfolded: the views differ only in shape
+            out = F.scaled_dot_product_attention(q.view(B, H // G, G, D), keys, values, attn_mask=mask)
+            return out.view(B, H * D)
+        q = q.squeeze(3).transpose(1, 2).reshape(B, H // G, G * T, D)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).view(B, H, T, D)
     else:
+        q = q.view(B, H, 1, D) if T == 1 else q.squeeze(3).transpose(1, 2)  # (B, H, T, D)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=G > 1)  # (B, H, T, D)
     return out.view(B, H * D) if T == 1 else out.transpose(1, 2).reshape(B * T, H * D)
 
@@ -186,7 +194,7 @@ class StaticCache:
 
     def __init__(self, cfg: ModelConfig, num_layers: int, max_batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        # each KV head once (attend folds a group's query heads on a GPU; a CPU's SDPA groups them itself)
+        # each KV head once (attend folds a group's query heads into the query length)
         self.kv = torch.zeros(num_layers, max_batch, 2 * cfg.num_kv_heads, 1, max_len, cfg.head_dim,
                               dtype=dtype, device=device)  # (L, B, 2Hkv, 1, S, D)
         self.lens = torch.zeros(0, dtype=torch.long, device=device)
@@ -291,10 +299,10 @@ class StaticRunner:
         if views is None:
             views = self._views[B, num_slots] = self.cache.layer_views(B, num_slots)
         cos, sin = self._rope(positions)
-        # additive mask (B, 1, T, S): 0 where slot <= position, -inf elsewhere (padding slots included); on a GPU
-        # folded once here for every layer's grouped heads (attend)
+        # additive mask (B, 1, T, S): 0 where slot <= position, -inf elsewhere (padding slots included); folded
+        # once here for every layer's grouped heads (attend)
         mask = additive_mask(self.slot_ids[:num_slots], positions, model.dtype)
-        if ids.is_cuda and Hkv < H:
+        if FOLD_GROUPS and Hkv < H:
             mask = fold_mask(mask, H // Hkv)
         rows = self.rows[:B].view(B, 1)
         onednn = self.onednn and not torch.is_grad_enabled()

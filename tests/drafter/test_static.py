@@ -182,9 +182,9 @@ def test_static_drafter_top_k_top_p_and_swaps(device):
 
 
 def test_folding_a_groups_query_heads_equals_grouped_attention(device):
-    """A GPU folds the G query heads of a KV group into the query length (one KV head stored, SDPA's fused kernel
-    under a repeated mask); a CPU groups them in SDPA (enable_gqa). Both read the same cache and agree, at one
-    token and at a verify's five."""
+    """The static path folds the G query heads of a KV group into the query length (one KV head stored, SDPA's
+    fused kernel under a repeated mask) on every device; SDPA's own grouping (enable_gqa) reads the same cache and
+    agrees, at one token and at a verify's five."""
     torch.manual_seed(0)
     H, Hkv, D, B, S = 6, 2, 8, 3, 64
     cache = torch.zeros(B, 2 * Hkv, 1, S, D, device=device)
