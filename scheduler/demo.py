@@ -29,8 +29,8 @@ from scheduler.policy import PolicySettings
 from scheduler.served import (
     MAX_TAIL_BUCKET,
     accepted_by_bucket,
+    k_rates,
     tail_accepted_length,
-    tail_k_rates,
     tail_tokens_per_s,
 )
 from workers.protocol.states import TERMINAL_JOB_STATES, JobState, WorkerState
@@ -195,11 +195,9 @@ def summarize(url: str, jobs: dict[str, dict]) -> bool:
         say(f"decoding in the tail (<= {MAX_TAIL_BUCKET} live rows), tokens/s per worker: TLT off {rates[0]:.1f}, "
             f"TLT on {rates[1]:.1f} (ratio {rates[1] / rates[0]:.2f}): a rate, which does not depend on how long the "
             "two jobs' samples happened to be")
-    by_k = tail_k_rates(steps["TLT on"])
-    if by_k:
-        say("  TLT on in the tail by draft length k, tokens/s per worker (worker-seconds): "
-            + ", ".join(f"k={k} {rate:.1f} ({sec:.1f} s)" for k, (rate, sec) in by_k.items())
-            + ": what the adaptive choice of k weighed (k=0: plain steps of the same job)")
+    line = tail_k_line(steps["TLT on"])
+    if line:
+        say(line)
     for line in rollout_verdict([s["timings"].get("rollout", 0.0) for s in steps["TLT off"]],
                                 [s["timings"].get("rollout", 0.0) for s in steps["TLT on"]],
                                 [s["mean_accepted_length"] for s in steps["TLT on"]],
@@ -251,6 +249,18 @@ def rollout_verdict(off_s: list[float], on_s: list[float], accepted: list[float]
         lines.append(f"  rollout speed-up {r_off / r_on:.2f}x, beyond the run-to-run noise ({noise:.0%} spread "
                      "between the TLT-off job's steps)")
     return lines
+
+
+def tail_k_line(steps: list[dict]) -> str | None:
+    """The TLT-on job's decoding rate per draft length in each tail bucket (scheduler.served.k_rates), or None
+    where its records hold none: what the adaptive choice of k weighed there."""
+    tail = {name: by_k for name, by_k in k_rates(steps).items() if bucket_low_edge(name) <= MAX_TAIL_BUCKET}
+    if not tail:
+        return None
+    return ("  TLT on in the tail, tokens/s per worker by live-batch bucket and draft length k (steps): "
+            + "; ".join(f"{name}: " + ", ".join(f"k={k} {rate:.1f} ({n})" for k, (rate, n) in by_k.items())
+                        for name, by_k in tail.items())
+            + ": what the adaptive choice of k weighed (k=0: plain steps of the same job)")
 
 
 def run_demo() -> int:

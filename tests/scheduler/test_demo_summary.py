@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler.demo import rollout_verdict
+from scheduler.demo import rollout_verdict, tail_k_line
 
 
 def test_a_speed_up_the_drafter_caused_and_larger_than_the_noise_is_claimed():
@@ -61,3 +61,12 @@ def test_the_demo_reads_the_warm_draft_workers_warm_caches_then_the_shipped_one(
         assert ensure_warm_draft("smollm2-135m", "longtail") == str(folder / "draft-v000001.safetensors")
         said = capsys.readouterr().out
         assert f"k=2,3,4 on held-out longtail prompts: {', '.join(f'{a:.2f}' for a in acceptance)}" in said
+
+
+def test_the_tail_line_gives_each_draft_lengths_rate_per_tail_bucket_and_leaves_the_bulk_out():
+    steps = [{"bucket_served": {"1": {"0": [10, 10, 10, 1.0], "2": [30, 10, 10, 1.5]},
+                                "3-4": {"1": [40, 8, 32, 2.0]}, "9-16": {"0": [100, 10, 100, 2.0]}}}]
+    line = tail_k_line(steps)
+    assert "1: k=0 10.0 (10), k=2 20.0 (10); 3-4: k=1 20.0 (8):" in line and "9-16" not in line
+    assert tail_k_line([{"bucket_served": {"9-16": {"0": [100, 10, 100, 2.0]}}}]) is None
+    assert tail_k_line([{"bucket_served": {"1": {"2": [30, 10, 10]}}}]) is None  # no seconds kept: no rate

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.served import accepted_by_bucket, k_rates, tail_accepted_length, tail_k_rates, tail_tokens_per_s
+from scheduler.served import accepted_by_bucket, k_rates, tail_accepted_length, tail_tokens_per_s
 
 STEPS = [{"bucket_served": {"1": {"0": [10, 10, 10], "2": [30, 10, 10]}, "17-32": {"0": [200, 10, 200]}},
           "bucket_throughput": {"1": [40, 8.0], "3-4": [60, 4.0], "17-32": [200, 2.0]}},
@@ -31,12 +31,3 @@ def test_each_draft_lengths_own_rate_where_it_served():
              {"bucket_served": {"3-4": {"1": [24, 4, 8]}}}]  # a record from before seconds were kept: left out
     assert k_rates(steps) == {"1": {"0": [10.0, 10], "2": [22.5, 15]}, "9-16": {"0": [50.0, 10]}}
     assert k_rates([{}]) == {}
-
-
-def test_each_draft_lengths_rate_in_the_tail_leaves_the_bulk_and_old_records_out():
-    steps = [{"bucket_served": {"1": {"2": [30, 10, 10, 1.5], "0": [10, 10, 10, 1.0]},
-                                "3-4": {"0": [30, 10, 30, 1.0], "2": [20, 2, 4, 1.0]}}},
-             {"bucket_served": {"2": {"2": [15, 5, 10, 0.5]}, "5-8": {"0": [100, 10, 60, 2.0]}}},
-             {"bucket_served": {"1": {"1": [24, 4, 8]}}}]  # a record from before seconds were kept: left out
-    assert tail_k_rates(steps) == {0: pytest.approx((20.0, 2.0)), 2: pytest.approx((65 / 3.0, 3.0))}
-    assert tail_k_rates([{"bucket_served": {"9-16": {"0": [10, 1, 10, 1.0]}}}]) == {}
