@@ -70,17 +70,6 @@ def k_rates(steps: list[dict]) -> dict[str, dict[str, list[float]]]:
             for name, by_k in sorted(acc.items(), key=by_edge)}
 
 
-def tail_k_rates(steps: list[dict]) -> dict[int, tuple[float, float]]:
-    """{k: (tokens/s, worker-seconds)} of each draft length over the tail's buckets (at most MAX_TAIL_BUCKET live
-    rows): what speculating in the tail paid against plain steps there, the same job's own comparison."""
-    acc: dict[int, list[float]] = {}
-    for name, k, cell in served_cells(steps):
-        if len(cell) > 3 and bucket_low_edge(name) <= MAX_TAIL_BUCKET:
-            a = acc.setdefault(k, [0.0, 0.0])
-            a[0], a[1] = a[0] + cell[0], a[1] + cell[3]
-    return {k: (t / sec, sec) for k, (t, sec) in sorted(acc.items()) if sec > 0}
-
-
 def tail_tokens_per_s(steps: list[dict]) -> float | None:
     """Tokens per second a worker decoded while its live batch was in the tail (buckets of at most MAX_TAIL_BUCKET
     rows), from bucket_rates; None if none ran. A rate, so two jobs whose samples differ in length (speculative
