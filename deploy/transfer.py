@@ -36,20 +36,19 @@ def fit(parts_dir: Path, root: Path, limit: int = TRANSFER_LIMIT) -> dict:
     tree = tree_bytes(root)
     extra = sum((parts_dir / f).stat().st_size for f in CARRIED_BESIDE if (parts_dir / f).is_file())
     room = limit - tree - extra
+    split = room // 10**6  # the largest SPLIT in whole M that fits
     biggest = max(sizes)
     error = None
     if room < MIN_PART:
         error = (f"the tree alone ({tree / 1e6:.1f} MB) leaves no room for a part in a call's {limit / 1e6:.1f} MB: "
                  "make the tree smaller")
     elif biggest > room:
-        split = room // 10**6
         error = (f"a call carries the tree ({tree / 1e6:.1f} MB) and one part ({biggest / 1e6:.1f} MB): "
                  f"{(tree + extra + biggest) / 1e6:.1f} MB, over a call's {limit / 1e6:.1f} MB; build parts of at "
                  f"most {split}M (make bundle ... SPLIT={split}M)")
-    fitting = room // 10**6 * 10**6  # the largest SPLIT in whole M that fits
     return {"tree_bytes": tree, "room_bytes": room, "biggest_part_bytes": biggest, "calls": len(sizes),
             "fits": error is None, "error": error,
-            "calls_at_fitting_split": math.ceil(sum(sizes) / fitting) if room >= MIN_PART else None}
+            "calls_at_fitting_split": math.ceil(sum(sizes) / (split * 10**6)) if room >= MIN_PART else None}
 
 
 def main(argv: list[str] | None = None) -> int:
