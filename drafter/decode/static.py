@@ -143,9 +143,9 @@ def attend(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotate: t
         mask = mask if mask.shape[2] == G * T else fold_mask(mask, G)
         if T == 1:  # as many ops as unfolded: the views differ only in shape
             out = F.scaled_dot_product_attention(q.view(B, H // G, G, D), keys, values, attn_mask=mask)
-            return out.view(B, H * D)
+            return out.reshape(B, H * D)  # a GPU kernel may leave the heads strided: reshape copies only then
         q = q.squeeze(3).transpose(1, 2).reshape(B, H // G, G * T, D)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).view(B, H, T, D)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).reshape(B, H, T, D)
     else:
         q = q.view(B, H, 1, D) if T == 1 else q.squeeze(3).transpose(1, 2)  # (B, H, T, D)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=G > 1)  # (B, H, T, D)
