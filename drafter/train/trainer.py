@@ -157,6 +157,7 @@ class DraftTrainer:
         packed = self._packed = self._packed or self._packer.submit(self.next_batch, buffer)
         while not wait([packed], timeout=STOP_POLL_S).done:  # a stop is not kept waiting for the packing
             self._check_stop()
+        self._packed = None  # a packing that failed (a buffer with no target yet) is not the next call's answer
         batch = packed.result()
         self._packed = self._packer.submit(self.next_batch, buffer)
         return batch

@@ -58,7 +58,7 @@ def test_a_second_generate_of_the_same_sizes_captures_and_rebuilds_nothing(model
     engine = Engine(model, static=True)
     drafter = EagleDrafter(model, head, static=True)
     requests = _requests(batch, model.cfg.vocab_size)
-    for k in (0, 4):  # the plain shapes and the speculative ones: first meetings
+    for k in (0, 2, 4):  # the plain shapes and the speculative ones the tuner below serves: first meetings
         engine.generate(requests, k=k, drafter=drafter)
     before = _counts(engine, drafter)
     assert before[1] >= 2  # the runner and the head cache were made (and, on CUDA, graphs captured)

@@ -191,7 +191,7 @@ def test_reach_weighs_each_pair_by_the_acceptance_of_its_chain(structured):
     model, _, buffer, _ = structured
     head = new_head(model, None, None)
     DraftTrainer(model, head, offline_cfg(total_steps=20)).train(buffer, max_steps=20)
-    batch = DraftTrainer(model, head, offline_cfg()).next_batch(buffer)
+    batch = DraftTrainer(model, head, offline_cfg()).next_batch(buffer).to(model.device)  # packed on the host
     flat, _ = draft_loss(head, model, batch, offline_cfg(num_unroll=3, position_loss="decay", unroll_decay=1.0))
     floor1, _ = draft_loss(head, model, batch, offline_cfg(num_unroll=3, position_loss="reach", reach_floor=1.0))
     torch.testing.assert_close(floor1, flat)
@@ -288,7 +288,12 @@ def test_a_stop_during_backward_aborts_the_micro_step_unapplied(structured):
     assert all(torch.equal(v, before[k]) for k, v in head.state_dict().items())
 
 
-def test_train_needs_a_budget_and_data(structured):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_train_needs_a_budget_and_data(structured, ahead):
+    """ahead: the next batch packed in the background, as on a GPU (forced here on every device): a packing that
+    failed on a buffer with no target yet is not the answer of the call after the buffer got one."""
+    from concurrent.futures import ThreadPoolExecutor
+
     model, _, buffer, _ = structured
     trainer = DraftTrainer(model, new_head(model, None, None), offline_cfg())
     with pytest.raises(ValueError, match="max_steps or max_seconds"):
@@ -301,6 +306,7 @@ def test_train_needs_a_budget_and_data(structured):
         short.add(r.tokens[:2], r.hidden[:1], policy_version=0)
     small = offline_cfg(num_rows=1, max_tokens_per_row=8)
     trainer = DraftTrainer(model, new_head(model, None, None), small)
+    trainer._packer = ThreadPoolExecutor(1) if ahead else None
     with pytest.raises(ValueError, match="no pair of the rollout buffer has a target"):
         trainer.train(short, max_steps=1)
     for r in buffer.rollouts[:2]:

@@ -114,8 +114,11 @@ def test_batches_packed_ahead_train_as_batches_packed_in_turn(harvested):
             trainer.train(buffer, max_steps=3)
         assert (trainer._packed is not None) == ahead  # the batch packed for a 7th step waits for the next call
         heads.append(trainer.head)
+    # bitwise on a CPU; on CUDA an atomic-add backward (index_select's) sums in no fixed order, while a batch out
+    # of order would move the weights by about the rate (1e-3)
+    exact = model.device.type == "cpu"
     for a, b in zip(heads[0].parameters(), heads[1].parameters(), strict=True):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=0 if exact else 1e-4, atol=0 if exact else 1e-6)
     assert (DraftTrainer(model, new_head(model, None, None), offline())._packer is not None) == \
         (model.device.type == "cuda")
 
