@@ -32,6 +32,7 @@ from workers.engine import (
     as_tensors,
     bucket_deltas,
     check_batch,
+    request_settings,
     served_deltas,
 )
 from workers.engines import Speculation
@@ -47,8 +48,9 @@ class BuiltinEngine(RolloutEngine):
         self.policy, self.draft_k = policy, spec.draft_k
         self.engine = Engine(policy, tokenizer)
         # version 0: an untrained head, served until the first published version arrives
+        # its own head: each published version is written into it, so the captured draft graphs keep serving
         self.drafter = EagleDrafter(policy, new_head(policy, None, spec.draft_vocab_size), spec.draft_dtype,
-                                    tree=spec.draft_tree)
+                                    tree=spec.draft_tree, own_head=True)
         self.drafter.version = 0
         # what serves the drafts: the head alone, or history and the head per row (the head is fed either way)
         self.history = HistoryDrafter() if spec.history_drafts else None
@@ -100,6 +102,15 @@ class BuiltinEngine(RolloutEngine):
         served = served_deltas(chooser, served_before)
         return [Completion(o.prompt_ids, o.token_ids, o.text, o.finish_reason, o.num_steps, o.num_accepted, version,
                            dict(chosen), buckets, served) for o in outs]
+
+    def warm_up(self, max_rows: int, max_len: int, params: dict, speculation: Speculation,
+                harvest: bool) -> dict:
+        """Engine.warm_up over the draft lengths `speculation`'s chooser may serve, with the serving drafter: on a
+        GPU every CUDA graph of the job's batch buckets captured before its first rollout (nothing on a CPU)."""
+        sampling, _ = request_settings(params, (), has_tokenizer=True)
+        ks = self.choosers[check_batch([], [], speculation)].arms  # (0,) for plain
+        return self.engine.warm_up(max_rows, max_len, tuple(ks), sampling, self.serving if any(ks) else None,
+                                   record_hidden=harvest, aux_layers=self.drafter.aux_layers)
 
     def install_draft(self, version: int, state: dict[str, Any], head_config: dict,
                       accepted_length: float = 0.0) -> None:

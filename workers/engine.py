@@ -132,6 +132,14 @@ class RolloutEngine(ABC):
         keeps what it measured across batches. `harvest_into`: add the batch's (token, policy hidden state)
         training pairs to this buffer, tagged with the policy version."""
 
+    def warm_up(self, max_rows: int, max_len: int, params: dict, speculation: Speculation,
+                harvest: bool) -> dict:
+        """Before the job's first batch: meet the shapes its batches will (at most max_rows rows of at most max_len
+        tokens, sampled by `params` as generate's, drafting as `speculation`, harvesting or not), so that no
+        rollout pays for them. Returns what it took ({"seconds": ...}); an engine that prepares itself when it
+        starts (vLLM and SGLang capture their graphs then) has nothing to do."""
+        return {"seconds": 0.0}
+
     @abstractmethod
     def install_draft(self, version: int, state: dict[str, Any], head_config: dict,
                       accepted_length: float = 0.0) -> None:

@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 NUM_THREADS = 1  # torch threads per worker: several workers share a CPU box, each pinned to its own cores
 BUFFER_BYTES = 256 << 20  # harvested pairs kept per worker: ~2 steps of SmolLM2 rollouts in bf16
 BUFFER_DTYPE = torch.bfloat16  # the features' dtype in the buffer: half float32's bytes, what the trainer reads
+# the prompt tokens a worker's engine is prepared for, beside JobSpec.max_new_tokens (RolloutEngine.warm_up): a
+# longer prompt only costs its batch a larger cache (and, on a GPU, captures again)
+WARM_PROMPT_TOKENS = 256
 
 
 def build_engine(spec: JobSpec, loaded: LoadedModel, num_threads: int) -> RolloutEngine:
@@ -72,6 +75,26 @@ class RolloutRunner:
         self.swapper = Swapper(self.engine, self.served, self.status, spec)
         self.leases = LeaseRunner(spec, redis, self.policy, self.buffer, self.served, self.copies, self.status)
         self.scorer = Scorer(spec, redis, self.policy, self.buffer, self.served, self.copies, self.status)
+        self.warm_up = self._warm_up()
+
+    def _warm_up(self) -> dict:
+        """The engine prepared for the job's batches (on a GPU: its CUDA graphs captured) before the first
+        rollout, so that no RL step pays for it: this worker's rows (its share of a step's groups, as
+        workers.step_data.assign deals them) of up to WARM_PROMPT_TOKENS + max_new_tokens tokens."""
+        spec = self.spec
+        rows = -(-spec.num_prompts_per_step // spec.num_workers) * spec.group_size
+        harvest = spec.trains_drafter and self.harvests
+        try:
+            out = self.engine.warm_up(rows, WARM_PROMPT_TOKENS + spec.max_new_tokens,
+                                      {"temperature": spec.temperature}, self.speculation, harvest)
+        except Exception as exc:  # a speed-up only: the batches then meet their shapes as they come
+            log.exception("job %s: worker %s: the engine's warm-up failed; going on without it", self.job_id,
+                          self.worker_id)
+            return {"seconds": 0.0, "error": f"{type(exc).__name__}: {exc}"}
+        if out.get("seconds"):
+            log.info("job %s: worker %s: engine warmed up for %d rows in %.1f s (%s)", self.job_id, self.worker_id,
+                     rows, out["seconds"], out)
+        return out
 
     def _facts(self) -> dict:
         """The progress record's fields that the status does not keep itself."""
@@ -153,4 +176,4 @@ class RolloutRunner:
         stats = self.engine.stats()
         return {**self.status.record().to_dict(), "swap_seconds": stats.swap_seconds,
                 "report_seconds": self.status.report_seconds, "num_draft_tokens": stats.num_draft_tokens,
-                "swap_log": list(self.swapper.log)}
+                "swap_log": list(self.swapper.log), "warm_up": self.warm_up}

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from drafter.decode.sampling import BatchSampling, draft_probs, sample
+from drafter.decode.sampling import BatchSampling, draft_probs, sample, token_probs
 from drafter.decode.static import (
     ShapeCounts,
     StaticCache,
@@ -56,6 +56,9 @@ class DraftGraphs:
         self.cache: StaticCache | None = None  # the head's, every bucket's rows in it
         self.bufs: dict[int, dict[str, torch.Tensor]] = {}  # per k (0: catch-up): graph inputs and outputs
         self._head = None  # the head the graphs were captured on (they read its weights by address)
+        # the serving head's draft_temperature, on the device (never 0: a head of 0 drafts one-hot, its own graphs)
+        self.draft_temperature = torch.ones((), device=drafter.policy.device)
+        self._draft_temperature = 1.0  # its value, host-side
 
     # --- sizes ---------------------------------------------------------------------------------------
     def begin(self, num_rows: int, max_len: int) -> None:
@@ -127,8 +130,11 @@ class DraftGraphs:
         gate, up = layer.mlp.gate_up_proj(layer.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x.addmm_(F.silu(gate) * up, layer.mlp.down_proj.weight.t()).view(B, T, D)
 
-    def _step(self, b: dict, Bp: int, K: int, S: int, greedy: bool, any_greedy: bool, truncates: bool) -> None:
-        """Feed b's P pending pairs per row, then draft K tokens: everything on the device (capturable)."""
+    def _step(self, b: dict, Bp: int, K: int, S: int, greedy: bool, any_greedy: bool, truncates: bool,
+              one_hot: bool) -> None:
+        """Feed b's P pending pairs per row, then draft K tokens: everything on the device (capturable). one_hot:
+        the head's draft_temperature is 0 (its argmax drafts); else its logits are divided by the device scalar
+        self.draft_temperature, which a new head's value is written into: a captured step serves it too."""
         d, P = self.drafter, b["P"]
         head = d.head
         h, layer = head.policy_cfg.num_kv_heads, self.cache.kv[0]  # (B_max, 2Hkv, 1, S_max, D)
@@ -162,7 +168,9 @@ class DraftGraphs:
             if greedy:
                 x = vocab_ids[logits[:, 0].argmax(-1)]
             else:
-                q = draft_probs(logits, sampling, head.cfg.draft_temperature)[:, 0]  # (Bp, V'): the draft's q
+                # (Bp, V'): the draft's q (drafter.decode.sampling.draft_probs, its temperature read on the device)
+                q = (draft_probs(logits, sampling, 0.0) if one_hot
+                     else token_probs(logits / self.draft_temperature, sampling))[:, 0]
                 x = vocab_ids[sample(q, b["uniforms"][:Bp, j])]
                 probs[:, j].index_copy_(1, vocab_ids, q)  # scattered onto the policy vocabulary
             tokens[:, j] = x
@@ -215,7 +223,7 @@ class DraftGraphs:
                 counts = [min(CHUNK, x - y) for x, y in zip(backlog, done)]
                 b = self._buffers(0)
                 self._fill(b, Bp, done, counts, lens, [0] * B, joined)
-                self._run(b, (Bp, 0, self._slots(lens, done, CHUNK, 0), True, True, False), captured)
+                self._run(b, (Bp, 0, self._slots(lens, done, CHUNK, 0), True, True, False, False), captured)
                 done = [x + y for x, y in zip(done, counts)]
         counts = [n - x for n, x in zip(num_pending, done)]
         P = max(counts)
@@ -228,13 +236,21 @@ class DraftGraphs:
             b["uniforms"][:B, :K].copy_(uniforms[:, :K])
         if truncates:
             self._truncating = _padded(sampling, Bp)
-        key = (Bp, K, self._slots(lens, done, b["P"], K), greedy, sampling.any_greedy, truncates)
+        one_hot = not greedy and self._set_draft_temperature(d.head.cfg.draft_temperature)
+        key = (Bp, K, self._slots(lens, done, b["P"], K), greedy, sampling.any_greedy, truncates, one_hot)
         self._run(b, key, captured and b["P"] == K + 1)
         cache.lens = b["new_lens"][:B].clone()
         rows.clear_pending(d._empty())
         host_lens = [min(c, K) if n > 0 else 0 for c, n in zip(caps, num_pending)]
         return Proposal(b["tokens"][:B, :K].clone(), b["draft_lens"][:B].clone(),
                         None if greedy else b["probs"][:B, :K].clone(), host_lens=host_lens)
+
+    def _set_draft_temperature(self, t: float) -> bool:
+        """The head's draft temperature written where the graphs read it (when it changed); True if it is 0."""
+        if t and t != self._draft_temperature:
+            self.draft_temperature.fill_(t)
+            self._draft_temperature = t
+        return not t
 
     def _slots(self, lens: list[int], done: list[int], P: int, K: int) -> int:
         """The slot bucket a step reads: past every position it writes (pairs padded to P, then K drafts)."""

@@ -10,6 +10,7 @@ all along. The engine asks the policy for the aux layers of `EagleDrafter.aux_la
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 import time
 
@@ -56,6 +57,20 @@ def serving_dtype(policy: CausalLM, dtype: torch.dtype | str | None) -> torch.dt
     return resolved
 
 
+def same_layout(a: EagleHead, b: EagleHead) -> bool:
+    """Whether b's weights can be written into a's tensors (and b's config take a's place) to serve as b: the same
+    configs but for the init seed and the draft temperature (captured draft steps read it on the device), the same
+    state-dict keys, each tensor of the same shape, dtype and device; int8 heads (packed weights) never."""
+    if isinstance(a.fc, Int8Linear) or isinstance(b.fc, Int8Linear) or a.policy_cfg != b.policy_cfg:
+        return False
+    if dataclasses.replace(a.cfg, init_seed=0, draft_temperature=1.0) != \
+            dataclasses.replace(b.cfg, init_seed=0, draft_temperature=1.0):
+        return False
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(
+        x.shape == sb[n].shape and x.dtype == sb[n].dtype and x.device == sb[n].device for n, x in sa.items())
+
+
 class EagleDrafter(Drafter):
     """Runs an EagleHead autoregressively for k steps per verify, one KV cache row per sequence. Every head it
     serves fuses the same policy layers (aux_layers, fixed by the first): the engine records those."""
@@ -65,9 +80,12 @@ class EagleDrafter(Drafter):
 
     def __init__(self, policy: CausalLM, head: EagleHead, dtype: torch.dtype | str | None = None,
                  tree: str | tuple[int, ...] | None = None, tree_side_depth: int = 1,
-                 tree_max_batch: int = 4, static: bool | None = None) -> None:
+                 tree_max_batch: int = 4, static: bool | None = None, own_head: bool = False) -> None:
         """dtype: the precision the head drafts in (see serving_dtype); the head passed in is never
-        converted in place: a head in another dtype is served from a converted copy. tree: candidates
+        converted in place: a head in another dtype is served from a converted copy. own_head: `head` is the
+        drafter's alone (no one else holds it), so a swap may write a new head's weights into it (see
+        `_install`; a head converted here is a copy, the drafter's too); otherwise each swap serves the new head as
+        itself. tree: candidates
         at the first draft depths ("3,2": three at the first, two at the second; None or "": a chain),
         each extra candidate heading a chain of tree_side_depth nodes (drafter.decode.tree.Tree.for_k). A
         tree is drafted only while at most tree_max_batch sequences are live: verifying a tree's extra
@@ -81,7 +99,10 @@ class EagleDrafter(Drafter):
         self.tree_side_depth, self.tree_max_batch = tree_side_depth, tree_max_batch
         # the policy layers the engine hands over (drafter.model.causal_lm.draft_features)
         self.aux_layers = head.aux_layers
-        self._install(self._prepare(head))
+        prepared = self._prepare(head)
+        self.head = prepared  # the head serving (its own LM head over the draft vocabulary included)
+        # whether swaps may write into self.head: a copy made here is ours, the caller's own head is not
+        self._owns_head = bool(own_head) or prepared is not head
         self.version: int | None = None  # draft version serving, for progress reports
         self.pending = PendingSwap()
         self.swaps = SwapStats()
@@ -128,7 +149,20 @@ class EagleDrafter(Drafter):
         return (quantize_int8(head) if self.int8 else head).eval()
 
     def _install(self, head: EagleHead) -> None:
-        self.head = head  # the head serving (its own LM head over the draft vocabulary included)
+        """Serve `head`. Where the serving head is the drafter's own and `head` has its layout (configs, and each
+        tensor's shape, dtype and device), its weights are copied into the serving head's tensors: captured CUDA
+        graphs read those by address, so a new draft version serves with no capture (the copy runs on the stream
+        the graphs replay on, after the steps before it). Else `head` serves as itself, or, where the drafter owns its
+        heads, from a copy of it (the graphs are then captured again, once)."""
+        old = self.head
+        if head is old:
+            return
+        if self._owns_head and same_layout(old, head):
+            with torch.no_grad():
+                torch._foreach_copy_(list(old.state_dict().values()), list(head.state_dict().values()))
+            old.cfg = dataclasses.replace(head.cfg)
+            return
+        self.head = copy.deepcopy(head) if self._owns_head else head
 
     def request_swap(self, head: EagleHead, version: int | None = None) -> None:
         """Serve `head` from the next draft step on (thread-safe; never mid-forward). Its KV cache is

@@ -6,6 +6,7 @@ CUDA (the device fixture) both do."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -145,3 +146,84 @@ def test_a_backlog_fed_in_chunks_drafts_what_one_pass_does(model_and_head, devic
         passes.append(seen)
     assert [o.token_ids for o in outs[1]] == [o.token_ids for o in outs[0]]
     assert passes[1].count(0) >= 3 > passes[0].count(0) == 0  # 70 - 4 prompt pairs: three chunks of 32
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "t1"])
+def test_warm_up_meets_every_shape_a_job_then_uses(model_and_head, device, temperature):
+    """Engine.warm_up (forced on a CPU, where nothing is captured): the caches sized and, on CUDA, every bucket's
+    graphs at every draft length captured before the first batch; an adaptive batch of up to that many rows
+    afterwards captures and rebuilds nothing, and the warm-up left the engine's counters as they were."""
+    model, head = model_and_head
+    model, head = copy.deepcopy(model).to(device), copy.deepcopy(head).to(device)
+    engine = Engine(model, static=True)
+    drafter = EagleDrafter(model, head, static=True)
+    params = SamplingParams(temperature=temperature)
+    out = engine.warm_up(16, 40, (0, 1, 2, 4), params, drafter, force=True)
+    assert out["batches"] == 5 * 4 and out["rebuilds"] >= 2  # buckets 16, 8, 4, 2, 1; the runner and head cache
+    assert (out["captures"] > 0) == (torch.device(device).type == "cuda")
+    assert engine.stats.num_forwards == 0 and engine.stats.num_generated == 0
+    before = _counts(engine, drafter)
+    requests = _requests(16, model.cfg.vocab_size, temperature)
+    adaptive = engine.generate(requests, k=4, drafter=drafter, tuner=Sequence([4, 4, 0, 1, 2, 2, 0, 4, 1, 4]))
+    assert _counts(engine, drafter) == before  # no capture, rebuild or clear
+    if temperature == 0.0:
+        assert [o.token_ids for o in adaptive] == [o.token_ids for o in engine.generate(requests)]
+    assert engine.warm_up(16, 40, (0, 4), params, drafter)["captures"] == 0  # met already (nothing on a CPU)
+    with pytest.raises(ValueError, match="k > 0 needs a drafter"):
+        engine.warm_up(4, 40, (0, 2), params)
+    with pytest.raises(ValueError, match="max_batch >= 1"):
+        engine.warm_up(0, 40, (0,), params)
+
+
+def test_a_new_draft_version_serves_on_the_graphs_already_captured(model_and_head, device):
+    """A drafter that owns its head writes each swapped-in head's weights into it: the next batch captures and
+    rebuilds nothing, drafts as the new head does (greedy: lossless either way), and the head passed in is not
+    the one serving (a caller keeps training its own). A head of another layout serves from a copy, once."""
+    model, head = model_and_head
+    model = copy.deepcopy(model).to(device)
+    engine = Engine(model, static=True)
+    drafter = EagleDrafter(model, copy.deepcopy(head).to(device), static=True, own_head=True)
+    served = drafter.head
+    requests = _requests(4, model.cfg.vocab_size)
+    plain = engine.generate(requests)
+    engine.generate(requests, k=3, drafter=drafter)
+    before = _counts(engine, drafter)
+    new = EagleHead(model.cfg, dataclasses.replace(head.cfg, init_seed=7)).to(device)
+    drafter.request_swap(new, version=1)
+    drafter.apply_pending_swap()
+    assert drafter.head is served and drafter.version == 1
+    assert all(torch.equal(a, b) for a, b in zip(served.state_dict().values(), new.state_dict().values()))
+    spec = engine.generate(requests, k=3, drafter=drafter)
+    assert _counts(engine, drafter) == before
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    # the served head drafts as the new one: one more batch with `new` served by a fresh drafter matches it
+    fresh = EagleDrafter(model, new, static=True)
+    again = Engine(model, static=True).generate(requests, k=3, drafter=fresh)
+    assert [o.num_accepted for o in again] == [o.num_accepted for o in spec]
+    with torch.no_grad():
+        new.fc.weight.add_(1.0)  # the caller's head moves on: the served copy does not
+    assert not torch.equal(new.fc.weight, served.fc.weight)
+    # another draft temperature is written too (the graphs read it on the device): sampled batches, same shapes
+    sampled = _requests(4, model.cfg.vocab_size, temperature=1.0)
+    engine.generate(sampled, k=3, drafter=drafter)
+    before = _counts(engine, drafter)
+    cooler = EagleHead(model.cfg, dataclasses.replace(head.cfg, draft_temperature=0.5)).to(device)
+    drafter.request_swap(cooler, version=2)
+    drafter.apply_pending_swap()
+    assert drafter.head is served and served.cfg.draft_temperature == 0.5
+    engine.generate(sampled, k=3, drafter=drafter)
+    assert _counts(engine, drafter) == before
+    if drafter.graphs.cuda_graphs:
+        assert float(drafter.graphs.draft_temperature) == 0.5
+    # a head of another layout (its draft vocabulary) serves from a copy: the graphs are captured again
+    other = EagleHead(model.cfg, dataclasses.replace(head.cfg, draft_vocab_size=16)).to(device)
+    drafter.request_swap(other, version=3)
+    drafter.apply_pending_swap()
+    assert drafter.head is not other and drafter.head is not served and drafter.head.vocab_ids.numel() == 16
+    # a drafter that does not own its head never writes into the caller's
+    mine = copy.deepcopy(head).to(device)
+    kept = {n: t.clone() for n, t in mine.state_dict().items()}
+    borrower = EagleDrafter(model, mine, static=True)
+    borrower.request_swap(copy.deepcopy(new), version=1)
+    borrower.apply_pending_swap()
+    assert all(torch.equal(t, kept[n]) for n, t in mine.state_dict().items())

@@ -71,6 +71,28 @@ def test_the_builtin_engine_generates_harvests_and_swaps_on_its_device(device):
     assert [o.token_ids for o in moved] != [o.token_ids for o in plain]
 
 
+def test_a_warmed_up_engine_captures_nothing_in_its_batches_nor_after_a_swap(device):
+    """The worker's warm-up before its first rollout (RolloutEngine.warm_up): on CUDA its graphs captured then,
+    none in the batches after, a published draft version included (written into the served head); on a CPU it
+    has nothing to do."""
+    policy = tiny_model().to(device)
+    engine = BuiltinEngine(policy, None, EngineSpec())
+    cuda = torch.device(device).type == "cuda"
+    out = engine.warm_up(len(PROMPTS), 64, {"temperature": 1.0}, "always", harvest=True)
+    assert (out["captures"] > 0) == cuda and (out["seconds"] > 0) == cuda
+    buffer = RolloutBuffer(max_bytes=1 << 24, hidden_dtype=torch.float32)
+    engine.generate(PROMPTS, params(1.0), speculation="always", harvest_into=buffer)
+    marks, served = engine.engine.shapes_seen(engine.serving), engine.drafter.head
+    head = new_head(policy, buffer, 40, seed=5)
+    engine.install_draft(1, {k: v.detach().cpu() for k, v in head.state_dict().items()}, head_config(head))
+    assert engine.drafter.head is served and engine.draft_version == 1  # written in place
+    assert torch.equal(served.vocab_ids, head.vocab_ids)
+    engine.generate(PROMPTS, params(1.0), speculation="always", harvest_into=buffer)
+    assert engine.engine.shapes_seen(engine.serving) == marks
+    with pytest.raises(ValueError, match="speculation must be one of"):
+        engine.warm_up(4, 64, {"temperature": 1.0}, "sometimes", harvest=False)
+
+
 def test_the_learners_pairs_on_its_device_are_the_engines_harvest(device):
     """The learner's features (a padded cache-free forward on the device, recorded on the CPU for the message)
     equal the engine's harvest, rollout by rollout, for each way the driver records them."""
