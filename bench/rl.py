@@ -75,7 +75,9 @@ def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: 
         raise ValueError(f"max_seconds must be > 0, got {max_seconds!r}")
     policy = policy or DEMO_POLICY
     t0 = time.perf_counter()
-    if warm_draft is None and set(arms) & {"b", "c"}:
+    if warm_draft is not None:
+        warm_draft = named_draft(warm_draft)
+    elif set(arms) & {"b", "c"}:
         warm_draft = warm_draft_for(model, task, device, warm_recipe)
     warm_start_s = time.perf_counter() - t0
     base = {"model": model, "task": task, "num_steps": num_steps, "num_prompts_per_step": num_prompts_per_step,
@@ -181,6 +183,15 @@ def gpu_share(num_gpus: int, num_workers: int, device: str) -> float:
     if num_gpus < 1:
         raise ValueError("--device cuda: Ray finds no GPU on this machine")
     return min(1.0, math.floor(num_gpus / num_workers * 10_000) / 10_000)
+
+
+def named_draft(path: str) -> str:
+    """--warm-draft's file as the job spec takes it: absolute (the server resolves no path against the bench's
+    working directory); ValueError naming it where there is no such file."""
+    resolved = Path(path).expanduser().resolve()
+    if not resolved.is_file():
+        raise ValueError(f"--warm-draft {path}: no such file")
+    return str(resolved)
 
 
 def warm_draft_for(model: str, task: str, device: str, recipe) -> str:

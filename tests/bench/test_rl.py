@@ -111,3 +111,17 @@ def test_the_cpu_arms_start_from_the_cached_draft_else_the_shipped_one_else_a_cl
         for name in ("draft-v000001.safetensors", warm.WARM_REPORT):
             (folder / name).write_text("{}")
         assert warm_draft_for("smollm2-135m", "longtail", "cpu", None) == str(folder / "draft-v000001.safetensors")
+
+
+def test_a_named_warm_draft_goes_to_the_job_as_an_absolute_path(tmp_path, monkeypatch):
+    """A relative --warm-draft (the shipped draft, named from the checkout) reaches the job spec absolute: the spec
+    refuses a bare relative path (the H100 run's frozen arm got HTTP 422 for one)."""
+    from bench.rl import named_draft
+
+    draft = tmp_path / "drafts" / "draft-v000001.safetensors"
+    draft.parent.mkdir()
+    draft.write_bytes(b"x")
+    monkeypatch.chdir(tmp_path)
+    assert named_draft("drafts/draft-v000001.safetensors") == str(draft)
+    with pytest.raises(ValueError, match="--warm-draft drafts/none.safetensors: no such file"):
+        named_draft("drafts/none.safetensors")

@@ -59,13 +59,15 @@ def test_a_second_generate_of_the_same_sizes_captures_and_rebuilds_nothing(model
     engine = Engine(model, static=True)
     drafter = EagleDrafter(model, head, static=True)
     requests = _requests(batch, model.cfg.vocab_size)
-    for k in (0, 2, 4):  # the plain shapes and the speculative ones the tuner below serves: first meetings
+    schedule = [0, 0, 4, 4, 4, 2, 2, 0, 4]  # k=2 after k=4 feeds a backlog first (on CUDA: the catch-up graph)
+    for k in (0, 4):  # first meetings: the plain shapes, the speculative ones, and the tuner's
         engine.generate(requests, k=k, drafter=drafter)
+    engine.generate(requests, k=4, drafter=drafter, tuner=Sequence(schedule))
     before = _counts(engine, drafter)
     assert before[1] >= 2  # the runner and the head cache were made (and, on CUDA, graphs captured)
     plain = engine.generate(requests)
     spec = engine.generate(requests, k=4, drafter=drafter)
-    adaptive = engine.generate(requests, k=4, drafter=drafter, tuner=Sequence([0, 0, 4, 4, 4, 2, 2, 0, 4]))
+    adaptive = engine.generate(requests, k=4, drafter=drafter, tuner=Sequence(schedule))
     assert _counts(engine, drafter) == before  # no capture, rebuild or clear
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain] == [o.token_ids for o in adaptive]
     assert len({len(o.token_ids) for o in plain}) == min(batch, 4)  # rows did finish at different steps
