@@ -116,7 +116,7 @@ class BuiltinEngine(RolloutEngine):
                       accepted_length: float = 0.0) -> None:
         head = head_from_state(head_config, as_tensors(state))
         # freshly built, so converted in place: request_swap then has no copy to make
-        self.drafter.request_swap(self.drafter.convert(head), version)
+        self.drafter.request_swap(self.drafter.convert(head), version, give=True)
         self.drafter.apply_pending_swap()  # between two of a running batch's draft-state updates
         if isinstance(self.serving, CombinedDrafter):  # which source pays is measured again against the new head
             self.serving.new_head()

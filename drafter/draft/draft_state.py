@@ -21,15 +21,16 @@ class PendingSwap:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._next: tuple[EagleHead, int | None] | None = None
+        self._next: tuple[EagleHead, int | None, bool] | None = None
 
-    def put(self, head: EagleHead, version: int | None, replace: bool = True) -> None:
-        """Queue `head`; a head already queued is replaced, unless not `replace` (then it keeps its place)."""
+    def put(self, head: EagleHead, version: int | None, replace: bool = True, owned: bool = False) -> None:
+        """Queue `head` (owned: the drafter may keep it as its own, no one else holding it); a head already queued
+        is replaced, unless not `replace` (then it keeps its place)."""
         with self._lock:
             if replace or self._next is None:
-                self._next = (head, version)
+                self._next = (head, version, owned)
 
-    def take(self) -> tuple[EagleHead, int | None] | None:
+    def take(self) -> tuple[EagleHead, int | None, bool] | None:
         with self._lock:
             nxt, self._next = self._next, None
         return nxt

@@ -84,8 +84,8 @@ class EagleDrafter(Drafter):
         """dtype: the precision the head drafts in (see serving_dtype); the head passed in is never
         converted in place: a head in another dtype is served from a converted copy. own_head: `head` is the
         drafter's alone (no one else holds it), so a swap may write a new head's weights into it (see
-        `_install`; a head converted here is a copy, the drafter's too); otherwise each swap serves the new head as
-        itself. tree: candidates
+        `_install`; a head converted here is a copy, the drafter's too); otherwise a swap serves the new head as
+        itself, the drafter's own from then on if handed over (request_swap's `give`). tree: candidates
         at the first draft depths ("3,2": three at the first, two at the second; None or "": a chain),
         each extra candidate heading a chain of tree_side_depth nodes (drafter.decode.tree.Tree.for_k). A
         tree is drafted only while at most tree_max_batch sequences are live: verifying a tree's extra
@@ -148,12 +148,12 @@ class EagleDrafter(Drafter):
         head = head.to(device=self.policy.device, dtype=self.dtype)
         return (quantize_int8(head) if self.int8 else head).eval()
 
-    def _install(self, head: EagleHead) -> None:
+    def _install(self, head: EagleHead, owned: bool) -> None:
         """Serve `head`. Where the serving head is the drafter's own and `head` has its layout (configs, and each
         tensor's shape, dtype and device), its weights are copied into the serving head's tensors: captured CUDA
         graphs read those by address, so a new draft version serves with no capture (the copy runs on the stream
-        the graphs replay on, after the steps before it). Else `head` serves as itself, or, where the drafter owns its
-        heads, from a copy of it (the graphs are then captured again, once)."""
+        the graphs replay on, after the steps before it). Else `head` serves as itself (the graphs are captured
+        again, once), the drafter's own from then on if `owned`."""
         old = self.head
         if head is old:
             return
@@ -162,19 +162,22 @@ class EagleDrafter(Drafter):
                 torch._foreach_copy_(list(old.state_dict().values()), list(head.state_dict().values()))
             old.cfg = dataclasses.replace(head.cfg)
             return
-        self.head = copy.deepcopy(head) if self._owns_head else head
+        self.head, self._owns_head = head, owned
 
-    def request_swap(self, head: EagleHead, version: int | None = None) -> None:
+    def request_swap(self, head: EagleHead, version: int | None = None, give: bool = False) -> None:
         """Serve `head` from the next draft step on (thread-safe; never mid-forward). Its KV cache is
         rebuilt from the true pairs seen so far, so the swap costs one head pass over the history. A
-        dtype conversion happens here, in the caller's thread, not in the decode loop."""
-        self.pending.put(self._prepare(head), version)
+        dtype conversion happens here, in the caller's thread, not in the decode loop. give: `head` is handed
+        over (a fresh load no one else holds), so the drafter may keep it and write later versions into it; a
+        head converted here is a copy, the drafter's either way."""
+        prepared = self._prepare(head)
+        self.pending.put(prepared, version, owned=give or prepared is not head)
 
     def refresh(self) -> None:
         """The policy's weights changed: re-install the serving head at the next draft step (its cache is
         rebuilt from the true pairs; the head holds nothing of the policy's, whose embedding it reads live). A
         head already requested keeps its place."""
-        self.pending.put(self.head, self.version, replace=False)
+        self.pending.put(self.head, self.version, replace=False, owned=self._owns_head)
 
     def apply_pending_swap(self) -> None:
         """Switch to a requested head now. Thread-safe: a generation under way is between two of its
@@ -188,7 +191,7 @@ class EagleDrafter(Drafter):
         if nxt is None:
             return
         start = time.perf_counter()
-        self._install(nxt[0])
+        self._install(nxt[0], nxt[2])
         self.version = nxt[1]
         self.rows.replay(self._empty())
         self.swaps.record(self.version, time.perf_counter() - start)

@@ -217,11 +217,24 @@ def test_a_new_draft_version_serves_on_the_graphs_already_captured(model_and_hea
     assert _counts(engine, drafter) == before
     if drafter.graphs.cuda_graphs:
         assert float(drafter.graphs.draft_temperature) == 0.5
-    # a head of another layout (its draft vocabulary) serves from a copy: the graphs are captured again
-    other = EagleHead(model.cfg, dataclasses.replace(head.cfg, draft_vocab_size=16)).to(device)
+    # a head of another layout (its draft vocabulary) serves as itself (the graphs are captured again); the caller
+    # keeps it, so the next version is not written into it
+    small = dataclasses.replace(head.cfg, draft_vocab_size=16)
+    other = EagleHead(model.cfg, small).to(device)
     drafter.request_swap(other, version=3)
     drafter.apply_pending_swap()
-    assert drafter.head is not other and drafter.head is not served and drafter.head.vocab_ids.numel() == 16
+    assert drafter.head is other
+    kept = {n: t.clone() for n, t in other.state_dict().items()}
+    drafter.request_swap(EagleHead(model.cfg, dataclasses.replace(small, init_seed=3)).to(device), version=4)
+    drafter.apply_pending_swap()
+    assert drafter.head is not other and all(torch.equal(t, kept[n]) for n, t in other.state_dict().items())
+    # handed over (give: a fresh load, as a worker's), it is the drafter's own: the next version is written into it
+    given = EagleHead(model.cfg, small).to(device)
+    drafter.request_swap(given, version=5, give=True)
+    drafter.apply_pending_swap()
+    drafter.request_swap(EagleHead(model.cfg, dataclasses.replace(small, init_seed=4)).to(device), version=6)
+    drafter.apply_pending_swap()
+    assert drafter.head is given and drafter.version == 6
     # a drafter that does not own its head never writes into the caller's
     mine = copy.deepcopy(head).to(device)
     kept = {n: t.clone() for n, t in mine.state_dict().items()}
