@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from drafter.decode.engine import Engine, EngineStats, Request
 from drafter.decode.sampling import SamplingParams
+from drafter.decode.warmup import warm_up
 from drafter.draft.adaptive import DraftLengthTuner, FixedDraftLength, StepCostPrior
 from drafter.draft.combined import CombinedDrafter
 from drafter.draft.eagle import EagleDrafter
@@ -105,12 +106,13 @@ class BuiltinEngine(RolloutEngine):
 
     def warm_up(self, max_rows: int, max_len: int, params: dict, speculation: Speculation,
                 harvest: bool) -> dict:
-        """Engine.warm_up over the draft lengths `speculation`'s chooser may serve, with the serving drafter: on a
-        GPU every CUDA graph of the job's batch buckets captured before its first rollout (nothing on a CPU)."""
+        """drafter.decode.warmup.warm_up over the draft lengths `speculation`'s chooser may serve, with the serving
+        drafter: on a GPU every CUDA graph of the job's batch buckets captured before its first rollout (nothing on
+        a CPU)."""
         sampling, _ = request_settings(params, (), has_tokenizer=True)
         ks = self.choosers[check_batch([], [], speculation)].arms  # (0,) for plain
-        return self.engine.warm_up(max_rows, max_len, tuple(ks), sampling, self.serving if any(ks) else None,
-                                   record_hidden=harvest, aux_layers=self.drafter.aux_layers)
+        return warm_up(self.engine, max_rows, max_len, tuple(ks), sampling, self.serving if any(ks) else None,
+                       record_hidden=harvest, aux_layers=self.drafter.aux_layers)
 
     def install_draft(self, version: int, state: dict[str, Any], head_config: dict,
                       accepted_length: float = 0.0) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -92,26 +92,6 @@ class DraftLengthChooser(Protocol):
         """What each draft source of the step drafted and had accepted (Drafter.step_sources): reports only."""
 
 
-class Schedule:
-    """A chooser serving the draft lengths of `ks` in turn, the last one after: Engine.warm_up's."""
-
-    def __init__(self, ks: list[int]) -> None:
-        self.ks, self.step = ks, 0
-
-    def choose(self, batch_size: int) -> int:
-        self.step += 1
-        return self.ks[min(self.step, len(self.ks)) - 1]
-
-    def record(self, batch_size: int, k: int, num_tokens: int, seconds: float, steady: bool = True) -> None:
-        pass
-
-    def record_sources(self, batch_size: int, sources: dict[str, tuple[int, int, int]]) -> None:
-        pass
-
-
-WARM_PROMPT = 8  # tokens of a warm-up row's prompt: more than k + 1, so its first draft step feeds a backlog
-
-
 class Engine:
     def __init__(self, model: CausalLM, tokenizer=None, static: bool | None = None) -> None:
         """static: run the policy on drafter.decode.static's path (static KV cache, bucketed batches, CUDA graphs on a
@@ -142,65 +122,10 @@ class Engine:
         runner.cache.num_used = 0
         return runner
 
-    def warm_up(self, max_batch: int, max_len: int, ks: tuple[int, ...], params: SamplingParams,
-                drafter: Drafter | None = None, *, record_hidden: bool = False,
-                aux_layers: tuple[int, ...] | None = None, force: bool = False) -> dict:
-        """Meet, before a job's first batch, every shape its batches will: the policy's static cache sized for
-        max_batch rows of max_len slots (and the drafter's with it), and on a GPU the CUDA graphs of each batch
-        bucket up to max_batch at each draft length of `ks` (0: plain), with the backlog's catch-up feed, captured
-        (every slot bucket of a shape at once). A rollout then pays no capture and no rebuild: a job that met them
-        as it went paid them inside its first steps. It runs short batches of `params`'s sampling (greedy or not,
-        top-k/top-p: the graphs differ), with record_hidden and aux_layers as the job's generate calls pass them;
-        the engine's stats are left as they were. Where nothing is captured (a CPU) it does nothing, unless
-        `force` (tests). Returns {"seconds", "captures", "rebuilds", "batches"}."""
-        if max_batch < 1 or max_len < WARM_PROMPT + 2:
-            raise ValueError(f"warm_up needs max_batch >= 1 and max_len >= {WARM_PROMPT + 2}, got {max_batch}, "
-                             f"{max_len}")
-        if any(k < 0 for k in ks) or (any(ks) and drafter is None):
-            raise ValueError(f"warm_up: draft lengths {tuple(ks)} must be >= 0, and k > 0 needs a drafter")
-        max_len = min(max_len, self.model.cfg.max_position)
-        captures = self.model.device.type == "cuda" and self.prefer_static is not False
-        if not (captures or force):
-            return {"seconds": 0.0, "captures": 0, "rebuilds": 0, "batches": 0}
-        start, marks = time.perf_counter(), self.shapes_seen(drafter)
-        saved = self.stats
-        self.stats = EngineStats()
-        if self.prefer_static is not False:
-            self.static_runner(max_batch, max_len)
-        buckets, b = [], batch_bucket(max_batch)
-        while b >= 1:  # the largest first: the drafter's cache is sized by its first batch
-            buckets.append(b)
-            b //= 2
-        V = self.model.cfg.vocab_size
-        prompt = [1 + i % (V - 1) for i in range(WARM_PROMPT)]
-        num_batches = 0
-        try:
-            for b in buckets:
-                for k in sorted(set(ks)):
-                    # k, then plain steps, then k again: the draft after plain steps feeds a backlog (catch-up)
-                    steps = [k, k, 0, 0, k, k] if k else [0, 0]
-                    new = sum(steps) + len(steps) + 1  # room for every step's tokens: rows finish together
-                    reqs = [Request(prompt, replace(params, max_new_tokens=new, ignore_eos=True, seed=i,
-                                                    stop_token_ids=(), stop_strings=()))
-                            for i in range(min(b, max_batch))]
-                    self.generate(reqs, k=k, drafter=drafter if k else None, record_hidden=record_hidden,
-                                  aux_layers=aux_layers, tuner=Schedule(steps) if k else None)
-                    num_batches += 1
-        finally:
-            self.stats = saved
-        after = self.shapes_seen(drafter)
-        return {"seconds": round(time.perf_counter() - start, 3), "captures": after[0] - marks[0],
-                "rebuilds": after[1] - marks[1], "batches": num_batches}
-
     def shapes_seen(self, drafter: Drafter | None) -> tuple[int, int]:
-        """(captures, rebuilds) so far, the engine's and the drafter's."""
-        theirs = drafter.shape_counts() if drafter is not None else None
-        return (self.shapes.num_captures + (theirs.num_captures if theirs is not None else 0),
-                self.shapes.num_rebuilds + (theirs.num_rebuilds if theirs is not None else 0))
-
-    def shape_marks(self, drafter: Drafter | None) -> int:
-        """Captures and rebuilds so far, the engine's and the drafter's: a step that changes it was not steady."""
-        return sum(self.shapes_seen(drafter))
+        """(captures, rebuilds) so far, the engine's and the drafter's: a step that changes them was not steady."""
+        theirs = (drafter.shape_counts() if drafter is not None else None) or ShapeCounts()
+        return self.shapes.num_captures + theirs.num_captures, self.shapes.num_rebuilds + theirs.num_rebuilds
 
     def validate(self, requests: list[Request], k: int, drafter: Drafter | None) -> None:
         if not isinstance(k, int) or k < 0:
@@ -277,7 +202,7 @@ class Engine:
             num_live = len(batch) - sum(1 for r in batch if r.finish_reason)
             step_k = k if tuner is None or drafter is None else max(0, min(int(tuner.choose(num_live)), k))
             num_before = sum(len(r.tokens) for r in batch)
-            marks = self.shape_marks(drafter)
+            marks = self.shapes_seen(drafter)
             start = time.perf_counter()
             tree = drafter.tree_for(step_k, len(batch)) if largest is not None else None  # the tail: a tree
             if tree is not None:
@@ -288,7 +213,7 @@ class Engine:
                 self._chain_step(batch, cache, drafter, sampling, uniforms, step_k, aux, alive, last_ids)
             last_ids = self._next_ids  # tree steps too: both end in _advance
             seconds = time.perf_counter() - start
-            steady = step_k == last_k and marks == self.shape_marks(drafter)
+            steady = step_k == last_k and marks == self.shapes_seen(drafter)
             if tuner is not None:
                 tuner.record(num_live, step_k, sum(len(r.tokens) for r in batch) - num_before, seconds, steady)
                 sources = drafter.step_sources() if step_k > 0 else None  # which source drafted: reported only

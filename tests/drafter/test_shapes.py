@@ -13,6 +13,7 @@ import torch
 
 from drafter.decode.engine import Engine, Request
 from drafter.decode.sampling import SamplingParams
+from drafter.decode.warmup import warm_up
 from drafter.draft.draft_graphs import CHUNK
 from drafter.draft.eagle import EagleDrafter
 from drafter.draft.head import EagleHead
@@ -152,7 +153,7 @@ def test_a_backlog_fed_in_chunks_drafts_what_one_pass_does(model_and_head, devic
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "t1"])
 def test_warm_up_meets_every_shape_a_job_then_uses(model_and_head, device, temperature):
-    """Engine.warm_up (forced on a CPU, where nothing is captured): the caches sized and, on CUDA, every bucket's
+    """warm_up (forced on a CPU, where nothing is captured): the caches sized and, on CUDA, every bucket's
     graphs at every draft length captured before the first batch; an adaptive batch of up to that many rows
     afterwards captures and rebuilds nothing, and the warm-up left the engine's counters as they were."""
     model, head = model_and_head
@@ -160,7 +161,7 @@ def test_warm_up_meets_every_shape_a_job_then_uses(model_and_head, device, tempe
     engine = Engine(model, static=True)
     drafter = EagleDrafter(model, head, static=True)
     params = SamplingParams(temperature=temperature)
-    out = engine.warm_up(16, 40, (0, 1, 2, 4), params, drafter, force=True)
+    out = warm_up(engine, 16, 40, (0, 1, 2, 4), params, drafter, force=True)
     assert out["batches"] == 5 * 4 and out["rebuilds"] >= 2  # buckets 16, 8, 4, 2, 1; the runner and head cache
     assert (out["captures"] > 0) == (torch.device(device).type == "cuda")
     assert engine.stats.num_forwards == 0 and engine.stats.num_generated == 0
@@ -170,11 +171,11 @@ def test_warm_up_meets_every_shape_a_job_then_uses(model_and_head, device, tempe
     assert _counts(engine, drafter) == before  # no capture, rebuild or clear
     if temperature == 0.0:
         assert [o.token_ids for o in adaptive] == [o.token_ids for o in engine.generate(requests)]
-    assert engine.warm_up(16, 40, (0, 4), params, drafter)["captures"] == 0  # met already (nothing on a CPU)
+    assert warm_up(engine, 16, 40, (0, 4), params, drafter)["captures"] == 0  # met already (nothing on a CPU)
     with pytest.raises(ValueError, match="k > 0 needs a drafter"):
-        engine.warm_up(4, 40, (0, 2), params)
+        warm_up(engine, 4, 40, (0, 2), params)
     with pytest.raises(ValueError, match="max_batch >= 1"):
-        engine.warm_up(0, 40, (0,), params)
+        warm_up(engine, 0, 40, (0,), params)
 
 
 def test_a_new_draft_version_serves_on_the_graphs_already_captured(model_and_head, device):
