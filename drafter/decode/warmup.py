@@ -69,7 +69,7 @@ def warm_up(engine: Engine, max_batch: int, max_len: int, ks: tuple[int, ...], p
             for k in sorted(set(ks)):
                 # k, then plain steps, then k again: the draft after plain steps feeds a backlog (catch-up)
                 steps = [k, k, 0, 0, k, k] if k else [0, 0]
-                new = sum(steps) + len(steps) + 1  # room for every step's tokens: rows finish together
+                new = sum(steps) + len(steps) + 1  # room for the whole schedule: a step emits at most k + 1 tokens
                 reqs = [Request(prompt, replace(params, max_new_tokens=new, ignore_eos=True, seed=i,
                                                 stop_token_ids=(), stop_strings=()))
                         for i in range(min(b, max_batch))]
