@@ -35,6 +35,7 @@ from workers.protocol.states import WorkerState
 from workers.scoring import Scorer
 from workers.spec import JobSpec
 from workers.status import WorkerStatus
+from workers.step_data import assign
 from workers.store import job_stores
 from workers.swap import Swapper
 
@@ -82,7 +83,7 @@ class RolloutRunner:
         rollout, so that no RL step pays for it: this worker's rows (its share of a step's groups, as
         workers.step_data.assign deals them) of up to WARM_PROMPT_TOKENS + max_new_tokens tokens."""
         spec = self.spec
-        rows = -(-spec.num_prompts_per_step // spec.num_workers) * spec.group_size
+        rows = max(len(groups) for groups in assign(spec.num_prompts_per_step, spec.num_workers)) * spec.group_size
         harvest = spec.trains_drafter and self.harvests
         try:
             out = self.engine.warm_up(rows, WARM_PROMPT_TOKENS + spec.max_new_tokens,

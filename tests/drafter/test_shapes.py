@@ -13,7 +13,7 @@ import torch
 
 from drafter.decode.engine import Engine, Request
 from drafter.decode.sampling import SamplingParams
-from drafter.decode.warmup import warm_up
+from drafter.decode.warmup import Schedule, warm_up
 from drafter.draft.draft_graphs import CHUNK
 from drafter.draft.eagle import EagleDrafter
 from drafter.draft.head import EagleHead
@@ -32,15 +32,12 @@ def _counts(engine: Engine, drafter) -> tuple[int, int]:
     return (engine.shapes.num_captures + theirs.num_captures, engine.shapes.num_rebuilds + theirs.num_rebuilds)
 
 
-class Sequence:
+class Sequence(Schedule):
     """A chooser serving the draft lengths of `ks` in order (the last one after), logging what it is told."""
 
     def __init__(self, ks: list[int]) -> None:
-        self.ks, self.step, self.log = ks, 0, []
-
-    def choose(self, batch_size: int) -> int:
-        self.step += 1
-        return self.ks[min(self.step, len(self.ks)) - 1]
+        super().__init__(ks)
+        self.log = []
 
     def record(self, batch_size: int, k: int, num_tokens: int, seconds: float, steady: bool = True) -> None:
         if steady:
@@ -181,7 +178,8 @@ def test_warm_up_meets_every_shape_a_job_then_uses(model_and_head, device, tempe
 def test_a_new_draft_version_serves_on_the_graphs_already_captured(model_and_head, device):
     """A drafter that owns its head writes each swapped-in head's weights into it: the next batch captures and
     rebuilds nothing, drafts as the new head does (greedy: lossless either way), and the head passed in is not
-    the one serving (a caller keeps training its own). A head of another layout serves from a copy, once."""
+    the one serving (a caller keeps training its own). A head of another layout serves as itself, written into
+    only if it was handed over."""
     model, head = model_and_head
     model = copy.deepcopy(model).to(device)
     engine = Engine(model, static=True)
