@@ -118,9 +118,11 @@ def test_serving_dtype_resolves_and_rejects_unknown_names(tiny):
 
 def test_swaps_are_counted_and_their_log_is_bounded(tiny, device):
     """Every installed head is counted, but only the latest MAX_SWAP_LOG swaps keep their times; a
-    refresh (new policy weights) re-installs the serving head unless another is already queued."""
+    refresh (new policy weights) re-installs the serving head unless another is already queued. The heads are
+    made on the policy's device, so none is a converted copy the drafter owns: each is served as itself (an owned
+    head would take the next version's weights in place, tests/drafter/test_shapes.py)."""
     model = on(tiny, device)
-    drafter = EagleDrafter(model, EagleHead(tiny.cfg))
+    drafter = EagleDrafter(model, EagleHead(tiny.cfg).to(device))
     assert drafter.swaps.last is None and drafter.head.fc.weight.device == model.device
     heads = [EagleHead(tiny.cfg, init=False).to(device) for _ in range(2)]
     num = MAX_SWAP_LOG + 5
