@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 
 from bench.rl_figures import ARMS, figures, goals_met, partial_figures, reclaimed_of, step_row, step_seconds
+from workers.device import POLICY_DTYPES
+from workers.device import policy_dtype as served_dtype
 
 ARM_SPEC = {"a": {"tlt": False}, "b": {"tlt": True, "idle_training": False}, "c": {"tlt": True}}
 
@@ -45,7 +47,7 @@ def log(msg: str) -> None:
 def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: int = 10, group_size: int = 4,
              max_new_tokens: int = 512, num_workers: int = 2, draft_k: int = 4, task: str = "longtail",
              model: str = "smollm2-135m", warm_draft: str | None = None, seed: int = 0,
-             arms: str = "abc", device: str = "cpu", warm_recipe=None, policy_dtype: str = "float32",
+             arms: str = "abc", device: str = "cpu", warm_recipe=None, policy_dtype: str = "auto",
              micro_batch_size: int | None = None, max_seconds: float | None = None,
              progress_file: str | None = None, policy=None) -> dict:
     """device "cuda": every job on this machine's GPUs (JobSpec.device), its workers sharing them when they
@@ -134,7 +136,9 @@ def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: 
     full = set(arms) == set(ARMS)
     result = {"bench": "rl", "device": device,
               "config": base | {"num_repeats": num_repeats, "arms": arms, "seed": seed, "warm_draft": warm_draft,
-                                "max_seconds": max_seconds, "policy": dataclasses.asdict(policy)},
+                                "max_seconds": max_seconds, "policy": dataclasses.asdict(policy),
+                                # what the workers served (auto resolves per device: workers.device.policy_dtype)
+                                "policy_dtype_served": str(served_dtype(policy_dtype, device)).removeprefix("torch.")},
               **(figures(runs) if full else partial_figures(runs)),
               "steps": {ARMS[arm]: [[step_row(s, reclaimed_of(r, s["rl_step"])) for s in r["steps"]] for r in rs]
                         for arm, rs in runs.items()},
@@ -229,7 +233,7 @@ def warm_draft_for(model: str, task: str, device: str, recipe) -> str:
 
 
 FULL = {"model": "smollm2-135m", "task": "longtail", "steps": 3, "repeats": 2, "prompts": 10, "group_size": 4,
-        "new_tokens": 512, "workers": 2, "k": 4, "policy_dtype": "float32", "micro_batch": None, "max_seconds": None}
+        "new_tokens": 512, "workers": 2, "k": 4, "policy_dtype": "auto", "micro_batch": None, "max_seconds": None}
 # --size gpu: one H100, within 8 minutes from a fresh node. Its warm start (GPU_WARM, below) about 2 minutes: the
 # GGUF's conversion (~15 s), 1,024 task prompts harvested at batch 128 (at most 197k tokens, ~150k with the short
 # answers' early stops: ~25 s at the 6.1k tokens/s an H100 harvested at batch 128 in `tlt bench gpu`), 60 s of
@@ -278,8 +282,9 @@ def add_arguments(p) -> None:
                    f"CPU (default {FULL['workers']})")
     p.add_argument("--k", type=int, default=None, help="draft_k: the longest draft the adaptive choice may use "
                    f"(default {FULL['k']})")
-    p.add_argument("--policy-dtype", default=None, choices=("float32", "bfloat16"), help="JobSpec.policy_dtype: the "
-                   "rollout workers' policy precision (default float32; bfloat16 with --size gpu)")
+    p.add_argument("--policy-dtype", default=None, choices=POLICY_DTYPES, help="JobSpec.policy_dtype: the rollout "
+                   "workers' policy precision (default auto: bf16 where the device has it natively; bfloat16 with "
+                   "--size gpu)")
     p.add_argument("--micro-batch", type=int, default=None, help="JobSpec.micro_batch_size: sequences per backward "
                    "of the update (default JobSpec's; 16 with --size gpu)")
     p.add_argument("--max-seconds", type=float, default=None, help="time budget: a repeat starts only if the run "

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import torch
 
 DEVICES = ("auto", "cuda", "cpu")  # JobSpec.device's values
+POLICY_DTYPES = ("auto", "float32", "bfloat16")  # JobSpec.policy_dtype's values
 
 
 def job_device(setting: str) -> torch.device:
@@ -39,3 +40,19 @@ def job_device(setting: str) -> torch.device:
                          f"{torch.__version__}, CUDA_VISIBLE_DEVICES={visible!r}); a Ray worker sees the GPU Ray "
                          "assigned it, and a CPU build of torch sees none")
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def policy_dtype(setting: str, device: torch.device | str) -> torch.dtype:
+    """The precision `setting` (JobSpec.policy_dtype) means for a policy copy on `device`: auto is bfloat16 where
+    the device runs bf16 matmuls natively (a CUDA GPU with bf16, a CPU with AVX512-BF16 or AMX:
+    drafter.model.causal_lm.fast_bf16), float32 elsewhere (torch emulates bf16 there, slower than float32).
+    ValueError for anything not in POLICY_DTYPES."""
+    if setting not in POLICY_DTYPES:
+        raise ValueError(f"policy_dtype must be one of {', '.join(POLICY_DTYPES)}, got {setting!r}")
+    import torch
+
+    from drafter.model.causal_lm import fast_bf16
+
+    if setting == "auto":
+        return torch.bfloat16 if fast_bf16(device) else torch.float32
+    return getattr(torch, setting)

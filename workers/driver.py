@@ -20,7 +20,7 @@ from ray.exceptions import RayError
 
 from drafter.model.loading import cast_state, encode_text, load_model
 from workers.actors import start_worker
-from workers.device import job_device
+from workers.device import job_device, policy_dtype
 from workers.engines import unavailable_reason
 from workers.errors import WorkerError, one_line
 from workers.grpo import group_advantages, grpo_update, response_mask, sequence_logprobs, update_rows
@@ -283,8 +283,9 @@ class Driver:
             return []
         nodes, dropped = self._gather({wid: self.workers[wid].node_id.remote() for wid in wids}, rl_step, failures)
         here = ray.get_runtime_context().get_node_id()
-        # in the workers' precision (JobSpec.policy_dtype): a bf16 sync moves half the bytes
-        state = cast_state(self.policy.state_dict(), getattr(torch, self.spec.policy_dtype))
+        # in the workers' precision (JobSpec.policy_dtype; auto as this process's device resolves it: a worker whose
+        # device resolves it otherwise casts what it loads): a bf16 sync moves half the bytes
+        state = cast_state(self.policy.state_dict(), policy_dtype(self.spec.policy_dtype, self.device))
         sources = {}
         if any(node == here for node in nodes.values()):
             message = self.policy_files.write(state, self.policy_version)

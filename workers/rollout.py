@@ -25,7 +25,7 @@ import torch
 from drafter.model.config import NUM_AUX_LAYERS
 from drafter.model.loading import LoadedModel, load_model
 from drafter.train.buffer import RolloutBuffer
-from workers.device import job_device
+from workers.device import job_device, policy_dtype
 from workers.engine import RolloutEngine, as_tensors
 from workers.engines import Speculation, engine_class
 from workers.learner_pairs import add_pairs
@@ -66,7 +66,7 @@ class RolloutRunner:
         torch.set_num_threads(num_threads)
         self.device = job_device(spec.device)  # its GPU under Ray (num_gpus), where the engine and leases run
         # the policy copy it serves, in JobSpec.policy_dtype (the driver's learner keeps float32)
-        loaded = load_model(spec.model, dtype=getattr(torch, spec.policy_dtype), device=self.device)
+        loaded = load_model(spec.model, dtype=policy_dtype(spec.policy_dtype, self.device), device=self.device)
         self.policy = loaded.model
         self.engine = build_engine(spec, loaded, num_threads)
         self.harvests = harvest_in_engine and self.engine.harvests_pairs

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from drafter.model.config import PRESETS, SMOLLM2_SPEC, TrainConfig
-from workers.device import DEVICES
+from workers.device import DEVICES, POLICY_DTYPES
 from workers.engines import ALL_DRAFT_DTYPES, ENGINES, Speculation
 from workers.warm import STORE_REF
 
@@ -112,12 +112,13 @@ class JobSpec(BaseModel):
         "where the policy, the GRPO learner, the rollout workers' engines and their drafter training run, resolved "
         "by each process (workers.device): auto: CUDA where the process sees a GPU (a rollout worker sees the one "
         "Ray assigned it), else the CPU; cuda: a GPU or the job fails saying none was visible; cpu: the CPU"))
-    policy_dtype: Literal["float32", "bfloat16"] = Field("float32", description=(
+    policy_dtype: Literal[POLICY_DTYPES] = Field("float32", description=(  # type: ignore[valid-type]
         "the precision of the policy copy each rollout worker serves, drafts against and trains the drafter "
         "against. float32: exact, and on CPUs without native bf16 (most: torch emulates it) the faster; bfloat16: "
-        "half the weight bytes per decode step and per weight sync, as RL rollouts on GPUs run. The learner "
-        "(log-probs, the GRPO update) keeps float32 weights either way: an update of lr 1e-5 is below bf16's "
-        "resolution, and would be lost"))
+        "half the weight bytes per decode step and per weight sync, as RL rollouts on GPUs run; auto: bfloat16 "
+        "where the worker's device runs bf16 natively (a GPU, a CPU with AVX512-BF16 or AMX), else float32 "
+        "(workers.device.policy_dtype). The learner (log-probs, the GRPO update) keeps float32 weights either way: "
+        "an update of lr 1e-5 is below bf16's resolution, and would be lost"))
     gpus_per_worker: float = Field(1.0, gt=0, le=1, description=(
         "the GPU share each rollout worker asks Ray for. 1: a GPU each, as production wants; below 1, several "
         "workers share a GPU (small nodes and benches: 0.5 puts two on one GPU, each with its own engine and "

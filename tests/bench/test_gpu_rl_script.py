@@ -71,4 +71,4 @@ def test_the_parts_go_one_call_at_a_time_then_the_bench_runs_from_the_tree(tmp_p
     assert result["config"]["size"] == "smallest" and set(result["steps"]) == {"plain", "frozen", "tlt"}
     assert (out / "rl_gpu.log").read_text() and (out / "install.log").is_file()
     progress = json.loads((out / "rl_progress.json").read_text())  # what a run stopped at the limit leaves
-    assert progress["steps"] == result["steps"] and progress["config"]["policy_dtype"] == "float32"
+    assert progress["steps"] == result["steps"] and progress["config"]["policy_dtype"] == "auto"

@@ -10,6 +10,7 @@ import pytest
 
 from bench.cli import main
 from bench.rl import gpu_share, record_as
+from drafter.model.causal_lm import fast_bf16
 
 KEYS = {"rollout_speedup", "step_speedup", "frozen_rollout_speedup", "reclaimed_ratio", "reward_delta_se",
         "accepted_length_last_step_tlt", "accepted_length_last_step_frozen", "per_step_mean"}
@@ -29,6 +30,9 @@ def test_the_smallest_bench_runs_the_three_arms_on_the_device(device, tmp_path, 
     assert set(result["steps"]) == {"plain", "frozen", "tlt"} and all(len(r[0]) == 1 for r in result["steps"].values())
     assert (tmp_path / "cache" / "drafters").is_dir()  # the warm draft arms b and c started from was built here
     assert result["config"]["warm_draft"].startswith(str(tmp_path / "cache"))
+    # the default precision, auto, recorded as what the workers resolved it to on this device
+    assert result["config"]["policy_dtype"] == "auto"
+    assert result["config"]["policy_dtype_served"] == ("bfloat16" if fast_bf16(device) else "float32")
     if device == "cuda":
         assert result["machine"]["gpu"] == result["gpu"] and result["config"]["gpus_per_worker"] <= 1
 

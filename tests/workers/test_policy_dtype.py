@@ -9,8 +9,10 @@ import torch
 from pydantic import ValidationError
 
 from drafter.draft.head import head_config, new_head
+from drafter.model.causal_lm import fast_bf16
 from drafter.model.loading import cast_state
 from drafter.train.checkpoint import DraftMeta
+from workers.device import policy_dtype
 from workers.rollout import RolloutRunner
 from workers.spec import JobSpec
 from workers.step_data import sum_served
@@ -23,6 +25,26 @@ def test_policy_dtype_defaults_to_float32_and_names_itself_when_wrong():
     assert JobSpec().policy_dtype == "float32" and JobSpec(policy_dtype="bfloat16").policy_dtype == "bfloat16"
     with pytest.raises(ValidationError, match="policy_dtype"):
         JobSpec(policy_dtype="float16")
+    with pytest.raises(ValueError, match="policy_dtype must be one of auto, float32, bfloat16, got 'half'"):
+        policy_dtype("half", "cpu")
+
+
+def test_auto_is_bf16_where_the_device_runs_it_natively(device):
+    """auto: bf16 on a GPU and on a CPU with bf16 units (torch emulates it elsewhere, slower than float32); the
+    named precisions whatever the device. A worker of an auto job serves the precision its own device resolves."""
+    native = fast_bf16(device)
+    assert policy_dtype("auto", device) == (torch.bfloat16 if native else torch.float32)
+    assert policy_dtype("float32", device) == torch.float32 and policy_dtype("bfloat16", device) == torch.bfloat16
+    if torch.device(device).type == "cuda":
+        assert native  # every GPU the CUDA set runs on has bf16
+
+
+def test_an_auto_worker_serves_its_devices_precision(device, redis_client, tmp_path):
+    spec = JobSpec(model="tiny", draft_k=2, draft_vocab_size=32, device=device, policy_dtype="auto")
+    r = RolloutRunner("job1", "w0", spec, redis_client, str(tmp_path))
+    assert r.policy.dtype == policy_dtype("auto", device)
+    r.load_policy(cast_state(r.policy.state_dict(), torch.float32), 1)  # a sync in another precision is cast
+    assert r.policy.dtype == policy_dtype("auto", device) and r.status.policy_version == 1
 
 
 def test_a_bf16_worker_drafts_reports_buckets_syncs_and_trains_float32_heads(device, redis_client, tmp_path):
