@@ -234,14 +234,14 @@ def warm_draft_for(model: str, task: str, device: str, recipe) -> str:
 
 FULL = {"model": "smollm2-135m", "task": "longtail", "steps": 3, "repeats": 2, "prompts": 10, "group_size": 4,
         "new_tokens": 512, "workers": 2, "k": 4, "policy_dtype": "auto", "micro_batch": None, "max_seconds": None}
-# --size gpu: one H100, within 8 minutes from a fresh node. Its warm start (GPU_WARM, below) about 2 minutes: the
-# GGUF's conversion (~15 s), 1,024 task prompts harvested at batch 128 (at most 197k tokens, ~150k with the short
-# answers' early stops: ~25 s at the 6.1k tokens/s an H100 harvested at batch 128 in `tlt bench gpu`), 60 s of
-# training (1,500 steps took 54 s there), 16 held-out prompts scored. Then per job about 20 s to start a driver and two
-# workers (CUDA contexts, the cached model, graph captures) and per step about 5 s: 128 rollouts of up to 512
-# tokens, the tail's rows decoding at 2-4 ms a token on a shared GPU (1-2 s), a bf16 weight sync, log-probs and the
-# update in micro-batches of 16 (float32 learner). 3 arms x (20 + 4 x 5 s) = 2 minutes a repeat: one repeat in
-# about 4.5 minutes, and the second only where the budget (450 s) still holds it. Estimates, not yet measured.
+# --size gpu: one H100, within 8 minutes from a fresh node. Measured there (2026-11-27, docs/benchmarks.md, "The GPU
+# run"): a warm start of 137 s with 1,024 prompts (the GGUF's conversion; 153k tokens harvested at 9.0k tokens/s in
+# 17 s; 60 s of training, 470 micro-steps of 32k pairs, its loss flat after about 100 of them: about 100 passes over
+# too little data; 16 held-out prompts scored), then per arm a job of 51 s (plain) or 90 s (the draft arms: their
+# workers capture every graph before the first batch) with 4 steps of about 2 s of rollout (128 rollouts of up to
+# 512 tokens, the longest setting it) and 0.6-1.4 s of sync and update: one repeat in 231 s, 375 s in all; the second
+# does not fit. More prompts of the task's templates gave less each time on a CPU (benchmarks.md, "Levers tried":
+# 85k -> 113k tokens, greedy 2.41 -> 2.44), so the data stays.
 SIZES = {"full": FULL,
          "gpu": FULL | {"steps": 4, "prompts": 32, "policy_dtype": "bfloat16", "micro_batch": 16, "max_seconds": 450.0},
          "smallest": FULL | {"model": "tiny", "task": "arithmetic", "steps": 1, "repeats": 1, "prompts": 2,
