@@ -18,9 +18,10 @@ from typing import Protocol
 import torch
 
 from drafter.decode.rows import Row, find_stop
-from drafter.decode.sampling import BatchSampling, SamplingParams, Verdict, verify
+from drafter.decode.sampling import BatchSampling, SamplingParams, Verdict
 from drafter.decode.static import ShapeCounts, StaticRunner, batch_bucket, slot_bucket, to_device
 from drafter.decode.tree import Tree, compact_path, tree_attention, verify_tree
+from drafter.decode.verify_graphs import VerifyGraphs
 from drafter.draft.drafters import Drafter, widen
 from drafter.model.causal_lm import CausalLM, draft_features
 from drafter.model.config import check_aux_layer_ids, default_aux_layer_ids
@@ -85,9 +86,7 @@ class DraftLengthChooser(Protocol):
     (drafter.draft.adaptive.DraftLengthTuner; FixedDraftLength for a fixed k)."""
 
     def choose(self, batch_size: int) -> int: ...
-
     def record(self, batch_size: int, k: int, num_tokens: int, seconds: float, steady: bool = True) -> None: ...
-
     def record_sources(self, batch_size: int, sources: dict[str, tuple[int, int, int]]) -> None:
         """What each draft source of the step drafted and had accepted (Drafter.step_sources): reports only."""
 
@@ -105,6 +104,7 @@ class Engine:
         self.runner: StaticRunner | None = None
         self.stats = EngineStats()
         self.shapes = ShapeCounts()  # captures and rebuilds of the static path, host reads (the bench's counters)
+        self.verifier = VerifyGraphs(model.cfg.vocab_size, model.device, False, self.shapes)  # graphs: static_runner
         self._aranges: dict[int, torch.Tensor] = {}
         self._next_ids: torch.Tensor | None = None  # (B, 1) the latest step's next tokens
 
@@ -117,6 +117,7 @@ class Engine:
             self.runner = runner = None  # free the old cache first
             max_len = slot_bucket(max_len, self.model.cfg.max_position)
             runner = self.runner = StaticRunner(self.model, num_rows, max_len, shapes=self.shapes)
+            self.verifier = VerifyGraphs(self.model.cfg.vocab_size, self.model.device, runner.cuda_graphs, self.shapes)
             self.shapes.num_rebuilds += 1
         runner.check_weights()
         runner.cache.num_used = 0
@@ -189,8 +190,7 @@ class Engine:
         if record_hidden:
             width = (len(aux) + 1) * model.cfg.hidden_size
             for b, r in enumerate(rows):
-                n = r.num_prompt - 1
-                r.prompt_hidden = (prefill_hidden[b, :n].clone() if prefill_hidden is not None
+                r.prompt_hidden = (prefill_hidden[b, : r.num_prompt - 1].clone() if prefill_hidden is not None
                                    else torch.zeros(0, width, dtype=model.dtype, device=device))
         if drafter is not None:
             drafter.begin([r.tokens for r in rows], prefill_hidden, max_len=cache.max_len)
@@ -299,7 +299,7 @@ class Engine:
             draft_tokens = torch.zeros(len(batch), 0, dtype=torch.long, device=device)
             draft_lens = torch.zeros(len(batch), dtype=torch.long, device=device)
         verify_u = None if uniforms is None else uniforms[:, : K + 1]  # K acceptance tests, then the final draw
-        verdict = verify(logits, draft_tokens, draft_lens, draft_probs, sampling, verify_u)
+        verdict = self.verifier.verify(logits, draft_tokens, draft_lens, draft_probs, sampling, verify_u)
         self._advance(batch, cache, verdict, draft_tokens, draft_lens, hidden, drafter, alive)
 
     def _steps(self, n: int) -> torch.Tensor:
