@@ -14,10 +14,14 @@ is. `buffered` runs the buffered path uncaptured, so a CPU test checks its paddi
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from drafter.decode.sampling import BatchSampling, Verdict, verify
 from drafter.decode.static import ShapeCounts, batch_bucket
+
+log = logging.getLogger(__name__)
 
 
 class VerifyGraphs:
@@ -61,7 +65,12 @@ class VerifyGraphs:
             verdict = self._verify(b, key)
         else:
             if key not in self.graphs:
-                self._capture(b, key)
+                try:
+                    self._capture(b, key)
+                except RuntimeError:  # verify stays exact without the graph; the CUDA test set fails on this
+                    log.exception("verify graph %s failed to capture: verifying eagerly from now on", key)
+                    self.buffered = False
+                    return verify(target_logits, draft_tokens, draft_lens, draft_probs, sampling, uniforms)
             graph, verdict = self.graphs[key]
             graph.replay()
         return Verdict(verdict.num_accepted[:B].clone(), verdict.next_tokens[:B].clone())
