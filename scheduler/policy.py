@@ -12,7 +12,7 @@ be averaged, and `should_publish` says whether the merged draft may replace the 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -23,6 +23,7 @@ CLASSES = (WorkerState.ROLLING_OUT, WorkerState.STRAGGLER, WorkerState.IDLE, Wor
            WorkerState.FAILED, WorkerState.STALE)
 _GENERATING_CLASSES = frozenset({WorkerState.ROLLING_OUT, WorkerState.STRAGGLER})
 _UNCOUNTED = frozenset({WorkerState.FAILED, WorkerState.STALE})  # neither counted nor given work
+RECENT_ROLLOUTS = 3  # finished rollouts whose median duration remaining_from weighs
 
 
 class WorkerView(NamedTuple):
@@ -195,22 +196,38 @@ def _classify(views: list[WorkerView], now: float, s: PolicySettings, rl_step: i
     return classes, min(progresses, default=1.0)
 
 
-def remaining_from(slowest_progress: float, rollout_elapsed_s: float) -> float:
-    """Time until the slowest generating worker finishes, extrapolating its progress so far (`slowest_progress`:
-    its finished fraction; 1.0: none generating)."""
-    if slowest_progress <= 0:
-        return rollout_elapsed_s  # nothing finished yet: assume at least as long again
-    return rollout_elapsed_s * (1 - slowest_progress) / slowest_progress
+def remaining_from(slowest_progress: float, rollout_elapsed_s: float,
+                   recent_rollout_s: Sequence[float] = ()) -> float:
+    """Time until the slowest generating worker finishes. Its progress so far, extrapolated (`slowest_progress`:
+    its finished fraction; 1.0: none generating), or, where longer, what is left of the median of the job's
+    recent rollouts (`recent_rollout_s`, finished ones: completed_rollout_s). The extrapolation reads a long tail
+    short: the rows still generating are the long ones, so a worker at 17 of 20 rows after 12 s has seconds left,
+    not the 2 s its finished fraction gives, and the tail's idle workers would get no lease. Steps of one job draw
+    their prompts from one task, so their rollouts last about as long (with nothing generating, none is left)."""
+    if slowest_progress >= 1:
+        return 0.0
+    extrapolated = rollout_elapsed_s if slowest_progress <= 0 else \
+        rollout_elapsed_s * (1 - slowest_progress) / slowest_progress  # nothing finished yet: as long again
+    if not recent_rollout_s:
+        return extrapolated
+    return max(extrapolated, statistics.median(recent_rollout_s) - rollout_elapsed_s)
+
+
+def completed_rollout_s(windows: list[RolloutWindow], max_kept: int = RECENT_ROLLOUTS) -> tuple[float, ...]:
+    """The durations of the latest `max_kept` finished rollout windows, oldest first (remaining_from's history)."""
+    return tuple(w.end - w.start for w in windows if w.end is not None)[-max_kept:]
 
 
 def decide(views: list[WorkerView], now: float, phase: Phase, rollout_elapsed_s: float, serving_version: int,
            s: PolicySettings, leased: frozenset[str] = frozenset(), busy: frozenset[str] = frozenset(),
-           rl_step: int | None = None) -> Decision:
+           rl_step: int | None = None, recent_rollout_s: Sequence[float] = ()) -> Decision:
     """`leased`: workers holding a lease the scheduler has not collected yet. Their progress record
     may lag or say ROLLING_OUT (a new rollout began), so leases, not records, decide preemption.
     `busy`: workers doing other work for the scheduler (the scorer): they get no lease. `rl_step`: the
     step of the driver's phase record; a worker whose record is of an earlier step is about to generate
-    for s.first_report_s into a rollout (None: records' steps are not compared)."""
+    for s.first_report_s into a rollout (None: records' steps are not compared). `recent_rollout_s`: the
+    job's latest finished rollouts' durations (completed_rollout_s), which the rest of this one is estimated
+    from beside the slowest worker's progress (remaining_from)."""
     is_rollout = rollout_under_way(phase)
     classes, slowest = _classify(views, now, s, rl_step if is_rollout else None, rollout_elapsed_s)
     idle_state, training_state = WorkerState.IDLE, WorkerState.TRAINING
@@ -232,7 +249,7 @@ def decide(views: list[WorkerView], now: float, phase: Phase, rollout_elapsed_s:
         return decision
     # a leased worker given rollouts again needs its GPU back
     decision.preempt = sorted(w for w in leased if classes.get(w) in _GENERATING_CLASSES)
-    remaining = remaining_from(slowest, rollout_elapsed_s)
+    remaining = remaining_from(slowest, rollout_elapsed_s, recent_rollout_s)
     decision.remaining_rollout_s = remaining
     deadline = min(s.max_lease_s, s.lease_margin * remaining)
     if long_tail and deadline >= s.min_lease_s:

@@ -37,6 +37,7 @@ from scheduler.policy import (
     Lease,
     PolicySettings,
     WorkerView,
+    completed_rollout_s,
     decide,
     reclaimed_by_step,
     scoring_fits,
@@ -179,7 +180,8 @@ class Watcher:
         scorer = st.scoring["evaluated_by"] if st.scoring and st.scoring["stage"] == SCORING else None
         now = time.time()
         decision = decide(views, now, phase.phase, now - phase.since, serving, self.settings,
-                          leased=frozenset(st.leases), busy=frozenset({scorer} - {None}), rl_step=phase.rl_step)
+                          leased=frozenset(st.leases), busy=frozenset({scorer} - {None}), rl_step=phase.rl_step,
+                          recent_rollout_s=completed_rollout_s(st.windows()))
         redis.hset(job_tlt_key(job_id), mapping={TltField.CLASSES: json.dumps(decision.classes),
                                                  TltField.LONG_TAIL: int(decision.long_tail)})
         for worker_id in decision.preempt:

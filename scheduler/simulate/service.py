@@ -17,6 +17,7 @@ from scheduler.policy import (
     CopyView,
     RolloutWindow,
     choose_scorer,
+    completed_rollout_s,
     decide,
     group_copies,
     reclaimed_by_step,
@@ -92,7 +93,8 @@ class SimWatcher:
         scorer = self.scoring["evaluated_by"] if self.scoring and self.scoring["stage"] == SCORING else None
         leased, busy = frozenset(self.leases), frozenset({scorer} - {None})
         wall = time.perf_counter()
-        decision = decide(views, now, phase, now - since, sim.book.latest, settings, leased=leased, busy=busy)
+        decision = decide(views, now, phase, now - since, sim.book.latest, settings, leased=leased, busy=busy,
+                          recent_rollout_s=completed_rollout_s(self.windows))
         fits = scoring_fits(decision.remaining_rollout_s, self.last_scoring_s, settings)
         self.tick_s.append(time.perf_counter() - wall)
         self.num_ticks += 1

@@ -14,10 +14,12 @@ from scheduler.policy import (
     WorkerView,
     choose_scorer,
     classify,
+    completed_rollout_s,
     decide,
     group_copies,
     overlap_s,
     reclaimed_by_step,
+    remaining_from,
     rollout_under_way,
     scoring_fits,
     should_publish,
@@ -127,6 +129,29 @@ def test_no_lease_when_too_little_time_or_data_is_left():
     d = decide([view("w0", IDLE, 8), view("w1", IDLE, 8, buffer=10), view("w2", done=2)],
                NOW, Phase.ROLLOUT, 20.0, 1, S)
     assert [g.worker_id for g in d.grants] == ["w0"]  # w1's buffer is too small
+
+
+def test_a_long_tail_is_estimated_from_the_jobs_recent_rollouts_not_only_its_finished_rows():
+    """7 of 8 rows done after 20 s extrapolates to 2.9 s left, but the rows left are the long ones: where the
+    job's last rollouts took 40 s, about 20 s is left, and the tail's idle worker gets a lease of 0.8 of it."""
+    views = [view("w0", IDLE, 8), view("w2", done=7)]
+    tight = dataclasses.replace(S, min_lease_s=5.0)
+    assert decide(views, NOW, Phase.ROLLOUT, 20.0, 1, tight).grants == []
+    d = decide(views, NOW, Phase.ROLLOUT, 20.0, 1, tight, recent_rollout_s=(38.0, 40.0, 45.0))
+    assert d.remaining_rollout_s == pytest.approx(20.0)
+    assert [(g.worker_id, g.deadline_s) for g in d.grants] == [("w0", pytest.approx(16.0))]
+    # the longer of the two: a rollout already past its history extrapolates; nothing generating, nothing left
+    assert remaining_from(0.5, 50.0, (40.0,)) == pytest.approx(50.0)
+    assert remaining_from(0.25, 10.0, (12.0, 100.0)) == pytest.approx(46.0)  # the median of two: their mean
+    assert remaining_from(1.0, 10.0, (40.0,)) == 0.0
+    assert remaining_from(0.0, 3.0, ()) == 3.0  # nothing finished, no history: as long again
+
+
+def test_the_recent_rollouts_are_the_finished_windows_latest_last():
+    windows = [RolloutWindow(s, 10.0 * s, 10.0 * s + 1 + s) for s in range(5)] + [RolloutWindow(5, 50.0)]
+    assert completed_rollout_s(windows) == (3.0, 4.0, 5.0)  # the last three finished; the open one is not
+    assert completed_rollout_s(windows, max_kept=1) == (5.0,)
+    assert completed_rollout_s([RolloutWindow(0, 1.0)]) == ()
 
 
 def test_the_scorer_is_a_free_worker_that_did_not_train_in_the_round():
