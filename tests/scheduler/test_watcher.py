@@ -29,8 +29,10 @@ from workers.spec import JobSpec
 from workers.store import DraftStore
 
 # A tiny model with an EOS token: sampled responses end at random lengths (geometric, mean ~256), so
-# one worker finishes its share well before the other and waits at the barrier: a real long tail.
-SPEC = {"num_steps": 6, "num_prompts_per_step": 3, "group_size": 4, "max_new_tokens": 900, "num_workers": 2,
+# one worker finishes its share well before the other and waits at the barrier: a real long tail. Tails here
+# last about a second, and a lease often ends before its first micro-step (its parent still loading): 10 steps
+# (6 before) so that some lease trains a copy; with 6, every lease of a run came out empty about 1 run in 6.
+SPEC = {"num_steps": 10, "num_prompts_per_step": 3, "group_size": 4, "max_new_tokens": 900, "num_workers": 2,
         "draft_k": 2}
 # tiny-model steps are seconds long: allow short leases and small buffers
 POLICY = PolicySettings(min_lease_s=0.05, min_buffer_tokens=16)
