@@ -16,6 +16,7 @@ import torch
 from scipy.stats import chisquare
 
 import drafter.decode.engine as engine_mod
+import drafter.decode.verify_graphs as verify_graphs_mod
 from drafter.decode import sampling
 from drafter.decode.engine import Engine, Request
 from drafter.decode.sampling import BatchSampling, SamplingParams, Verdict, token_probs
@@ -240,7 +241,9 @@ def resample_from_target(target_logits, draft_tokens, draft_lens, draft_probs, s
                                                     (accept_always, "history-stored"),
                                                     (resample_from_target, "noisy-policy")])
 def test_wrong_verifier_fails_the_test(model, exact, monkeypatch, wrong, drafter_name):
-    monkeypatch.setattr(engine_mod, "verify", wrong)
+    # the engine verifies a chain through its VerifyGraphs, which runs that module's verify (eagerly, over its
+    # buffers, or captured in a graph on CUDA)
+    monkeypatch.setattr(verify_graphs_mod, "verify", wrong)
     assert sample_pvalue(model, exact, 2, make_drafter(drafter_name, model)) < ALPHA
 
 
