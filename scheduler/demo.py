@@ -39,8 +39,8 @@ NUM_STEPS = 2
 NUM_WORKERS = 2  # one per core of this 2-core box: a lease on an idle worker takes nothing from a straggler
 REPORT_DIR = "artifacts/demo-report"
 # one micro-step of 256 pairs takes ~1 s on a CPU core: leases of a few seconds still train
-# the workers' policy in bf16 where the CPU has bf16 units (policy_dtype auto): plain decoding 1.5x faster there,
-# and a speculative step's extra positions cheaper against it (docs/benchmarks.md, "RL")
+# the workers' policy in bf16 where the CPU has bf16 units (policy_dtype auto): plain decoding 2.3-3.5x faster
+# there, the demo about 100 s instead of 4 minutes (docs/benchmarks.md, "RL", run E)
 SPEC = {"model": "smollm2-135m", "task": "longtail", "num_steps": NUM_STEPS, "num_prompts_per_step": 10,
         "group_size": 4, "max_new_tokens": 512, "num_workers": NUM_WORKERS, "draft_k": 4, "seed": 0,
         "policy_dtype": "auto", "drafter": {"num_rows": 1, "max_tokens_per_row": 256}}
