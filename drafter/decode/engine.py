@@ -104,7 +104,8 @@ class Engine:
         self.runner: StaticRunner | None = None
         self.stats = EngineStats()
         self.shapes = ShapeCounts()  # captures and rebuilds of the static path, host reads (the bench's counters)
-        self.verifier = VerifyGraphs(model.cfg.vocab_size, model.device, False, self.shapes)  # graphs: static_runner
+        # chains' verification: on CUDA one graph per shape (as StaticRunner's forwards), kept across runner rebuilds
+        self.verifier = VerifyGraphs(model.cfg.vocab_size, model.device, model.device.type == "cuda", self.shapes)
         self._aranges: dict[int, torch.Tensor] = {}
         self._next_ids: torch.Tensor | None = None  # (B, 1) the latest step's next tokens
 
@@ -117,7 +118,6 @@ class Engine:
             self.runner = runner = None  # free the old cache first
             max_len = slot_bucket(max_len, self.model.cfg.max_position)
             runner = self.runner = StaticRunner(self.model, num_rows, max_len, shapes=self.shapes)
-            self.verifier = VerifyGraphs(self.model.cfg.vocab_size, self.model.device, runner.cuda_graphs, self.shapes)
             self.shapes.num_rebuilds += 1
         runner.check_weights()
         runner.cache.num_used = 0

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class VerifyGraphs:
-    """Verification for one StaticRunner's batches (`vocab_size`: the policy's logits' width)."""
+    """Verification for one Engine's chain steps (`vocab_size`: the policy's logits' width)."""
 
     def __init__(self, vocab_size: int, device: torch.device, cuda_graphs: bool,
                  shapes: ShapeCounts | None = None) -> None:

@@ -76,8 +76,8 @@ def test_generations_with_buffered_verification_are_token_for_token_the_same(tin
     for buffered in (False, True):
         engine = Engine(model, static=True)
         drafter = EagleDrafter(model, head, static=True)
-        engine.generate(requests, k=2, drafter=drafter)  # builds the runner (and its verifier)
         engine.verifier.buffered = buffered  # on CUDA: replayed graphs against eager verify
+        engine.generate(requests, k=2, drafter=drafter)  # every shape met before the compared runs
         outs[buffered] = [[o.token_ids for o in engine.generate(requests, k=k, drafter=drafter if k else None)]
                           for k in (0, 2)]
     assert outs[True] == outs[False]
