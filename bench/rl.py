@@ -203,7 +203,7 @@ def warm_draft_for(model: str, task: str, device: str, recipe) -> str:
     defaults), else built now on `device` when that is quick (a GPU, about 2 minutes; or a recipe other than the
     default, such as the smallest size's). On a CPU the default recipe's draft the checkout ships
     (workers.warm.shipped_warm_draft) stands in for a cached one; ValueError when there is neither (a build would
-    take 25 minutes)."""
+    take 27 minutes)."""
     from workers.warm import WarmRecipe, ensure_warm_draft, shipped_warm_draft, warm_cache_dir
 
     recipe = recipe or WarmRecipe()
@@ -216,7 +216,7 @@ def warm_draft_for(model: str, task: str, device: str, recipe) -> str:
         if shipped is not None:
             log(f"warm draft: the one the checkout ships, {shipped}")
             return str(shipped)
-        raise ValueError("arms b and c start from a warm draft: build one with `make warm-draft` (about 25 minutes "
+        raise ValueError("arms b and c start from a warm draft: build one with `make warm-draft` (about 27 minutes "
                          "on a 2-core CPU), pass --warm-draft, or run with --device cuda (built there)")
     log(f"warm draft: building it on {device} ({recipe.num_prompts} prompts, {recipe.num_steps} steps"
         f"{f' or {recipe.train_seconds:.0f} s' if recipe.train_seconds else ''}), cached in "

@@ -63,7 +63,7 @@ def ensure_warm_draft(model: str, task: str) -> str | None:
     - the one the checkout ships (workers.warm.shipped_warm_draft: deploy/drafts/, built by the same recipe), so
       that a fresh clone's demo starts from a draft that pays;
     - with TLT_DEMO_BUILD_WARM_DRAFT=1 (`make warm-draft`), one built now by `tlt drafter train --task`
-      (workers.warm.build_warm_draft) in a process of its own (this one stays torch-free): about 25 minutes on a
+      (workers.warm.build_warm_draft) in a process of its own (this one stays torch-free): about 27 minutes on a
       2-core box, over the demo's 10.
     None (the TLT-on job starts from an untrained head) when there is none of these."""
     from workers.warm import WARM_REPORT, WarmRecipe, shipped_warm_draft, warm_cache_dir
@@ -81,9 +81,9 @@ def ensure_warm_draft(model: str, task: str) -> str | None:
         return path
     if not building:
         say(f"warm draft: none cached in {out} and none shipped; TLT on starts from an untrained head. Build one "
-            "once with `make warm-draft` (about 25 minutes on a 2-core box), then run the demo again")
+            "once with `make warm-draft` (about 27 minutes on a 2-core box), then run the demo again")
         return None
-    say(f"warm draft: building it once with `tlt drafter train --task {task}` (cached in {out}; about 25 minutes)")
+    say(f"warm draft: building it once with `tlt drafter train --task {task}` (cached in {out}; about 27 minutes)")
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "scheduler.cli", "drafter", "train", "--task", task, "--model", model,
            "--threads", "2"]  # no --out: into the cache, by WarmRecipe's defaults

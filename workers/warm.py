@@ -25,18 +25,20 @@ STORE_REF = re.compile(r"^store:([A-Za-z0-9_.-]{1,64}):([1-9][0-9]{0,8})$")  # "
 class WarmRecipe:
     """`tlt drafter train --task`'s defaults on a CPU: the draft `make warm-draft` builds and the checkout ships
     (deploy/drafts/). Sized for the long tail speculation serves: prompts mostly asking for detailed reasoning,
-    rollouts long enough to reach past the openings, 15 minutes of training in bf16 where the CPU has it natively.
-    Measured on SmolLM2-135M, 2-core AMD EPYC (AVX512-BF16), 2 threads, other work sharing the cores: 20,692 tokens
-    harvested in 587 s, 447 steps in the 900 s; greedy accepted length on 8 held-out prompts 1.83 / 1.98 / 2.07 at
-    k = 2 / 3 / 4 (deploy/drafts/smollm2-135m-longtail/report.json)."""
+    rollouts long enough to reach past the openings, harvested with the policy in the precision workers serve it in,
+    15 minutes of training in bf16 where the CPU has it natively. Measured on SmolLM2-135M, 2-core AMD EPYC
+    (AVX512-BF16), 2 threads, a quiet box: 139,012 tokens harvested in 669 s (bf16, 208 tokens/s), 768 steps in the
+    900 s; on 8 held-out prompts greedy accepted length 2.07 / 2.32 / 2.42 at k = 2 / 3 / 4, expected 2.12 at T=1,
+    k = 4 (deploy/drafts/smollm2-135m-longtail/report.json). The recipe before (96 prompts, float32 harvest, 20,692
+    tokens): 1.83 / 1.98 / 2.07 and 1.82."""
 
-    num_prompts: int = 96  # task prompts harvested at T=1 (templated: a hundred or so cover the task's phrasing)
+    num_prompts: int = 640  # task prompts harvested at T=1: ~140k tokens (the head learns the policy, not the prompts)
     max_new_tokens: int = 320  # per harvested rollout: the tail's responses run to 512, past the openings
     temperature: float = 1.0  # as RL samples
     num_steps: int = 1_000_000  # training micro-steps (4 packed rows of 256 pairs each): a limit, the budget binds
     num_unroll: int = 4  # draft positions trained: the demo and `tlt bench rl` draft up to k=4
     draft_vocab_size: int = 8192  # JobSpec's default
-    batch_size: int = 16  # rollouts harvested together
+    batch_size: int = 32  # rollouts harvested together (bf16 on 2 cores: 220 tokens/s at 16, 270 at 32 and 64)
     num_eval_prompts: int = 8  # held-out prompts for the accepted-length evaluation
     # longtail: share of the harvested and held-out prompts asking for detailed reasoning (the task's own 0.1
     # would leave the head few tokens of the tail, where speculation serves: the short answers are a line)
@@ -46,6 +48,10 @@ class WarmRecipe:
     # bf16 autocast in training: None where the device has native bf16 (drafter.model.causal_lm.fast_bf16: 1.5x a
     # float32 step on an AVX512-BF16 CPU), never elsewhere (emulated, slower than float32)
     bf16_autocast: bool | None = None
+    # the policy's precision while harvesting (JobSpec.policy_dtype's values): "auto", as `make demo` and `tlt bench
+    # rl` serve it, so the head trains on the hidden states it is served with; bf16 harvests ~3x float32 on a CPU
+    # with native bf16
+    policy_dtype: str = "auto"
 
     def train_config(self) -> TrainConfig:
         """The trainer's settings: TrainConfig's defaults but for the recipe's; the cosine spans num_steps, or the
@@ -141,15 +147,17 @@ def ensure_warm_draft(model: str, task: str, device: str = "cpu", recipe: WarmRe
 
 def build_warm_draft(model: str, task: str, out: str | Path, device: str, recipe: WarmRecipe,
                      max_seconds: float | None = None, harvest_file: str | Path | None = None) -> dict:
-    """Load `model` on `device` and warm-start a draft there by `recipe` (warm_start_by_recipe), saved as
-    out/draft-v000001.safetensors; returns the warm start's report (drafter.train.warmstart.WarmStartReport's fields,
-    with the model, task and device). The one recipe of `tlt drafter train --task`, `tlt demo`'s warm draft (through
-    that command), `tlt bench rl`'s and `tlt bench gpu`'s. max_seconds: a training time budget besides the
-    recipe's; harvest_file: drafter.train.warmstart's (the rollouts kept there, or read from it when it exists)."""
+    """Load `model` on `device` in recipe.policy_dtype's precision there and warm-start a draft by `recipe`
+    (warm_start_by_recipe), saved as out/draft-v000001.safetensors; returns the warm start's report
+    (drafter.train.warmstart.WarmStartReport's fields, with the model, task, device and policy_dtype). The one recipe
+    of `tlt drafter train --task`, `tlt demo`'s warm draft (through that command), `tlt bench rl`'s and `tlt bench
+    gpu`'s. max_seconds: a training time budget besides the recipe's; harvest_file: drafter.train.warmstart's (the
+    rollouts kept there, or read from it when it exists)."""
     from drafter.model.loading import load_model
+    from workers.device import policy_dtype
 
     task_prompts(task, WARM_TRAIN_SEED, 1)  # a task that does not exist: before the load
-    loaded = load_model(model, device=device)
+    loaded = load_model(model, dtype=policy_dtype(recipe.policy_dtype, device), device=device)
     return warm_start_by_recipe(loaded, task, out, recipe, max_seconds, harvest_file)
 
 
@@ -176,7 +184,8 @@ def warm_start_by_recipe(loaded, task: str, out: str | Path, recipe: WarmRecipe,
                            max_steps=recipe.num_steps, max_seconds=min(budgets) if budgets else None,
                            draft_vocab_size=recipe.draft_vocab_size, eval_prompts=eval_prompts or None,
                            harvest_file=harvest_file, progress=progress or stderr_progress)
-    return {"model": loaded.name, "task": task, "device": str(loaded.model.device), **asdict(report)}
+    return {"model": loaded.name, "task": task, "device": str(loaded.model.device),
+            "policy_dtype": str(loaded.model.dtype).removeprefix("torch."), **asdict(report)}
 
 
 def task_prompts(task: str, seed: int, num: int, tail_fraction: float | None = None) -> list[str]:

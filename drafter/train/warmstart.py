@@ -154,7 +154,9 @@ def warm_start(policy: CausalLM, tokenizer, prompts: list[list[int]], out_dir: s
         if harvest_file is not None:
             buffer.save(harvest_file)
     report.harvest_seconds = time.perf_counter() - t0
-    head = new_head(policy, buffer, draft_vocab_size)
+    # float32 whatever the policy's dtype: its weights are the optimizer's masters (AdamW's small steps would round
+    # away in bf16 weights; the trainer's bf16 autocast, where native, gives bf16's speed)
+    head = new_head(policy, buffer, draft_vocab_size).float()
     trainer = DraftTrainer(policy, head, train_cfg or TrainConfig(total_steps=max_steps or 1000, anneal_to_budget=False,
                                                                      bf16_autocast=False))
     steps_goal = max_steps or 0

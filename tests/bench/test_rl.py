@@ -97,7 +97,7 @@ def test_a_repeat_starts_only_if_the_run_still_ends_within_the_budget():
 
 def test_the_cpu_arms_start_from_the_cached_draft_else_the_shipped_one_else_a_clear_error(tmp_path, monkeypatch):
     """bench.rl.warm_draft_for on a CPU with the default recipe: the cached draft first, else the one the checkout
-    ships (workers.warm.shipped_warm_draft), else ValueError naming the ways to get one (a build is 25 minutes)."""
+    ships (workers.warm.shipped_warm_draft), else ValueError naming the ways to get one (a build is 27 minutes)."""
     from bench.rl import warm_draft_for
     from workers import warm
 

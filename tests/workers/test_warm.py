@@ -106,6 +106,26 @@ def test_a_recipe_with_a_time_budget_trains_to_it_on_its_prompts_and_the_extra_o
     assert Path(report["path"]).is_file() and report["acceptance"] == {}
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_warm_draft_is_harvested_in_the_recipes_policy_dtype_and_trained_in_float32(tmp_path, device, dtype):
+    """build_warm_draft loads the policy in recipe.policy_dtype (the precision workers serve it in), harvests and
+    evaluates with it there, and trains a float32 head (the optimizer's masters) whatever that precision."""
+    import torch
+
+    from drafter.train.checkpoint import load_draft
+    from workers.warm import WarmRecipe, build_warm_draft
+
+    recipe = WarmRecipe(num_prompts=4, num_eval_prompts=2, max_new_tokens=8, num_steps=3, train_seconds=None,
+                        batch_size=4, draft_vocab_size=32, policy_dtype=dtype)
+    report = build_warm_draft("tiny", "arithmetic", tmp_path, device, recipe)
+    assert report["policy_dtype"] == dtype and report["device"].startswith(device)
+    assert report["train_steps"] == 3 and set(report["acceptance"]) == {"2", "3", "4"}
+    state, _ = load_draft(report["path"])
+    assert {t.dtype for t in state.values() if t.is_floating_point()} == {torch.float32}
+    with pytest.raises(ValueError, match="policy_dtype must be one of auto, float32, bfloat16, got 'half'"):
+        build_warm_draft("tiny", "arithmetic", tmp_path, device, dataclasses.replace(recipe, policy_dtype="half"))
+
+
 def test_publish_from_a_file_and_from_another_jobs_store(redis_client, tmp_path):
     served, _ = job_stores(redis_client, tmp_path, "dst")
     path = write_draft(tmp_path / "draft-v000001.safetensors")
