@@ -10,15 +10,18 @@ that captured a graph, caught the draft up or followed a change of k) and so ser
        before anything is measured: its best arm serves a bucket's first steps (a draft that pays at a batch
        size is used there at once, in the tail too), and only the arms it expects to pay, and plain, are
        tried in 1.; without a prior every eligible arm is;
-    1. forced tries: each arm is served in a run until it has `num_tries` steady steps in the bucket, and at
-       small batches more, until it has emitted for `min_row_samples` rows (16 steps at batch 1);
-    2. then the arm with the best tokens/s estimate (an EMA of tokens over an EMA of seconds) serves, and a
-       bounded share of steps (at most `explore_frac` of the bucket's steps, growing only as sqrt(steps)
-       later) re-measures the least recently tried other eligible arm, in runs of `run_length` steps:
-       exploring costs at most explore_frac x (best - worst) / best;
+    1. forced tries: each arm is served in a run until it has `num_tries` steady steps in the bucket;
+    2. then the arm with the best tokens/s estimate serves: an EMA of rows times the tokens a row emits at k over an
+       EMA of seconds, where a row's tokens come from the acceptance that explains every drafting step of the
+       bucket (drafter.draft.step_model.fit_acceptance, pooled over k and decayed by POOL_DECAY per step: a step
+       costs much the same whatever it accepts, and a step at batch 1 emits 1..k+1 tokens by chance, so a
+       per-arm mean of tokens needs many steps to tell two arms apart); until `min_row_samples` rows have
+       drafted, each arm's own EMA of tokens stands in. A bounded share of steps (at most `explore_frac` of the
+       bucket's steps, growing only as sqrt(steps) later) re-measures the least recently tried other eligible
+       arm, in runs of `run_length` steps: exploring costs at most explore_frac x (best - worst) / best;
     3. a new draft (`new_draft`: a hot swap) makes every speculative arm's estimate stale: each is
-       tried again `num_retries` times (more at small batches, as in 1.) and its new samples replace the
-       old estimate.
+       tried again `num_retries` times, its new samples replace the old estimate, and the pooled acceptance
+       starts anew.
 Eligible arms (without a prior, and beside the prior's): what a step gains from drafting k tokens shrinks as
 the batch grows (each row's extra k tokens are compute a wider batch no longer hides), so a bucket drafts
 k > 0 only where the nearest smaller bucket measured has found k faster than plain. The smallest bucket ("1",
@@ -38,6 +41,11 @@ import math
 import threading
 from dataclasses import dataclass, field
 
+from drafter.draft.step_model import StepCostPrior, expected_tokens, fit_acceptance
+
+# the pooled acceptance's memory: each drafting step of a bucket weighs the earlier ones down by this (about the last
+# 128 steps speak: acceptance drifts along a response and with the draft's version)
+POOL_DECAY = 1 - 1 / 128
 # upper edges of the live-batch-size buckets; past the last one: one bucket "33+"
 BUCKET_EDGES = (1, 2, 4, 8, 16, 32)
 
@@ -66,68 +74,12 @@ def arms_for(k_max: int) -> tuple[int, ...]:
     return tuple(sorted({0, k_max} | {1 << i for i in range(5) if (1 << i) < k_max}))
 
 
-@dataclass(frozen=True)
-class StepCostPrior:
-    """What each k is expected to give before it is measured, relative to plain decoding at the same batch size.
-
-    Tokens per row per step with a draft accepted position by position with chance `acceptance`:
-        E(k) = 1 + a + a^2 + ... + a^k
-    A forward over n tokens in all costs 1 + n / knee_tokens one-token forwards (bound by reading the weights
-    until n nears the knee, by compute past it), and drafting k tokens k x draft_cost of one. So at batch B:
-        gain(B, k) = E(k) / ((1 + B (k + 1) / knee_tokens + k draft_cost) / (1 + B / knee_tokens))
-    Defaults: a weak draft and SmolLM2's measured costs (a 4-token verify at batch 1 costs 1.06-1.24 one-token
-    forwards on a CPU and an H100: knee 32; the head's k draft passes 3-5% of a forward each). A CPU's batch
-    costs grow faster (step_costs: CPU_KNEE_TOKENS)."""
-
-    acceptance: float = 0.55
-    knee_tokens: float = 32.0
-    draft_cost: float = 0.04
-
-    @classmethod
-    def step_costs(cls, device_type: str) -> dict[str, float]:
-        """The costs of a device kind where they differ from the defaults: a CPU's knee is CPU_KNEE_TOKENS."""
-        return {"knee_tokens": CPU_KNEE_TOKENS} if device_type == "cpu" else {}
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.acceptance < 1:
-            raise ValueError(f"acceptance must be in [0, 1), got {self.acceptance}")
-        if self.knee_tokens <= 0 or self.draft_cost < 0:
-            raise ValueError(f"knee_tokens must be > 0 and draft_cost >= 0, got {self.knee_tokens}, "
-                             f"{self.draft_cost}")
-
-    @classmethod
-    def from_accepted_length(cls, accepted_length: float, k: int, **costs: float) -> StepCostPrior:
-        """The prior of a draft measured to accept `accepted_length` tokens per step at k (its calibrated score,
-        the bonus token included): the acceptance a with E(k) = accepted_length, by bisection."""
-        if k < 1 or not 1 <= accepted_length <= k + 1:
-            raise ValueError(f"accepted_length must be in [1, k + 1] with k >= 1, got {accepted_length} at k={k}")
-        low, high = 0.0, 1.0 - 1e-9
-        for _ in range(60):
-            mid = (low + high) / 2
-            low, high = (mid, high) if sum(mid**j for j in range(k + 1)) < accepted_length else (low, mid)
-        return cls(acceptance=min(low, 0.999), **costs)
-
-    def expected_tokens(self, k: int) -> float:
-        return sum(self.acceptance**j for j in range(k + 1))
-
-    def gain(self, batch_size: int, k: int) -> float:
-        """Expected tokens/s of k over plain's at batch_size."""
-        plain = 1 + batch_size / self.knee_tokens
-        return self.expected_tokens(k) * plain / (1 + batch_size * (k + 1) / self.knee_tokens + k * self.draft_cost)
-
-
-# A CPU core runs out of compute near 8 tokens per forward: SmolLM2-135M plain decoding, one pinned core per worker,
-# 115 ms a step at 9-16 live rows and 185 ms at 17-32 (tlt bench rl, docs/bench/rl.json at d202dd6) gives
-# 1 + n / knee with knee ~8 (the knee of 32 holds on a GPU and made the tuner try drafts in the CPU's bulk, at
-# 0.80-0.88x plain there)
-CPU_KNEE_TOKENS = 8.0
-
-
 @dataclass
 class _Arm:
     tokens: float = 0.0  # EMA of a step's tokens
     seconds: float = 0.0  # EMA of a step's seconds
     num_samples: int = 0  # since its estimate was last made stale
+    rows: float = 0.0  # EMA of a step's live rows
     num_tries_left: int = 0  # forced tries still owed
     last_step: int = -1  # the bucket step it last served
 
@@ -150,28 +102,25 @@ class _Bucket:
     served: dict[int, list[int]] = field(default_factory=dict)
     # source -> [rows, tokens drafted, drafts accepted] over the steps a drafter of several sources served, all time
     sources: dict[str, list[int]] = field(default_factory=dict)
+    # k -> [rows, tokens] of the drafting steps, decayed by POOL_DECAY per drafting step: what fit_acceptance reads
+    pooled: dict[int, list[float]] = field(default_factory=dict)
+    acceptance: float | None = None  # fit_acceptance(pooled), once min_row_samples rows have drafted
 
 
 class _Meter:
     """Per (bucket, k) throughput, for reports and benchmarks."""
 
-    def __init__(self, arms: tuple[int, ...], num_tries: int, min_row_samples: int = 0) -> None:
+    def __init__(self, arms: tuple[int, ...], num_tries: int) -> None:
         self.arms = arms
-        self._num_tries, self._min_row_samples = num_tries, min_row_samples
+        self._num_tries = num_tries
         self._buckets: dict[str, _Bucket] = {}
         self._lock = threading.Lock()  # new_draft comes from the swap listener's thread
-
-    def _tries(self, name: str, base: int) -> int:
-        """Forced tries per arm in bucket `name`: `base`, and enough steps for min_row_samples rows (a step at
-        batch 1 emits 1..k+1 tokens by chance: one or two of them say little; a wide batch averages)."""
-        return max(base, -(-self._min_row_samples // bucket_low_edge(name))) if base else 0
 
     def _bucket(self, batch_size: int) -> _Bucket:
         name = bucket_of(batch_size)
         b = self._buckets.get(name)
         if b is None:
-            tries = self._tries(name, self._num_tries)
-            b = self._buckets[name] = _Bucket({k: _Arm(num_tries_left=tries) for k in self.arms})
+            b = self._buckets[name] = _Bucket({k: _Arm(num_tries_left=self._num_tries) for k in self.arms})
         return b
 
     def _count(self, b: _Bucket, batch_size: int, k: int, num_tokens: int, seconds: float) -> None:
@@ -258,7 +207,8 @@ class DraftLengthTuner(_Meter):
             raise ValueError(f"ema must be in (0, 1], got {ema}")
         if not 0 <= explore_frac < 1:
             raise ValueError(f"explore_frac must be in [0, 1), got {explore_frac}")
-        super().__init__(arms_for(k_max), num_tries, min_row_samples)
+        super().__init__(arms_for(k_max), num_tries)
+        self.min_row_samples = min_row_samples
         self.k_max, self.num_retries, self.ema, self.explore_frac = k_max, num_retries, ema, explore_frac
         self.run_length, self.prior = run_length, prior
 
@@ -329,11 +279,14 @@ class DraftLengthTuner(_Meter):
             b = self._bucket(batch_size)
             self._count(b, batch_size, k, num_tokens, seconds)
             arm = b.arms.get(k)
+            if arm is not None and k > 0:  # what it accepted, steady or not
+                self._pool(b, k, batch_size, num_tokens)
             if arm is None or not steady:  # a k this tuner never chooses (the engine capped it), or a step that
                 return  # captured, rebuilt or switched: measured, not learned
             weight = max(self.ema, 1.0 / (arm.num_samples + 1))  # the first samples are averaged, then EMA
             arm.tokens += weight * (num_tokens - arm.tokens)
             arm.seconds += weight * (seconds - arm.seconds)
+            arm.rows += weight * (batch_size - arm.rows)
             arm.num_samples += 1
             arm.num_tries_left = max(arm.num_tries_left - 1, 0)
 
@@ -343,11 +296,11 @@ class DraftLengthTuner(_Meter):
         with self._lock:
             if prior is not None:
                 self.prior = prior
-            for name, b in self._buckets.items():
-                retries = self._tries(name, self.num_retries)
+            for b in self._buckets.values():
+                b.pooled, b.acceptance = {}, None
                 for k, arm in b.arms.items():
                     if k > 0:
-                        arm.num_samples, arm.num_tries_left = 0, max(arm.num_tries_left, retries)
+                        arm.num_samples, arm.num_tries_left = 0, max(arm.num_tries_left, self.num_retries)
 
     def _best(self, b: _Bucket, eligible: tuple[int, ...], batch_size: int) -> int:
         """The eligible arm with the best tokens/s estimate; ties go to the shorter draft (cheaper). Before any
@@ -356,7 +309,26 @@ class DraftLengthTuner(_Meter):
         if not measured:
             expected = self._expected(batch_size)
             return max(eligible, key=lambda k: (expected.get(k, 1.0 if k == 0 else 0.0), -k))
-        return max(measured, key=lambda k: (b.arms[k].rate, -k))
+        return max(measured, key=lambda k: (self._rate(b, k), -k))
+
+    def _pool(self, b: _Bucket, k: int, num_rows: int, num_tokens: int) -> None:
+        """A drafting step's rows and tokens into the bucket's pooled acceptance (older steps decayed)."""
+        for cell in b.pooled.values():
+            cell[0], cell[1] = cell[0] * POOL_DECAY, cell[1] * POOL_DECAY
+        cell = b.pooled.setdefault(k, [0.0, 0.0])
+        cell[0], cell[1] = cell[0] + num_rows, cell[1] + num_tokens
+        rows = sum(r for r, _ in b.pooled.values())
+        b.acceptance = fit_acceptance({j: (r, t) for j, (r, t) in b.pooled.items()}) \
+            if rows >= max(self.min_row_samples, 1) else None
+
+    @staticmethod
+    def _rate(b: _Bucket, k: int) -> float:
+        """Arm k's tokens/s estimate: its rows times the tokens a row emits at k by the pooled acceptance, over its
+        seconds; its own EMA of tokens over seconds for plain, or before the pooled acceptance is trusted."""
+        arm = b.arms[k]
+        if k == 0 or b.acceptance is None or arm.seconds <= 0:
+            return arm.rate
+        return arm.rows * expected_tokens(b.acceptance, k) / arm.seconds
 
     def best(self, batch_size: int) -> int:
         with self._lock:
@@ -369,7 +341,7 @@ class DraftLengthTuner(_Meter):
                     for name, b in self._buckets.items()}
 
     def estimates(self) -> dict[str, dict[int, float]]:
-        """{bucket: {k: EMA tokens/s}} for the arms measured."""
+        """{bucket: {k: tokens/s estimate}} for the arms measured (what the choice ranks them by)."""
         with self._lock:
-            return {name: {k: a.rate for k, a in b.arms.items() if a.num_samples > 0}
+            return {name: {k: self._rate(b, k) for k, a in b.arms.items() if a.num_samples > 0}
                     for name, b in self._buckets.items()}
