@@ -19,6 +19,11 @@ that captured a graph, caught the draft up or followed a change of k) and so ser
        drafted, each arm's own EMA of tokens stands in. A bounded share of steps (at most `explore_frac` of the
        bucket's steps, growing only as sqrt(steps) later) re-measures the least recently tried other eligible
        arm, in runs of `run_length` steps: exploring costs at most explore_frac x (best - worst) / best;
+       and an arm not served for `stale_steps` of the bucket's steps is re-measured afresh (its new samples
+       replace its estimate), the wait doubling each time it is and resetting when it wins: an estimate taken
+       while the core was busy with other work (a lease, the learner) would otherwise keep a paying arm off for
+       the rest of the job, since only the arm that serves is measured again. This costs O(log(steps)) runs
+       per arm;
     3. a new draft (`new_draft`: a hot swap) makes every speculative arm's estimate stale: each is
        tried again `num_retries` times, its new samples replace the old estimate, and the pooled acceptance
        starts anew.
@@ -43,8 +48,8 @@ from dataclasses import dataclass, field
 
 from drafter.draft.step_model import StepCostPrior, expected_tokens, fit_acceptance
 
-# the pooled acceptance's memory: each drafting step of a bucket weighs the earlier ones down by this (about the last
-# 128 steps speak: acceptance drifts along a response and with the draft's version)
+# the pooled acceptance's memory: each step of a bucket weighs the earlier ones down by this (about the last 128
+# steps speak: acceptance drifts along a response and with the draft's version)
 POOL_DECAY = 1 - 1 / 128
 # upper edges of the live-batch-size buckets; past the last one: one bucket "33+"
 BUCKET_EDGES = (1, 2, 4, 8, 16, 32)
@@ -82,6 +87,7 @@ class _Arm:
     rows: float = 0.0  # EMA of a step's live rows
     num_tries_left: int = 0  # forced tries still owed
     last_step: int = -1  # the bucket step it last served
+    stale_after: int = 0  # bucket steps without serving after which it is re-measured afresh (0: not yet set)
 
     @property
     def rate(self) -> float:
@@ -102,7 +108,7 @@ class _Bucket:
     served: dict[int, list[int]] = field(default_factory=dict)
     # source -> [rows, tokens drafted, drafts accepted] over the steps a drafter of several sources served, all time
     sources: dict[str, list[int]] = field(default_factory=dict)
-    # k -> [rows, tokens] of the drafting steps, decayed by POOL_DECAY per drafting step: what fit_acceptance reads
+    # k -> [rows, tokens] of the drafting steps, decayed by POOL_DECAY per step of the bucket: what fit_acceptance reads
     pooled: dict[int, list[float]] = field(default_factory=dict)
     acceptance: float | None = None  # fit_acceptance(pooled), once min_row_samples rows have drafted
 
@@ -197,7 +203,7 @@ class DraftLengthTuner(_Meter):
     """Chooses k in arms_for(k_max) per live-batch bucket from measured tokens/s (see the module doc)."""
 
     def __init__(self, k_max: int, *, num_tries: int = 2, min_row_samples: int = 16, num_retries: int = 1,
-                 ema: float = 0.2, explore_frac: float = 0.02, run_length: int = 4,
+                 ema: float = 0.2, explore_frac: float = 0.02, run_length: int = 4, stale_steps: int = 64,
                  prior: StepCostPrior | None = None) -> None:
         if num_tries < 1 or num_retries < 1:
             raise ValueError(f"num_tries and num_retries must be >= 1, got {num_tries}, {num_retries}")
@@ -207,10 +213,12 @@ class DraftLengthTuner(_Meter):
             raise ValueError(f"ema must be in (0, 1], got {ema}")
         if not 0 <= explore_frac < 1:
             raise ValueError(f"explore_frac must be in [0, 1), got {explore_frac}")
+        if stale_steps <= run_length:
+            raise ValueError(f"stale_steps must be > run_length ({run_length}), got {stale_steps}")
         super().__init__(arms_for(k_max), num_tries)
         self.min_row_samples = min_row_samples
         self.k_max, self.num_retries, self.ema, self.explore_frac = k_max, num_retries, ema, explore_frac
-        self.run_length, self.prior = run_length, prior
+        self.run_length, self.stale_steps, self.prior = run_length, stale_steps, prior
 
     def _expected(self, batch_size: int) -> dict[int, float]:
         """The prior's gain of each arm at the bucket's smallest batch size (plain 1.0); {} without a prior."""
@@ -257,8 +265,17 @@ class DraftLengthTuner(_Meter):
                 b.num_explored += 1
                 return self._serve(b, b.last_k)
             best = self._best(b, eligible, batch_size)
+            b.arms[best].stale_after = self.stale_steps  # a winner's wait starts anew
             others = [k for k in eligible if k != best]
             n = b.num_steps
+            stale = [k for k in others if n - b.arms[k].last_step >= (b.arms[k].stale_after or self.stale_steps)]
+            if stale:  # re-measured afresh, the next wait twice as long
+                k = min(stale, key=lambda a: (b.arms[a].last_step, a))
+                arm = b.arms[k]
+                arm.stale_after, arm.num_samples = 2 * (arm.stale_after or self.stale_steps), 0
+                b.num_explored += 1
+                b.run_left = self.run_length - 1
+                return self._serve(b, k)
             if others and b.num_explored < min(self.explore_frac * n, math.sqrt(n) * self.explore_frac * 10):
                 b.num_explored += 1
                 b.run_left = self.run_length - 1
@@ -279,7 +296,7 @@ class DraftLengthTuner(_Meter):
             b = self._bucket(batch_size)
             self._count(b, batch_size, k, num_tokens, seconds)
             arm = b.arms.get(k)
-            if arm is not None and k > 0:  # what it accepted, steady or not
+            if arm is not None:  # what it accepted, steady or not (plain steps only age the pool)
                 self._pool(b, k, batch_size, num_tokens)
             if arm is None or not steady:  # a k this tuner never chooses (the engine capped it), or a step that
                 return  # captured, rebuilt or switched: measured, not learned
@@ -312,11 +329,14 @@ class DraftLengthTuner(_Meter):
         return max(measured, key=lambda k: (self._rate(b, k), -k))
 
     def _pool(self, b: _Bucket, k: int, num_rows: int, num_tokens: int) -> None:
-        """A drafting step's rows and tokens into the bucket's pooled acceptance (older steps decayed)."""
+        """A step's rows and tokens into the bucket's pooled acceptance (k = 0: none), older steps decayed: every
+        step of the bucket ages it, so what a draft accepted before a long run of plain steps fades as the arm's
+        other estimates go stale (see `stale_steps`)."""
         for cell in b.pooled.values():
             cell[0], cell[1] = cell[0] * POOL_DECAY, cell[1] * POOL_DECAY
-        cell = b.pooled.setdefault(k, [0.0, 0.0])
-        cell[0], cell[1] = cell[0] + num_rows, cell[1] + num_tokens
+        if k > 0:
+            cell = b.pooled.setdefault(k, [0.0, 0.0])
+            cell[0], cell[1] = cell[0] + num_rows, cell[1] + num_tokens
         rows = sum(r for r, _ in b.pooled.values())
         b.acceptance = fit_acceptance({j: (r, t) for j, (r, t) in b.pooled.items()}) \
             if rows >= max(self.min_row_samples, 1) else None

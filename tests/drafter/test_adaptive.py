@@ -79,12 +79,13 @@ def test_at_batch_1_the_pooled_acceptance_finds_the_best_k_where_per_arm_means_w
     """At batch 1 a step emits 1..k+1 tokens by chance, while its cost hardly varies. Pooling every drafting step's
     rows and tokens into one acceptance (each arm's cost its own) serves the best k (here k=2, 7-9% ahead of k=1
     and k=4) after two forced tries per arm; ranking each arm by its own EMA of tokens (pooling never trusted)
-    serves the others far more often."""
+    serves the others far more often. (The pooled one serves the others only to re-measure them: about 5% of the
+    steps here, in runs that the stale rule starts.)"""
     costs = {0: 1.0, 1: 1.1, 2: 1.2, 4: 1.45}  # a=0.5: k=1 1.36, k=2 1.46, k=4 1.34 plain's tokens/s
     pooled = run_geometric(DraftLengthTuner(4), 0.5, costs, 600, random.Random(seed))
     assert sorted(pooled[:8]) == [0, 0, 1, 1, 2, 2, 4, 4]  # num_tries forced tries per arm, at batch 1 too
     per_arm = run_geometric(DraftLengthTuner(4, min_row_samples=10**9), 0.5, costs, 600, random.Random(seed))
-    assert pooled[100:].count(2) >= 0.95 * 500
+    assert pooled[100:].count(2) >= 0.93 * 500
     assert per_arm[100:].count(2) < pooled[100:].count(2) - 50
     tuner = DraftLengthTuner(4)
     run_geometric(tuner, 0.5, costs, 200, random.Random(seed))
@@ -141,6 +142,43 @@ def test_exploration_at_a_large_batch_costs_under_3_percent(loss):
     assert 0 < len(explored) <= 0.02 * len(chosen)  # it keeps re-measuring, rarely
 
 
+def drive_drifting(tuner, acceptance, num_steps: int, rng: random.Random) -> tuple[list[int], float]:
+    """Batch 1, a step at k costs COSTS[k] (+-2%) and its drafts are accepted with chance acceptance(step) each
+    (geometric): the k of every step and the tokens/s reached, in units of plain's."""
+    chosen, tokens, seconds = [], 0, 0.0
+    for i in range(num_steps):
+        k = tuner.choose(1)
+        n = 0
+        while n < k and rng.random() < acceptance(i):
+            n += 1
+        cost = COSTS[k] * (1 + rng.uniform(-0.02, 0.02))
+        tuner.record(1, k, n + 1, cost)
+        chosen.append(k)
+        tokens, seconds = tokens + n + 1, seconds + cost
+    return chosen, tokens / seconds
+
+
+COSTS = {0: 1.0, 1: 1.1, 2: 1.2, 4: 1.45}
+
+
+@pytest.mark.parametrize("seed", [0, 2, 3])
+def test_a_draft_that_accepted_little_at_first_is_measured_again_and_served(seed):
+    """The start of a response the draft predicts badly (acceptance 0.15 for 40 steps, then 0.5: k=2 pays 1.46x
+    plain): the arms' estimates from those steps keep a tuner that re-measures only by its exploration share on
+    plain for good (what run H's frozen arm did in its first tail: 325 of 347 steps plain). Stale arms measured
+    afresh, and a pool that ages on plain steps too, bring the paying draft back within about 100 steps."""
+    def acceptance(i: int) -> float:
+        return 0.15 if i < 40 else 0.5
+
+    chosen, rate = drive_drifting(DraftLengthTuner(4), acceptance, 400, random.Random(seed))
+    assert chosen[150:].count(0) <= 15 and rate >= 1.25
+    never_stale = DraftLengthTuner(4, stale_steps=10**9)
+    chosen, rate = drive_drifting(never_stale, acceptance, 400, random.Random(seed))
+    assert chosen[150:].count(0) >= 240 and rate < 1.05  # this seed's sticky case: the test can fail
+    with pytest.raises(ValueError, match="stale_steps must be > run_length"):
+        DraftLengthTuner(4, stale_steps=4)
+
+
 def test_a_new_draft_is_retried_and_can_win():
     """Untrained draft: plain wins. A swap makes the speculative arms stale; the trained draft pays."""
     tuner, rng = DraftLengthTuner(2), random.Random(5)
@@ -195,8 +233,11 @@ def test_a_draft_the_prior_expects_to_pay_serves_from_the_first_step():
     rng = random.Random(8)
     assert run(tuner, {0: 100, 1: 150, 2: 190, 4: 230}, 1, 1, rng) == [4]
     assert run(tuner, {0: 100, 1: 140, 2: 170, 4: 190}, 4, 1, rng)[0] > 0
-    chosen = run(tuner, {0: 1000, 1: 800, 2: 700, 4: 500}, 64, 300, rng)
-    assert 4 not in chosen and chosen[-250:].count(0) >= 245  # the prior never expected k=4 to pay there
+    rates = {0: 1000, 1: 800, 2: 700, 4: 500}
+    chosen = run(tuner, rates, 64, 300, rng)
+    assert 4 not in chosen  # the prior never expected k=4 to pay there
+    assert chosen[-250:].count(0) >= 230  # plain, but for the stale arms' re-measuring runs
+    assert len(chosen) / sum(1 / rates[k] for k in chosen) >= 0.97 * rates[0]
 
 
 def test_a_cpus_prior_keeps_the_bulk_plain_and_drafts_in_the_tail():
