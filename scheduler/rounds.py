@@ -37,10 +37,15 @@ class Rounds:
         self.redis, self.store_dir, self.commands, self.settings = redis, store_dir, commands, settings
         self.jobs = jobs  # the watcher's TLT state of each watched job
 
-    def start(self, job_id: str, st: JobTLT, classes: dict[str, WorkerState], phase: Phase) -> str | None:
+    def start(self, job_id: str, st: JobTLT, classes: dict[str, WorkerState], phase: Phase,
+              rl_steps: dict[str, int] | None = None) -> str | None:
         """Ask a free worker to merge the round's copies and score the candidate (at the job's draft_k, which the
-        worker holds in its spec); returns that worker (None if no round started)."""
-        scorer, held_out = choose_scorer(classes, phase, st.trained, leased=st.leases)
+        worker holds in its spec); returns that worker (None if no round started). `rl_steps`: each worker's
+        progress record's rl_step; a worker that trained in the round and has since generated a later step's
+        rollouts scores on data the copies never saw (None: every worker that trained counts as seen)."""
+        steps = rl_steps or {}
+        seen = [w for w in st.trained if steps.get(w, -1) <= st.trained_steps.get(w, -1)]
+        scorer, held_out = choose_scorer(classes, phase, seen, leased=st.leases)
         if scorer is None:
             return None  # every worker is busy: score later, without slowing the long tail
         served_ns, copies_ns = draft_namespaces(job_id)
@@ -59,7 +64,7 @@ class Rounds:
             log.info("job %s: copies %s cannot be averaged with %s (another parent or draft vocabulary); dropped",
                      job_id, dropped, merged)
         serving = DraftIndex(self.redis, served_ns).latest_version()
-        st.copies, st.trained = [], []  # a new round starts; leases granted meanwhile belong to it
+        st.copies, st.trained, st.trained_steps = [], [], {}  # a new round starts; leases granted meanwhile belong to it
         if not merged:
             return None
         st.num_rounds += 1

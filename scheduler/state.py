@@ -19,10 +19,14 @@ MAX_STEPS_KEPT = 1000  # per-step reclaimed counters kept (GET /v1/jobs/{id}/dra
 
 @dataclass
 class JobTLT:
-    # worker id -> {lease_id, parent_version, deadline_s, offered_at}: offered, not collected yet
+    # worker id -> {lease_id, parent_version, deadline_s, offered_at, rl_step}: offered, not collected yet
     leases: dict = field(default_factory=dict)
     copies: list = field(default_factory=list)  # finished copy versions not merged yet
     trained: list = field(default_factory=list)  # workers that trained in this round (their data is seen)
+    # worker id -> the rl_step of its progress record when its latest lease of the round was offered (the lease
+    # trains on rollouts up to that step): once its record is of a later step, it has rollouts the round's copies
+    # never saw (Rounds.start)
+    trained_steps: dict = field(default_factory=dict)
     reclaimed_worker_s: float = 0.0  # worker-seconds spent training drafters
     num_leases: int = 0
     num_rounds: int = 0

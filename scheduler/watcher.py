@@ -192,10 +192,11 @@ class Watcher:
         elif st.copies and scoring_fits(decision.remaining_rollout_s, st.last_scoring_s, self.settings):
             # finished copies wait for a free worker to score them, ahead of another lease: a better draft
             # reaches the stragglers sooner; leases still running belong to the next round
-            scorer = self.rounds.start(job_id, st, decision.classes, phase.phase)
+            scorer = self.rounds.start(job_id, st, decision.classes, phase.phase,
+                                       {r.worker_id: r.rl_step for r in records})
             grants = [g for g in grants if g.worker_id != scorer]
         for lease in grants:
-            self._offer(job_id, st, lease)
+            self._offer(job_id, st, lease, live[lease.worker_id].rl_step)
         st.save(redis, job_id)
 
     # ----- the steps of a tick ------------------------------------------------------------------
@@ -240,10 +241,11 @@ class Watcher:
         self.commands.send(job_id, worker_id, "stop_training", PREEMPT_WAIT_S, on_reply=stopped,
                            timeout_s=PREEMPT_WAIT_S + COMMAND_TIMEOUT_S)
 
-    def _offer(self, job_id: str, st: JobTLT, lease: Lease) -> None:
+    def _offer(self, job_id: str, st: JobTLT, lease: Lease, rl_step: int) -> None:
+        """`rl_step`: the step of the worker's progress record now: the lease trains on rollouts up to it."""
         offer = LeaseOffer(f"{job_id}-{lease.worker_id}-{st.num_leases}", lease.parent_version, lease.deadline_s)
         st.num_leases += 1
-        st.leases[lease.worker_id] = {**offer.to_dict(), "offered_at": time.time()}
+        st.leases[lease.worker_id] = {**offer.to_dict(), "offered_at": time.time(), "rl_step": rl_step}
 
         def answered(reply: Reply) -> None:
             held = self.jobs.get(job_id)
@@ -303,6 +305,8 @@ class Watcher:
             st.add_reclaimed(by_step)
             if worker_id not in st.trained:
                 st.trained.append(worker_id)
+            if "rl_step" in lease:  # the step its data came from (a lease saved by an older scheduler has none)
+                st.trained_steps[worker_id] = max(st.trained_steps.get(worker_id, -1), lease["rl_step"])
             if outcome.version is not None:
                 st.copies.append(outcome.version)
             log.info("job %s: lease %s on %s done: %d steps in %.1f s (%.1f s within the rollout) -> copy %s",

@@ -33,8 +33,10 @@ EVAL_TOKENS = 2048  # recorded pairs a round is scored on: ~1 s of a SmolLM2 for
 
 
 def recent_rollouts(buffer: RolloutBuffer, max_tokens: int = EVAL_TOKENS) -> tuple[list[Rollout], int]:
-    """The newest rollouts of the buffer's newest policy version, up to `max_tokens` pairs, and their pairs."""
-    rollouts = buffer.rollouts
+    """The newest rollouts of the buffer's newest policy version that no lease on this worker trained on (a copy
+    scores higher on the rollouts it trained on: offline on SmolLM2, a lease's copy read +0.05 accepted tokens
+    over its parent on them and -0.03 on held-out ones), up to `max_tokens` pairs, and their pairs."""
+    rollouts = buffer.unread()
     if not rollouts:
         return [], 0
     newest = max(r.policy_version for r in rollouts)
@@ -73,7 +75,8 @@ class Scorer:
             result.candidate = self.copies.merge_and_publish(list(req.copies))
             recent, result.num_tokens = recent_rollouts(self.buffer)
             if not recent:
-                raise ValueError(f"worker {self.status.worker_id} has no rollouts to score drafts on")
+                raise ValueError(f"worker {self.status.worker_id} has no rollouts its own leases did not train on "
+                                 "to score drafts on")
             head, _ = self.copies.load_head(result.candidate, self.policy.dtype, self.policy.device)
             tau, scores = calibrate_draft_temperature(head, self.policy, recent, self.spec.draft_k)
             result.candidate_accepted_length, result.candidate_draft_temperature = scores[tau], tau

@@ -62,6 +62,7 @@ class RolloutBuffer:
         self._by_order: dict[int, Rollout] = {}  # insertion order
         self._by_version: dict[int, deque[Rollout]] = {}  # each deque in insertion order
         self._num_bytes = self._num_tokens = self._counter = 0
+        self._read_through = -1  # the newest insertion a trainer may have read (mark_read)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -85,6 +86,17 @@ class RolloutBuffer:
         """A snapshot, oldest insertion first."""
         with self._lock:
             return list(self._by_order.values())
+
+    def mark_read(self) -> None:
+        """A trainer read the buffer: every rollout held now counts as seen by training (unread() leaves it out)."""
+        with self._lock:
+            self._read_through = self._counter - 1
+
+    def unread(self) -> list[Rollout]:
+        """The rollouts added since a trainer last read the buffer, oldest first: data a draft trained on this
+        buffer has not seen, which is what it can be scored on without flattering it."""
+        with self._lock:
+            return [r for r in self._by_order.values() if r.order > self._read_through]
 
     def add(self, tokens: Sequence[int] | torch.Tensor, hidden: torch.Tensor, policy_version: int,
             num_prompt: int = 0) -> None:

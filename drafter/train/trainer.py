@@ -144,7 +144,9 @@ class DraftTrainer:
                                              seed=self.cfg.seed + self._epoch)
                 self._epoch += 1
                 fresh = True
-            for batch in self._batches:
+            for batch in self._batches:  # the epoch's snapshot of the buffer is taken at its first batch
+                if isinstance(buffer, RolloutBuffer):
+                    buffer.mark_read()
                 if bool(loss_mask(batch, 0).any()):
                     return batch
             self._batches = None

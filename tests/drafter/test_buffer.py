@@ -26,6 +26,18 @@ def numbered(buf: RolloutBuffer, lengths: list[int], version: int = 0) -> None:
         buf.add(list(range(100 * i, 100 * i + n)), hidden, policy_version=version)
 
 
+def test_unread_holds_what_arrived_since_a_trainer_last_read_the_buffer():
+    buf = RolloutBuffer(max_bytes=1 << 20, hidden_dtype=torch.float32)
+    numbered(buf, [5, 6])
+    assert [r.num_pairs for r in buf.unread()] == [4, 5]  # nothing read yet
+    buf.mark_read()
+    assert buf.unread() == []
+    numbered(buf, [7], version=1)
+    assert [r.num_pairs for r in buf.unread()] == [6]
+    buf.clear()
+    assert buf.unread() == []
+
+
 def test_byte_accounting_uses_compact_dtypes():
     buf = RolloutBuffer(max_bytes=1 << 20)
     buf.add(*rollout(10), policy_version=0)

@@ -162,6 +162,28 @@ def test_scoring_is_collected_by_a_later_tick_and_the_round_is_pruned(setup):
     assert asked == {"round_id": f"{JOB}-r1", "copies": [1, 2], "serving_version": None}
 
 
+def test_a_worker_that_trained_in_the_round_scores_it_only_once_its_next_rollout_is_in(setup):
+    """The only free worker trained in the round: its rollouts are what the copies trained on, so the round waits
+    (its copies kept) until the worker's record is of a later step; then it scores, held out."""
+    watcher, redis, tmp_path, scorer = setup
+    copies = add_copies(tmp_path, redis, 1)
+    st = JobTLT(copies=list(copies), trained=["w0"], trained_steps={"w0": 2})
+    watcher.jobs[JOB] = st
+    only_w0 = {"w0": WorkerState.IDLE}
+    assert watcher.rounds.start(JOB, st, only_w0, Phase.ROLLOUT, {"w0": 2}) is None
+    assert st.scoring is None and st.copies == copies and st.num_rounds == 0 and decisions(redis) == []
+    assert watcher.rounds.start(JOB, st, only_w0, Phase.ROLLOUT) is None  # no records: counted as seen
+    assert watcher.rounds.start(JOB, st, only_w0, Phase.ROLLOUT, {"w0": 3}) == "w0"
+    assert st.scoring["held_out"] and st.trained == [] and st.trained_steps == {}
+    ray.get(scorer.release.remote([1.7]))
+    wait_decided(watcher, st, live("w0"))
+    assert decisions(redis)[-1]["published_version"] == 1
+    # the state, with the steps, survives a restart
+    st.trained_steps = {"w1": 4}
+    st.save(redis, JOB)
+    assert JobTLT.load(redis, JOB).trained_steps == {"w1": 4}
+
+
 def test_a_restarted_watcher_reads_the_answer_and_a_worse_candidate_is_not_published(setup):
     watcher, redis, tmp_path, scorer = setup
     st = JobTLT(copies=add_copies(tmp_path, redis, 1))
@@ -194,7 +216,7 @@ def test_a_failed_or_vanished_scorer_rejects_the_round(setup):
     watcher, redis, tmp_path, scorer = setup
     st = JobTLT(copies=add_copies(tmp_path, redis, 1))
     start(watcher, st)
-    ray.get(scorer.release.remote("ValueError: worker w0 has no rollouts to score drafts on"))
+    ray.get(scorer.release.remote("ValueError: worker w0 has no rollouts its own leases did not train on to score drafts on"))
     wait_decided(watcher, st, live("w0"))
     d = decisions(redis)[-1]
     assert d["published_version"] is None and "no rollouts" in d["reason"] and st.num_rejected == 1

@@ -133,13 +133,20 @@ def test_score_round_merges_exactly_the_copies_given_and_writes_the_result(devic
     r = runner(device, redis_client, tmp_path)
     a, b = lease(r, "a"), lease(r, "b")
     req = {"round_id": "r1", "copies": [a.version, b.version], "serving_version": None}
+    # every rollout it holds is what its leases trained on: it refuses to score there (the score would flatter)
     res = r.scorer.run(r.scorer.accept(req))
+    assert res.candidate is not None and res.error == ("ValueError: worker w0 has no rollouts its own leases did "
+                                                       "not train on to score drafts on")
+    trained_on = {id(x) for x in r.buffer.rollouts}
+    r.generate(PROMPTS, sampled(7), rl_step=1)  # the next step's rollouts: unseen by the copies
+    res = r.scorer.run(r.scorer.accept(req | {"round_id": "r1b"}))
     assert ScoringResult.from_json(redis_client.get(job_scoring_key("job1"))) == res
     assert res.error is None and res.worker_id == "w0" and res.serving_accepted_length is None
     _, meta = r.copies.load(res.candidate)
     assert meta.extra["merged_versions"] == [a.version, b.version]
     # scored at the draft temperature that accepts the most on this worker's newest rollouts
     recent, num_tokens = recent_rollouts(r.buffer)
+    assert recent and not {id(x) for x in recent} & trained_on
     head, _ = r.copies.load_head(res.candidate, r.policy.dtype)
     tau, scores = calibrate_draft_temperature(head, r.policy, recent, r.spec.draft_k)  # the worker's own k
     assert res.num_tokens == num_tokens > 0 and res.candidate_draft_temperature == tau in DRAFT_TEMPERATURES
