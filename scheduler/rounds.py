@@ -64,7 +64,8 @@ class Rounds:
             log.info("job %s: copies %s cannot be averaged with %s (another parent or draft vocabulary); dropped",
                      job_id, dropped, merged)
         serving = DraftIndex(self.redis, served_ns).latest_version()
-        st.copies, st.trained, st.trained_steps = [], [], {}  # a new round starts; leases granted meanwhile belong to it
+        # a new round starts; leases granted meanwhile belong to it
+        st.copies, st.trained, st.trained_steps = [], [], {}
         if not merged:
             return None
         st.num_rounds += 1

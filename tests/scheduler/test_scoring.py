@@ -216,7 +216,8 @@ def test_a_failed_or_vanished_scorer_rejects_the_round(setup):
     watcher, redis, tmp_path, scorer = setup
     st = JobTLT(copies=add_copies(tmp_path, redis, 1))
     start(watcher, st)
-    ray.get(scorer.release.remote("ValueError: worker w0 has no rollouts its own leases did not train on to score drafts on"))
+    ray.get(scorer.release.remote("ValueError: worker w0 has no rollouts its own leases did not train on to score "
+                                  "drafts on"))
     wait_decided(watcher, st, live("w0"))
     d = decisions(redis)[-1]
     assert d["published_version"] is None and "no rollouts" in d["reason"] and st.num_rejected == 1
