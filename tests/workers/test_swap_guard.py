@@ -60,6 +60,7 @@ def trained_version(r: RolloutRunner) -> tuple[int, float]:
     r.generate(prompts(24, seed=10_000), sampled(24, seed=0), rl_step=0)
     lease = r.leases.run(r.leases.accept({"lease_id": "l1", "parent_version": 0, "deadline_s": 4.0}))
     assert lease.version is not None, lease
+    r.generate(prompts(12, seed=15_000), sampled(12, seed=50), rl_step=0)  # rollouts the copy never saw, to score on
     scored = r.scorer.run(r.scorer.accept({"round_id": "r1", "copies": [lease.version], "serving_version": None}))
     assert scored.error is None, scored.error
     score = scored.candidate_accepted_length
