@@ -1,8 +1,8 @@
 """Merging and scoring draft copies, on a worker (the scheduler does no tensor work).
 
 score_round: average exactly the copies it is given (the scheduler grouped them by merge_key) into a
-candidate in the copies store, then measure the candidate (at the draft temperature that accepts the
-most) and the serving version offline on this worker's most recent rollouts (drafter.train.evaluate), at the
+candidate in the copies store, then measure the candidate and the serving version, each at the draft temperature
+that accepts the most, offline on this worker's most recent rollouts (drafter.train.evaluate), at the
 job's draft_k (the worker's own JobSpec), and write the ScoringResult to job_scoring_key; a round that
 could not be scored gets one with `error`.
 publish_candidate: serve a scored candidate at its draft temperature, in the served store.
@@ -19,7 +19,7 @@ import redis as redis_lib
 
 from drafter.model.causal_lm import CausalLM
 from drafter.train.buffer import Rollout, RolloutBuffer
-from drafter.train.evaluate import calibrate_draft_temperature, expected_accepted_length
+from drafter.train.evaluate import calibrate_draft_temperature
 from workers.errors import one_line
 from workers.message import Message
 from workers.protocol.keys import job_scoring_key
@@ -80,10 +80,12 @@ class Scorer:
             head, _ = self.copies.load_head(result.candidate, self.policy.dtype, self.policy.device)
             tau, scores = calibrate_draft_temperature(head, self.policy, recent, self.spec.draft_k)
             result.candidate_accepted_length, result.candidate_draft_temperature = scores[tau], tau
-            if req.serving_version is not None:
+            if req.serving_version is not None:  # at its best draft temperature too: the candidate's score is the
+                # best of DRAFT_TEMPERATURES on these rollouts, and against one fixed temperature that maximum alone
+                # would favour it (runs J and K of `tlt bench rl` published versions that then accepted less)
                 serving, _ = self.served.load_head(req.serving_version, self.policy.dtype, self.policy.device)
-                result.serving_accepted_length = expected_accepted_length(serving, self.policy, recent,
-                                                                          self.spec.draft_k, greedy=False)
+                _, serving_scores = calibrate_draft_temperature(serving, self.policy, recent, self.spec.draft_k)
+                result.serving_accepted_length = max(serving_scores.values())
         except Exception as exc:  # the round's boundary: whatever failed, its ScoringResult is written (with the error)
             log.exception("job %s: worker %s: scoring round %s failed", self.status.job_id, self.status.worker_id,
                           req.round_id)

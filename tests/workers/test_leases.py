@@ -155,6 +155,8 @@ def test_score_round_merges_exactly_the_copies_given_and_writes_the_result(devic
     served = r.scorer.publish_candidate(res.candidate, tau, {"accepted_length": scores[tau]})
     res2 = r.scorer.run(r.scorer.accept(req | {"round_id": "r2", "serving_version": served}))
     assert res2.error is None and 1.0 <= res2.serving_accepted_length <= 3.0
+    # both at their best draft temperature on the same rollouts: the same weights score the same either way
+    assert res2.serving_accepted_length == pytest.approx(res2.candidate_accepted_length)
 
 
 def test_score_round_writes_an_error_result_when_it_cannot_score(device, redis_client, tmp_path):
