@@ -85,7 +85,7 @@ class PublishDecision(Out):
     dropped: list[int] = []  # copies that could not be averaged with the merged ones
     parent_version: int
     evaluated_by: str
-    held_out: bool  # the scorer did not train in the round: its rollouts are unseen by the copies
+    held_out: bool  # the scorer's recent rollouts are unseen by the copies (choose_scorer names no other scorer)
     at: float  # wall clock the round was asked to be scored
     candidate_accepted_length: float | None = None
     serving_accepted_length: float | None = None
