@@ -87,7 +87,7 @@ class _Arm:
     rows: float = 0.0  # EMA of a step's live rows
     num_tries_left: int = 0  # forced tries still owed
     last_step: int = -1  # the bucket step it last served
-    stale_after: int = 0  # bucket steps without serving after which it is re-measured afresh (0: not yet set)
+    stale_waits: int = 0  # re-measured this many times since it last won: it waits stale_steps << this when it loses
 
     @property
     def rate(self) -> float:
@@ -265,14 +265,14 @@ class DraftLengthTuner(_Meter):
                 b.num_explored += 1
                 return self._serve(b, b.last_k)
             best = self._best(b, eligible, batch_size)
-            b.arms[best].stale_after = self.stale_steps  # a winner's wait starts anew
+            b.arms[best].stale_waits = 0  # a winner's wait starts anew
             others = [k for k in eligible if k != best]
             n = b.num_steps
-            stale = [k for k in others if n - b.arms[k].last_step >= (b.arms[k].stale_after or self.stale_steps)]
+            stale = [k for k in others if n - b.arms[k].last_step >= self.stale_steps << b.arms[k].stale_waits]
             if stale:  # re-measured afresh, the next wait twice as long
                 k = min(stale, key=lambda a: (b.arms[a].last_step, a))
                 arm = b.arms[k]
-                arm.stale_after, arm.num_samples = 2 * (arm.stale_after or self.stale_steps), 0
+                arm.stale_waits, arm.num_samples = arm.stale_waits + 1, 0
                 b.num_explored += 1
                 b.run_left = self.run_length - 1
                 return self._serve(b, k)

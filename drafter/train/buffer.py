@@ -62,7 +62,7 @@ class RolloutBuffer:
         self._by_order: dict[int, Rollout] = {}  # insertion order
         self._by_version: dict[int, deque[Rollout]] = {}  # each deque in insertion order
         self._num_bytes = self._num_tokens = self._counter = 0
-        self._read_through = -1  # the newest insertion a trainer may have read (mark_read)
+        self._read_through = -1  # the newest insertion a trainer has read (read_for_training)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -87,10 +87,12 @@ class RolloutBuffer:
         with self._lock:
             return list(self._by_order.values())
 
-    def mark_read(self) -> None:
-        """A trainer read the buffer: every rollout held now counts as seen by training (unread() leaves it out)."""
+    def read_for_training(self) -> list[Rollout]:
+        """A snapshot, oldest insertion first, for a trainer: every rollout in it counts as seen by training from
+        now on (unread() leaves it out)."""
         with self._lock:
             self._read_through = self._counter - 1
+            return list(self._by_order.values())
 
     def unread(self) -> list[Rollout]:
         """The rollouts added since a trainer last read the buffer, oldest first: data a draft trained on this

@@ -140,13 +140,11 @@ class DraftTrainer:
             if self._batches is None:
                 if fresh:
                     raise ValueError("no pair of the rollout buffer has a target: its rollouts are one pair long")
-                self._batches = iter_batches(buffer, self.cfg.max_tokens_per_row, self.num_rows, shuffle=True,
-                                             seed=self.cfg.seed + self._epoch)
+                self._batches = iter_batches(buffer.read_for_training(), self.cfg.max_tokens_per_row, self.num_rows,
+                                             shuffle=True, seed=self.cfg.seed + self._epoch)
                 self._epoch += 1
                 fresh = True
-            for batch in self._batches:  # the epoch's snapshot of the buffer is taken at its first batch
-                if isinstance(buffer, RolloutBuffer):
-                    buffer.mark_read()
+            for batch in self._batches:
                 if bool(loss_mask(batch, 0).any()):
                     return batch
             self._batches = None

@@ -30,7 +30,7 @@ def test_unread_holds_what_arrived_since_a_trainer_last_read_the_buffer():
     buf = RolloutBuffer(max_bytes=1 << 20, hidden_dtype=torch.float32)
     numbered(buf, [5, 6])
     assert [r.num_pairs for r in buf.unread()] == [4, 5]  # nothing read yet
-    buf.mark_read()
+    assert [r.num_pairs for r in buf.read_for_training()] == [4, 5]
     assert buf.unread() == []
     numbered(buf, [7], version=1)
     assert [r.num_pairs for r in buf.unread()] == [6]
