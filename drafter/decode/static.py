@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from drafter.decode.capture import capture
 from drafter.model.causal_lm import CausalLM, PackedWeight, draft_features, onednn_serves
 from drafter.model.config import ModelConfig
 
@@ -383,14 +384,7 @@ class StaticRunner:
         """Capture one shape. Its warm-up runs on the step's real inputs: the K/V it writes are the step's own
         (they depend on the inputs only), and its outputs are overwritten by the replay that follows."""
         _, _, S, aux, logits_for = key
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm up outside the capture: cuBLAS handles, workspaces
-            self._forward(ids.reshape(-1), pos, S, aux, logits_for)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self._forward(ids.reshape(-1), pos, S, aux, logits_for)
+        graph, outputs = capture(lambda: self._forward(ids.reshape(-1), pos, S, aux, logits_for), self.pool)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[key] = (graph, outputs)

@@ -18,6 +18,7 @@ import logging
 
 import torch
 
+from drafter.decode.capture import capture
 from drafter.decode.sampling import BatchSampling, Verdict, verify
 from drafter.decode.static import ShapeCounts, batch_bucket
 
@@ -103,14 +104,7 @@ class VerifyGraphs:
 
     def _capture(self, b: dict, key: tuple) -> None:
         """Capture one shape; its warm-up runs on the step's inputs (outputs the replay writes again)."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm up outside the capture
-            self._verify(b, key)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            verdict = self._verify(b, key)
+        graph, verdict = capture(lambda: self._verify(b, key), self.pool)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[key] = (graph, verdict)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from drafter.decode.capture import capture
 from drafter.decode.sampling import BatchSampling, draft_probs, sample, token_probs
 from drafter.decode.static import (
     ShapeCounts,
@@ -283,14 +284,7 @@ class DraftGraphs:
     def _capture(self, b: dict, key: tuple) -> None:
         """Capture one shape. Its warm-up runs on the step's real inputs (what it writes, the replay that
         follows writes again)."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm up outside the capture (idempotent: same inputs, same writes)
-            self._step(b, *key)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._step(b, *key)
+        graph, _ = capture(lambda: self._step(b, *key), self.pool)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[key] = graph
