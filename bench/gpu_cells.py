@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from drafter.decode.engine import Engine, GenerationOutput, Request
+from drafter.decode.warmup import warm_up
 
 
 @dataclass
@@ -39,6 +40,15 @@ def _marks(engine: Engine, drafter) -> tuple[int, int, int]:
     if theirs is not None:
         c, r = c + theirs.num_captures, r + theirs.num_rebuilds
     return c, r, engine.shapes.num_host_reads
+
+
+def warm_shapes(engine: Engine, reqs: list[Request], k: int, drafter) -> int:
+    """What a rollout worker does before its first batch (drafter.decode.warmup.warm_up): every shape `reqs` may
+    meet captured, at each draft length an adaptive tuner may serve (0 to k), for every batch bucket up to theirs.
+    Without it an adaptive arm met new shapes inside its timed runs (on an H200, 54 captures in (d)'s, at 0.3-0.4x
+    plain in those cells). Returns the captures made (0 on a CPU)."""
+    max_len = max(len(r.prompt_ids) + r.params.max_new_tokens for r in reqs) + 2 * k + 2
+    return warm_up(engine, len(reqs), max_len, tuple(range(k + 1)), reqs[0].params, drafter if k else None)["captures"]
 
 
 def timed(engine: Engine, reqs: list[Request], k: int, drafter, tuner=None, on_step=None) -> RunCost:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from bench.drafter import calibrate, sweep
-from bench.gpu_cells import RunCost, timed
+from bench.gpu_cells import RunCost, timed, warm_shapes
 from bench.prompts import PROMPTS, synthetic_prompts
 from drafter.decode.engine import Engine, Request
 from drafter.decode.sampling import SamplingParams
@@ -57,6 +57,9 @@ def sweep_b1(engine: Engine, tok, head, ks: tuple[int, ...], k: int, num_prompts
     return {**calib, "sweep": res, "best_k_greedy": best_greedy, "best_k_t1": best_t1,
             "speedup_greedy_b1": greedy[f"warm_k{best_greedy}"]["speedup"],
             "speedup_t1_b1": temp1[f"warm_k{best_t1}"]["speedup"],
+            # issue 39: the longest accepted runs at any k swept (the draft's, whatever the engine makes of them)
+            "accepted_greedy_best": max(greedy[f"warm_k{kk}"]["mean_accepted_length"] for kk in ks),
+            "accepted_t1_best": max(temp1[f"warm_k{kk}"]["mean_accepted_length"] for kk in ks),
             "greedy_identical_fraction_b1": round(res["greedy_identical"] / max(res["greedy_compared"], 1), 4)}
 
 
@@ -104,13 +107,15 @@ def batch_sweep(engine: Engine, tok, head, batch_sizes: tuple[int, ...], k: int,
     drafter = EagleDrafter(engine.model, head, draft_dtype)
     table: dict = {}
     flat: dict = {}
-    identical = compared = captures = rebuilds = 0
+    identical = compared = captures = rebuilds = warm_captures = 0
     for temp in (0.0, 1.0):
         tuner = DraftLengthTuner(k, prior=prior)  # one per temperature, kept over batch sizes, as a worker keeps it
         if tuners is not None:
             tuners[temp] = tuner
         arms = {"plain": (0, None), f"k{k}": (k, None), "adaptive": (k, tuner)}
         rows: dict = {}
+        # as a worker before its first batch: every bucket up to the largest, at each k the tuner may serve
+        warm_captures += warm_shapes(engine, sweep_requests(tok, max(batch_sizes), temp, new_tokens), k, drafter)
         for B in sorted(batch_sizes):
             reqs = sweep_requests(tok, B, temp, new_tokens)
             for kk, tn in arms.values():  # untimed, identical to the timed runs
@@ -148,4 +153,5 @@ def batch_sweep(engine: Engine, tok, head, batch_sizes: tuple[int, ...], k: int,
             f"adaptive_min_ratio{suffix}": min(row["adaptive"]["over_best"] for t in table.values()
                                                for row in t.values()),
             f"greedy_identical_fraction{suffix}": round(identical / max(compared, 1), 4),
-            "greedy_compared": compared, "graph_captures_timed": captures, "cache_rebuilds_timed": rebuilds}
+            "greedy_compared": compared, "graph_captures_warm_up": warm_captures,
+            "graph_captures_timed": captures, "cache_rebuilds_timed": rebuilds}

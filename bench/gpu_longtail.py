@@ -5,13 +5,14 @@ up to 512 tokens, the short answers stopping at their line's end), decoded by ea
     ("history"); both per row (drafter.draft.combined, choosing its source by what it measures) at k
     ("combined") and adaptively ("combined_adaptive", its own tuner from the prior, as a worker with
     history_drafts serves).
-Each arm first once untimed on the same requests (captures, the tuners' forced tries, the combined drafter's first
-measurements), then `repeats` timed runs in rotating order. Per arm: the rollout's time and its tail's (after
-TAIL_FRACTION of the responses finished) with the tail's accepted length; on all rows and on tail rows (the last
-25% of each group to finish, bench.drafter_history.tail_rows) the accepted length and tokens/s (the rows' tokens
-over the rollout's seconds, and over the rows' own lifetimes); the history drafter's own host ms per step; for the
-combined arms, per live-batch bucket, which source drafted how many rows and what it had accepted (the chooser's
-bucket_sources). Then greedy, up to GREEDY_TOKENS: history and combined outputs against plain decoding's.
+First every shape the arms may meet is captured, as a worker's warm-up does (gpu_cells.warm_shapes); then each arm
+runs once untimed on the same requests (the tuners' forced tries, the combined drafter's first measurements), then
+`repeats` timed runs in rotating order. Per arm: the rollout's time and its tail's (after TAIL_FRACTION of the
+responses finished) with the tail's accepted length; on all rows and on tail rows (the last 25% of each group to
+finish, bench.drafter_history.tail_rows) the accepted length and tokens/s (the rows' tokens over the rollout's
+seconds, and over the rows' own lifetimes); the history drafter's own host ms per step; for the combined arms, per
+live-batch bucket, which source drafted how many rows and what it had accepted (the chooser's bucket_sources). Then
+greedy, up to GREEDY_TOKENS: history and combined outputs against plain decoding's.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Callable
 
 from bench.drafter_history import TAIL_FRACTION as TAIL_ROWS_FRACTION
 from bench.drafter_history import TimedHistory, tail_rows
-from bench.gpu_cells import timed
+from bench.gpu_cells import timed, warm_shapes
 from bench.gpu_decode import cell_of, rotated
 from drafter.decode.engine import Engine, Request
 from drafter.decode.sampling import SamplingParams
@@ -90,6 +91,7 @@ def longtail(engine: Engine, tok, head, num_prompts: int, group: int, new_tokens
             "combined_adaptive": (k, combined, DraftLengthTuner(k, prior=prior), combined.history)}
     num_before_tail = max(1, int(TAIL_FRACTION * len(reqs)))  # the tail: the last 10% of the responses
     stats = engine.stats
+    warm_captures = sum(warm_shapes(engine, reqs, k, d) for d in (eagle, history, combined))  # as a worker would
     for kk, drafter, chooser, _ in arms.values():
         timed(engine, reqs, kk, drafter, chooser)
     sources_before = {name: arm[2].bucket_sources() for name, arm in arms.items() if name.startswith("combined")}
@@ -149,6 +151,7 @@ def longtail(engine: Engine, tok, head, num_prompts: int, group: int, new_tokens
             "longtail_tail_rows_accepted_history": table["combined_adaptive"]["rows"]["tail"]["accepted_length"],
             "longtail_history_step_fraction": table["combined_adaptive"]["history_step_fraction"],
             "longtail_greedy_identical_fraction_history": greedy["identical_fraction"],
+            "graph_captures_warm_up": warm_captures,
             "graph_captures_timed": sum(c["graph_captures_timed"] for c in table.values()),
             "cache_rebuilds_timed": sum(c["cache_rebuilds_timed"] for c in table.values())}
 

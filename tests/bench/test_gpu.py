@@ -73,6 +73,9 @@ def test_the_cpu_form_runs_end_to_end_without_the_control_planes_packages(tmp_pa
     assert warm["cached"] is False and warm["train_steps"] == 3 and warm["harvested_tokens"] > 0
     assert result["warm_start_s"] == pytest.approx(warm["harvest_s"] + warm["train_s"], abs=0.02)
     assert result["speedup_greedy_b1"] > 0 and result["speedup_t1_b1"] > 0
+    greedy_cells = [v for key, v in result["sweep_b1"]["sweep"]["greedy"].items() if key.startswith("warm_k")]
+    assert result["accepted_greedy_best"] == max(c["mean_accepted_length"] for c in greedy_cells) >= 1.0
+    assert result["accepted_t1_best"] >= 1.0 and result["harvest_tokens_per_s"] == warm["harvest_tokens_per_s"] > 0
     assert result["sweep_b1"]["greedy_identical_fraction_b1"] == 1.0
     # the batch sweep: each arm at each batch size, plain the reference; greedy speculation is lossless
     sweep = result["batch_sweep"]
@@ -86,6 +89,7 @@ def test_the_cpu_form_runs_end_to_end_without_the_control_planes_packages(tmp_pa
     assert cell["plain"]["host_reads_per_step"] == 1.0  # one blocking read per decode step
     # warm-ups identical to the timed runs: nothing captured or rebuilt inside them, in any part
     assert result["graph_captures_timed"] == 0 and result["cache_rebuilds_timed"] == 0
+    assert sweep["graph_captures_warm_up"] == 0 == result["longtail"]["graph_captures_warm_up"]  # a CPU captures none
     assert result["profile_b4"]["steps"] > 0 and result["profile_b4"]["top"]
     # the long tail: 2 prompts x 2 responses per arm
     tail = result["longtail"]
