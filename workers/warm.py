@@ -66,12 +66,13 @@ class WarmRecipe:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-# The GPU's recipe: a warm start within 5 minutes (issue 39). 3,072 task prompts of up to 192 tokens at batch 128,
-# sampled at T=1: about 600k generated tokens (100 s at the 6k tokens/s an H100 harvested at batch 128 before issue
-# 39, 40 s at its 15k goal; 3.4 GB of features in host memory); 150 s of training in micro-steps of
-# GPU_TOKENS_PER_STEP pairs on every position inference drafts (k up to 6), weighed by reach; 32 held-out prompts
-# for the draft temperature and the accepted length. Not measured on a GPU yet.
-GPU_RECIPE = WarmRecipe(num_prompts=3072, max_new_tokens=192, num_steps=1_000_000, num_unroll=6, batch_size=128,
+# The GPU's recipe: a warm start within 5 minutes (issue 39). 3,072 task prompts of up to 192 tokens at batch 256,
+# sampled at T=1: about 500k generated tokens (an H200 harvested 9.8k tokens/s at batch 128, where short answers
+# leave the batch's last steps to a few rows; 15k is issue 39's goal; about 3 GB of bf16 features in host memory);
+# 150 s of training in micro-steps of GPU_TOKENS_PER_STEP pairs on every position inference drafts (k up to 6),
+# weighed by reach; 32 held-out prompts for the draft temperature and the accepted length. Not measured whole on a
+# GPU yet (`tlt bench gpu` (b) runs it with its own prompt counts).
+GPU_RECIPE = WarmRecipe(num_prompts=3072, max_new_tokens=192, num_steps=1_000_000, num_unroll=6, batch_size=256,
                         num_eval_prompts=32, train_seconds=150.0, position_loss="reach", bf16_autocast=False)
 
 

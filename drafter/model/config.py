@@ -109,9 +109,10 @@ def check_aux_layer_ids(ids, num_layers: int) -> tuple[int, int, int]:
 
 
 POSITION_LOSSES = ("decay", "reach")  # how TrainConfig weighs the unrolled draft positions (drafter.train.loss)
-# a GPU micro-step's pairs: at 1k pairs an H100 ran the head's step launch-bound (24k tokens/s, issue 39); 32k pairs
-# (128 rows of 256) keep its matmuls large while one step's forward and backward stay well under a second
-GPU_TOKENS_PER_STEP = 32_768
+# a GPU micro-step's pairs: at 1k pairs an H100 ran the head's step launch-bound (24k tokens/s, issue 39). 32k pairs
+# ran 139k tokens/s on an H200 at about 156 ms a step, but a stop then waited 53 ms (median) to 71 ms for the queued
+# step (goal 50 ms); 16k pairs (64 rows of 256) halve what a stop waits for, their matmuls still large (unmeasured)
+GPU_TOKENS_PER_STEP = 16_384
 
 
 @dataclass

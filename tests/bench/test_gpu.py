@@ -178,7 +178,7 @@ def test_sizes_default_per_device_and_options_override_them():
     gpu = parse()
     assert gpu.device == "cuda" and gpu.sizes == CUDA_SIZES
     assert {1, 8, 32, 64, 128} <= set(gpu.sizes.physics_batches) and gpu.sizes.physics_tokens == tuple(range(1, 10))
-    assert gpu.sizes.harvest_batch == 128 and gpu.sizes.batch_sizes == (1, 4, 16, 64)
+    assert gpu.sizes.harvest_batch == 256 and gpu.sizes.batch_sizes == (1, 4, 16, 64)
     cpu = parse("--device", "cpu", "--ks", "3,5", "--skip-tests", cuda=False)
     assert cpu.sizes.ks == (3, 5) and "h" not in cpu.parts
     assert cpu.sizes.physics_dtypes == ("fp32",) and cpu.sizes.warm_steps == CPU_SIZES.warm_steps
