@@ -6,9 +6,10 @@ import math
 
 import pytest
 
-from bench.drift import drift_part, eval_prompts, ratio, ratio_se, recovered_fraction
+from bench.drift import drift_part, eval_prompts, per_prompt, ratio, ratio_se, recovered_fraction
 from bench.gpu_decode import ByteTokenizer
 from drafter.decode.engine import Engine
+from drafter.draft.eagle import EagleDrafter
 from drafter.draft.head import new_head
 from tests.conftest import tiny_model
 
@@ -49,3 +50,15 @@ def test_the_drift_part_measures_each_draft_greedy_and_at_t1_with_errors():
             assert result[f"drift_{stage}_accepted_length{suffix}_se"] >= 0.0
         assert f"drift_recovered_fraction{suffix}" in result and f"drift_recovered{suffix}_se" in result
     assert result["drift_eval_prompts"] == 3 and result["drift_adapt_steps"] >= 1 and result["drift_adapt_epochs"] > 0
+
+
+def test_prompts_measured_together_accept_what_they_accept_one_at_a_time():
+    policy = tiny_model(vocab_size=64, seed=5)
+    tok = ByteTokenizer(policy.cfg.vocab_size)
+    engine, prompts = Engine(policy, tok), eval_prompts(tok, 5)
+    drafter = EagleDrafter(policy, new_head(policy, None, None), None)
+    for temperature in (0.0, 1.0):  # at T=1 with each prompt's seed: the same samples, the same verdicts
+        alone = per_prompt(engine, prompts, 3, drafter, temperature, 12, batch_size=1)
+        together = per_prompt(engine, prompts, 3, drafter, temperature, 12, batch_size=4)  # a batch of 4, then 1
+        assert together == alone and all(t == 12 and 1 <= s <= 12 for t, s in alone)
+    assert any(s < 12 for _, s in alone)  # some drafts accepted (the untrained head's, at T=1): steps vary
