@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from drafter.decode.rows import Row, find_stop
+from drafter.decode.rows import Row
 from drafter.decode.sampling import BatchSampling, SamplingParams, Verdict
 from drafter.decode.static import ShapeCounts, StaticRunner, batch_bucket, slot_bucket, to_device
 from drafter.decode.tree import Tree, compact_path, tree_attention, verify_tree
@@ -363,6 +363,8 @@ class Engine:
         new_tokens = []
         st = self.stats
         st.num_forwards += 1
+        # recorded features: one copy of the step's (its buffers are overwritten next step), a view per row of it
+        kept = hidden.clone() if hidden is not None and batch and batch[0].hidden is not None else None
         for r, (n, nxt, num_drafted, *drafts) in zip(batch, packed):
             if r.finish_reason:  # finished before this step: masked, emits nothing
                 new_tokens.append([])
@@ -372,8 +374,8 @@ class Engine:
             r.steps += 1
             r.drafted += num_drafted
             r.accepted += n
-            if r.hidden is not None:
-                r.hidden.append(hidden[len(new_tokens) - 1, : len(taken)].clone())
+            if kept is not None:
+                r.hidden.append(kept[len(new_tokens) - 1, : len(taken)])
             st.num_seq_steps += 1
             st.num_generated += len(taken)
             st.num_draft_tokens += num_drafted
@@ -388,13 +390,6 @@ class Engine:
 
     def _output(self, r: Row) -> GenerationOutput:
         gen = r.generated
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(gen, skip_special_tokens=True)
-            if r.params.stop_strings:
-                full = self.tokenizer.decode(gen, skip_special_tokens=False)
-                cut = find_stop(self.tokenizer, gen, r.params.stop_strings)
-                text = full[:cut] if cut >= 0 else text
         hidden = torch.cat(r.hidden)[: len(gen)] if r.hidden else None
         return GenerationOutput(list(r.prompt_ids), gen, r.finish_reason or "length", r.steps, r.drafted,
-                                r.accepted, text, hidden, r.prompt_hidden)
+                                r.accepted, r.text(self.tokenizer), hidden, r.prompt_hidden)

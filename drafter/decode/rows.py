@@ -75,6 +75,17 @@ class Row:
     def generated(self) -> list[int]:
         return self.tokens[self.num_prompt :]
 
+    def text(self, tokenizer) -> str | None:
+        """The generated text (None without a tokenizer), cut where a stop string starts."""
+        if tokenizer is None:
+            return None
+        gen = self.generated
+        text = tokenizer.decode(gen, skip_special_tokens=True)
+        if self.params.stop_strings:
+            cut = find_stop(tokenizer, gen, self.params.stop_strings)
+            text = tokenizer.decode(gen, skip_special_tokens=False)[:cut] if cut >= 0 else text
+        return text
+
     def cap(self, k: int) -> int:
         """Drafts worth proposing: never past max_new_tokens or the context, none once finished."""
         return 0 if self.finish_reason else max(0, min(k, self.limit - len(self.tokens) - 1))

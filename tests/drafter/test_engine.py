@@ -240,6 +240,17 @@ def test_sampled_generation_is_reproducible_per_seed(tiny, device):
     assert eagle == run(0, 3, EagleDrafter(model, EagleHead(tiny.cfg))) and [len(t) for t in eagle] == [24] * 3
 
 
+def _features_of(model, out, device) -> torch.Tensor:
+    """What record_hidden should give for `out`'s whole sequence: one full forward's draft features."""
+    seq = torch.tensor([out.prompt_ids + out.token_ids], device=device)
+    L = seq.shape[1]
+    positions = torch.arange(L, device=device).unsqueeze(0)
+    _, hidden = model(seq, positions, model.new_cache(1, L), logits_for="none")
+    _, _, aux = model(seq, positions, model.new_cache(1, L), logits_for="none",
+                      aux_layers=default_aux_layer_ids(model.cfg.num_layers))
+    return draft_features(hidden, aux)[0]  # the aux layers' states, then the final hidden state
+
+
 def test_record_hidden_matches_a_full_forward(tiny, device):
     model = on(tiny, device)
     engine = Engine(model)
@@ -247,18 +258,26 @@ def test_record_hidden_matches_a_full_forward(tiny, device):
     plain = engine.generate(req)[0]
     assert plain.hidden_states is None
     out = engine.generate(req, k=3, drafter=NgramDrafter(), record_hidden=True)[0]
-    seq = torch.tensor([out.prompt_ids + out.token_ids], device=device)
-    L = seq.shape[1]
-    positions = torch.arange(L, device=device).unsqueeze(0)
-    _, hidden = model(seq, positions, model.new_cache(1, L), logits_for="none")
-    _, _, aux = model(seq, positions, model.new_cache(1, L), logits_for="none",
-                      aux_layers=default_aux_layer_ids(tiny.cfg.num_layers))
-    hidden = draft_features(hidden, aux)  # the aux layers' states, then the final hidden state
-    P = len(out.prompt_ids)
+    hidden, P, L = _features_of(model, out, device), len(out.prompt_ids), len(out.prompt_ids) + len(out.token_ids)
     assert out.hidden_states.shape == (len(out.token_ids), 4 * tiny.cfg.hidden_size)
     # the state at position P-1+i produced generated token i
-    torch.testing.assert_close(out.hidden_states, hidden[0, P - 1 : L - 1], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(out.prompt_hidden_states, hidden[0, : P - 1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.hidden_states, hidden[P - 1 : L - 1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.prompt_hidden_states, hidden[: P - 1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_each_row_of_a_batch_records_its_own_features(tiny, device, k):
+    """Rows of different lengths, finishing at different steps (the batch compacted as they do): every row's
+    features are its own sequence's, whatever rows it shared its steps with."""
+    model = on(tiny, device)
+    prompts = random_prompts([5, 9, 3, 7, 4], tiny.cfg.vocab_size, seed=3)
+    reqs = [Request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, [3, 17, 9, 1, 12])]
+    outs = Engine(model).generate(reqs, k=k, drafter=NgramDrafter() if k else None, record_hidden=True)
+    assert [len(o.token_ids) for o in outs] == [3, 17, 9, 1, 12]
+    for out in outs:
+        hidden, P = _features_of(model, out, device), len(out.prompt_ids)
+        torch.testing.assert_close(out.hidden_states, hidden[P - 1 : P - 1 + len(out.token_ids)], atol=1e-4,
+                                   rtol=1e-4)
 
 
 def test_stop_token_and_max_new_tokens_match_plain():
