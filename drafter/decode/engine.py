@@ -364,7 +364,8 @@ class Engine:
         st = self.stats
         st.num_forwards += 1
         # recorded features: one copy of the step's (its buffers are overwritten next step), a view per row of it
-        kept = hidden.clone() if hidden is not None and batch and batch[0].hidden is not None else None
+        record = hidden is not None and batch and batch[0].hidden is not None
+        kept = hidden[:, : max(p[0] for p in packed) + 1].clone() if record else None  # up to the most any row took
         for r, (n, nxt, num_drafted, *drafts) in zip(batch, packed):
             if r.finish_reason:  # finished before this step: masked, emits nothing
                 new_tokens.append([])
