@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -145,13 +146,26 @@ def _drop_mask(sorted_vals: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, 
     return drop
 
 
+SAMPLE_BLOCK = 1024  # sample()'s block of the vocabulary (SmolLM2's 49,152 = 48 blocks, a draft's 8,192 = 8)
+
+
 def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: (N, V) probabilities, (N,) uniforms in [0, 1) -> (N,) token ids."""
-    cdf = probs.cumsum(dim=-1)  # (N, V)
-    target = uniforms.unsqueeze(-1) * cdf[:, -1:]
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    idx = idx.clamp_(max=probs.shape[-1] - 1)
-    # a zero-probability token can only be hit through rounding at the CDF's flat end: step back
+    """Inverse-CDF sampling: (N, V) probabilities, (N,) uniforms in [0, 1) -> (N,) token ids: the first token whose
+    cumulative mass passes u times the total. In two levels: the block whose cumulative mass passes it (a sum per
+    block of SAMPLE_BLOCK tokens, then a scan over the blocks), then the token within that block (a scan over its
+    SAMPLE_BLOCK). A scan over a whole 49k vocabulary for a few rows ran as one slow kernel on a GPU (0.06 ms a call,
+    several per T=1 speculative step); these are short."""
+    N, V = probs.shape
+    pad = -V % SAMPLE_BLOCK  # a vocabulary that is no multiple of the block: zeros after it, never drawn
+    blocks = (F.pad(probs, (0, pad)) if pad else probs).reshape(N, -1, SAMPLE_BLOCK)  # (N, nb, block)
+    block_cdf = blocks.sum(-1).cumsum(-1)  # (N, nb)
+    target = (uniforms * block_cdf[:, -1]).unsqueeze(-1)  # (N, 1)
+    b = torch.searchsorted(block_cdf, target, right=True).clamp_(max=block_cdf.shape[1] - 1)  # (N, 1)
+    before = torch.where(b > 0, block_cdf.gather(-1, (b - 1).clamp(min=0)), 0.0)  # mass of the blocks before
+    within = blocks.gather(1, b.unsqueeze(-1).expand(N, 1, SAMPLE_BLOCK)).squeeze(1)  # (N, block)
+    i = torch.searchsorted(within.cumsum(-1) + before, target, right=True).clamp_(max=SAMPLE_BLOCK - 1)
+    idx = (b * SAMPLE_BLOCK + i).squeeze(-1).clamp_(max=V - 1)
+    # a zero-probability token can only be hit through rounding at a CDF's flat end: step back
     bad = probs.gather(-1, idx.unsqueeze(-1)).squeeze(-1) <= 0
     return torch.where(bad, probs.argmax(-1), idx)  # unconditionally: no read-back (capturable)
 

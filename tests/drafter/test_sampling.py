@@ -391,3 +391,23 @@ def test_engine_rejects_bad_arguments(model):
         engine.generate([Request([1], SamplingParams(stop_strings=("x",)))])
     with pytest.raises(ValueError, match="requests"):
         engine.generate([])
+
+
+@pytest.mark.parametrize("V", [96, 1024, 3000])
+def test_sample_draws_the_token_whose_cumulative_mass_passes_u(V, device):
+    """drafter.decode.sampling.sample (in blocks) against inverse-CDF sampling in float64 over the whole row: the same
+    token but where u sits within rounding of a boundary; never a token of zero probability; u near 0 and 1 too."""
+    g = torch.Generator().manual_seed(V)
+    probs = (3 * torch.randn(64, V, generator=g)).softmax(-1)
+    probs[:, ::5] = 0.0  # holes, at block edges too
+    probs[0] = 0.0
+    probs[0, V - 1] = 1.0  # all the mass on the last token
+    uniforms = torch.rand(64, generator=g)
+    uniforms[1], uniforms[2] = 0.0, 1.0 - 1e-7
+    got = sampling.sample(probs.to(device), uniforms.to(device)).cpu()
+    cdf = probs.double().cumsum(-1)
+    target = uniforms.double().unsqueeze(-1) * cdf[:, -1:]
+    want = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=V - 1)
+    near = ((cdf - target).abs() < 1e-5).any(-1)  # a boundary within rounding: either side is right
+    assert bool((got == want)[~near].all()) and int((~near).sum()) >= 60
+    assert bool((probs.gather(-1, got.unsqueeze(-1)) > 0).all()) and int(got[0]) == V - 1
