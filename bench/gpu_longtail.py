@@ -5,18 +5,21 @@ up to 512 tokens, the short answers stopping at their line's end), decoded by ea
     ("history"); both per row (drafter.draft.combined, choosing its source by what it measures) at k
     ("combined") and adaptively ("combined_adaptive", its own tuner from the prior, as a worker with
     history_drafts serves).
-First every shape the arms may meet is captured, as a worker's warm-up does (gpu_cells.warm_shapes); then each arm
-runs once untimed on the same requests (the tuners' forced tries, the combined drafter's first measurements), then
-`repeats` timed runs in rotating order. Per arm: the rollout's time and its tail's (after TAIL_FRACTION of the
-responses finished) with the tail's accepted length; on all rows and on tail rows (the last 25% of each group to
-finish, bench.drafter_history.tail_rows) the accepted length and tokens/s (the rows' tokens over the rollout's
-seconds, and over the rows' own lifetimes); the history drafter's own host ms per step; for the combined arms, per
-live-batch bucket, which source drafted how many rows and what it had accepted (the chooser's bucket_sources). Then
-greedy, up to GREEDY_TOKENS: history and combined outputs against plain decoding's.
+Each row's length is plain decoding's sample's (length_matched: at T=1 each arm samples other responses, and their
+lengths, not the arms' speeds, decided the rollout times). First every shape the arms may meet is captured, as a
+worker's warm-up does (gpu_cells.warm_shapes); then each arm runs once untimed on the same requests (the tuners'
+forced tries, the combined drafter's first measurements), then `repeats` timed runs in rotating order. Per arm: the
+rollout's time and its tail's (after TAIL_FRACTION of the responses finished) with the tail's accepted length; on all
+rows and on tail rows (the last 25% of each group to finish, bench.drafter_history.tail_rows) the accepted length and
+tokens/s (the rows' tokens over the rollout's seconds, and over the rows' own lifetimes); the history drafter's own
+host ms per step; for the combined arms, per live-batch bucket, which source drafted how many rows and what it had
+accepted (the chooser's bucket_sources). Then greedy, up to GREEDY_TOKENS: history and combined outputs against plain
+decoding's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -50,6 +53,17 @@ def longtail_requests(tok, num_prompts: int, group: int, new_tokens: int, temper
             for i, p in enumerate(problems) for j in range(group)]
 
 
+def length_matched(engine: Engine, reqs: list[Request]) -> list[Request]:
+    """`reqs` with each row's length fixed to what plain decoding sampled for it (EOS and stop strings ignored, as
+    many tokens as plain's response had). At T=1 every arm samples other responses: on an H200, plain's 64 came to
+    6,736 tokens and k=4's to 4,731, so rollout times compared the sampling's luck. With the lengths matched every
+    arm decodes the same length profile, and its time is its speed; plain's matched run is its natural one."""
+    lengths = [max(1, len(o.token_ids)) for o in engine.generate(reqs)]
+    return [Request(r.prompt_ids, dataclasses.replace(r.params, max_new_tokens=n, ignore_eos=True, stop_strings=(),
+                                                      stop_token_ids=()))
+            for r, n in zip(reqs, lengths)]
+
+
 def _rows(runs: list[dict], rows_of: Callable[[dict], list[int]]) -> dict:
     """Accepted length and tokens/s of some rows of each run (rows_of(run)), summed over the runs."""
     tokens = sum(r["tokens"][i] for r in runs for i in rows_of(r))
@@ -79,7 +93,7 @@ def longtail(engine: Engine, tok, head, num_prompts: int, group: int, new_tokens
     """(g) (see the module). tuner: EAGLE's adaptive arm's, e.g. (d)'s at T=1 (a worker's, which has seen every
     batch size), else a fresh one from `prior` (a worker's first rollout); the combined adaptive arm's tuner is
     fresh from `prior`, taught by its untimed run."""
-    reqs = longtail_requests(tok, num_prompts, group, new_tokens)
+    reqs = length_matched(engine, longtail_requests(tok, num_prompts, group, new_tokens))
     eagle = EagleDrafter(engine.model, head, draft_dtype)
     history, combined = TimedHistory(), CombinedDrafter(eagle, TimedHistory())
     tuner_from = "fresh, from the prior" if tuner is None else "the batch sweep's, T=1"
@@ -138,6 +152,7 @@ def longtail(engine: Engine, tok, head, num_prompts: int, group: int, new_tokens
 
     greedy = greedy_identity(engine, tok, num_prompts, group, min(new_tokens, GREEDY_TOKENS), k, history, combined)
     return {"table": table, "num_responses": len(reqs), "group": group, "max_new_tokens": new_tokens, "k": k,
+            "lengths": "matched to plain's sample", "num_tokens": sum(r.params.max_new_tokens for r in reqs),
             "repeats": repeats, "tuner": tuner_from, "tail_rows_fraction": TAIL_ROWS_FRACTION, "greedy": greedy,
             "longtail_rollout_speedup": round(plain / table["adaptive"]["rollout_s"], 3),
             "longtail_rollout_speedup_fixed_k": round(plain / table[f"k{k}"]["rollout_s"], 3),

@@ -250,3 +250,29 @@ def test_cuda_kernels_are_attributed_to_their_case():
     times = kernel_times([("one", matmuls(1)), ("three", matmuls(3)), ("none", lambda: None)], iters=2)
     assert times["one"][1] >= 1 and times["three"][1] == pytest.approx(3 * times["one"][1])  # per call
     assert 0 < times["one"][0] < times["three"][0] and times["none"] == (0.0, 0.0)
+
+
+def test_the_long_tail_times_every_arm_on_plain_decodings_lengths():
+    """(g)'s length_matched: each row runs as long as plain's sample of it (EOS and stop ids ignored); plain's
+    matched run is its natural one token for token, and a speculative arm, sampling other tokens, emits exactly
+    those lengths."""
+    from bench.gpu_longtail import length_matched
+    from drafter.decode.engine import Engine, Request
+    from drafter.decode.sampling import SamplingParams
+    from drafter.draft.eagle import EagleDrafter
+    from drafter.draft.head import new_head
+    from tests.conftest import random_prompts, tiny_model
+
+    model = tiny_model(vocab_size=16, seed=2, eos=(3,))
+    engine = Engine(model)
+    reqs = [Request(p, SamplingParams(temperature=1.0, max_new_tokens=24, seed=i, stop_token_ids=(5,)))
+            for i, p in enumerate(random_prompts([4, 6, 3, 5, 7, 4], 16, seed=8))]
+    natural = engine.generate(reqs)
+    lengths = [len(o.token_ids) for o in natural]
+    assert min(lengths) < 24 == max(lengths)  # some stopped early (EOS or the stop id), some ran to the cap
+    matched = length_matched(engine, reqs)
+    assert [r.params.max_new_tokens for r in matched] == lengths
+    assert all(r.params.ignore_eos and not r.params.stop_token_ids for r in matched)
+    assert [o.token_ids for o in engine.generate(matched)] == [o.token_ids for o in natural]
+    spec = engine.generate(matched, k=3, drafter=EagleDrafter(model, new_head(model, None, None), None))
+    assert [len(o.token_ids) for o in spec] == lengths
