@@ -122,11 +122,12 @@ class BuiltinEngine(RolloutEngine):
         self.drafter.apply_pending_swap()  # between two of a running batch's draft-state updates
         if isinstance(self.serving, CombinedDrafter):  # which source pays is measured again against the new head
             self.serving.new_head()
-        # what the old draft measured says little about the new one; its score says what to expect of it
+        # its score says what to expect of it; a scored draft was published for beating the serving one on held-out
+        # rollouts, so what the serving one measured stays as a floor (DraftLengthTuner.new_draft)
         scored = 1.0 <= accepted_length <= self.draft_k + 1 and self.draft_k > 0
         costs = StepCostPrior.step_costs(self.policy.device.type)
         self.tuner.new_draft(StepCostPrior.from_accepted_length(accepted_length, self.draft_k, **costs) if scored
-                             else StepCostPrior(**costs))
+                             else StepCostPrior(**costs), keep_estimates=scored)
         with self._lock:
             self._num_installs += 1
 

@@ -25,8 +25,8 @@ that captured a graph, caught the draft up or followed a change of k) and so ser
        the rest of the job, since only the arm that serves is measured again. This costs O(log(steps)) runs
        per arm;
     3. a new draft (`new_draft`: a hot swap) makes every speculative arm's estimate stale: each is
-       tried again `num_retries` times, its new samples replace the old estimate, and the pooled acceptance
-       starts anew.
+       tried again `num_retries` times; its old estimate is dropped, or, for a draft published for beating the
+       serving one, kept as one sample (the pooled acceptance at a quarter of its weight).
 Eligible arms (without a prior, and beside the prior's): what a step gains from drafting k tokens shrinks as
 the batch grows (each row's extra k tokens are compute a wider batch no longer hides), so a bucket drafts
 k > 0 only where the nearest smaller bucket measured has found k faster than plain. The smallest bucket ("1",
@@ -51,6 +51,7 @@ from drafter.draft.step_model import StepCostPrior, expected_tokens, fit_accepta
 # the pooled acceptance's memory: each step of a bucket weighs the earlier ones down by this (about the last 128
 # steps speak: acceptance drifts along a response and with the draft's version)
 POOL_DECAY = 1 - 1 / 128
+NEW_DRAFT_POOL_KEEP = 0.25  # the pooled acceptance's weight kept when a new draft serves (new_draft)
 # upper edges of the live-batch-size buckets; past the last one: one bucket "33+"
 BUCKET_EDGES = (1, 2, 4, 8, 16, 32)
 
@@ -307,17 +308,29 @@ class DraftLengthTuner(_Meter):
             arm.num_samples += 1
             arm.num_tries_left = max(arm.num_tries_left - 1, 0)
 
-    def new_draft(self, prior: StepCostPrior | None = None) -> None:
-        """A different draft serves from now on: the speculative arms' estimates are stale. prior: what the new
-        draft is expected to give (its calibrated score; None keeps the prior as it is)."""
+    def new_draft(self, prior: StepCostPrior | None = None, keep_estimates: bool = False) -> None:
+        """A different draft serves from now on: the speculative arms' estimates are stale, and each arm is tried
+        again `num_retries` times. prior: what the new draft is expected to give (its calibrated score; None keeps
+        the prior as it is). Without keep_estimates the old estimates and the pooled acceptance are dropped. With it
+        (a draft published for beating the serving one on held-out rollouts, so that what the old one measured is
+        a floor to start from) each arm's estimate is kept as one sample (the next halves it, then the EMA takes
+        over) and the pooled acceptance at NEW_DRAFT_POOL_KEEP of its weight: dropping them left only plain
+        measured in every bucket, and the large buckets, which draft only where a smaller one measured k paying,
+        served plain until the tail had measured the new draft again (`tlt bench rl` run L: after each publish,
+        the TLT arm's next step served plain in 25-47% of its steps, the frozen arm's last steps in 9-18%)."""
         with self._lock:
             if prior is not None:
                 self.prior = prior
             for b in self._buckets.values():
-                b.pooled, b.acceptance = {}, None
+                keep = NEW_DRAFT_POOL_KEEP if keep_estimates else 0.0
+                b.pooled = {k: [r * keep, t * keep] for k, (r, t) in b.pooled.items()} if keep else {}
+                rows = sum(r for r, _ in b.pooled.values())
+                b.acceptance = fit_acceptance({j: (r, t) for j, (r, t) in b.pooled.items()}) \
+                    if rows >= max(self.min_row_samples, 1) else None
                 for k, arm in b.arms.items():
                     if k > 0:
-                        arm.num_samples, arm.num_tries_left = 0, max(arm.num_tries_left, self.num_retries)
+                        arm.num_samples = min(arm.num_samples, 1) if keep_estimates else 0
+                        arm.num_tries_left = max(arm.num_tries_left, self.num_retries)
 
     def _best(self, b: _Bucket, eligible: tuple[int, ...], batch_size: int) -> int:
         """The eligible arm with the best tokens/s estimate; ties go to the shorter draft (cheaper). Before any

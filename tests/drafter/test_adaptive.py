@@ -90,8 +90,15 @@ def test_at_batch_1_the_pooled_acceptance_finds_the_best_k_where_per_arm_means_w
     tuner = DraftLengthTuner(4)
     run_geometric(tuner, 0.5, costs, 200, random.Random(seed))
     assert tuner.estimates()["1"][2] == pytest.approx(1.75 / 1.2, rel=0.1)
-    tuner.new_draft()  # another draft: what the old one accepted no longer speaks
+    before = {k: list(cell) for k, cell in tuner._buckets["1"].pooled.items()}
+    tuner.new_draft(keep_estimates=True)  # a better draft: what the old one accepted speaks a quarter as loud
+    after = tuner._buckets["1"].pooled
+    assert after.keys() == before.keys() and all(after[k] == pytest.approx([v / 4 for v in before[k]]) for k in after)
+    arms = tuner._buckets["1"].arms
+    assert all(arms[k].num_samples == 1 and arms[k].num_tries_left >= 1 for k in (1, 2, 4))
+    tuner.new_draft()  # a draft of unknown worth: what the old one accepted no longer speaks
     assert tuner._buckets["1"].acceptance is None and tuner._buckets["1"].pooled == {}
+    assert all(arms[k].num_samples == 0 and arms[k].num_tries_left >= 1 for k in (1, 2, 4))
 
 
 @pytest.mark.parametrize(("rates", "best"), [({0: 100, 1: 115, 2: 140}, 2),  # the tail: speculation pays
@@ -188,6 +195,25 @@ def test_a_new_draft_is_retried_and_can_win():
     chosen = run(tuner, {0: 30, 1: 40, 2: 55}, 1, 200, rng)
     assert set(chosen[:2]) == {1, 2}  # both retried at once (num_retries steps each)
     assert tuner.best(1) == 2 and chosen[-50:].count(2) >= 45
+
+
+def test_after_a_new_draft_a_large_bucket_keeps_drafting_where_a_smaller_one_measured_it_paying():
+    """A bucket past the smallest drafts k only where a smaller bucket measured k paying. A swap keeps what the
+    old draft measured, as a floor the new one's retries revise: the large bucket, met first at the next
+    rollout's start, goes on drafting instead of serving plain until the tail has measured the new draft."""
+    def measured() -> DraftLengthTuner:
+        tuner, rng = DraftLengthTuner(2), random.Random(3)
+        for bs in (1, 2, 3, 5, 9):  # every bucket measured, smallest first
+            run(tuner, {0: 30 * bs, 1: 40 * bs, 2: 44 * bs}, bs, 60, rng)
+        assert tuner.best(9) in (1, 2)
+        return tuner
+
+    kept, dropped, rng = measured(), measured(), random.Random(4)
+    kept.new_draft(keep_estimates=True)  # published for beating the serving draft
+    dropped.new_draft()
+    chosen = run(kept, {0: 270, 1: 360, 2: 400}, 9, 40, rng)  # the next rollout's first steps, at 9 rows
+    assert chosen.count(0) <= 8  # plain only as its share of exploring: the bucket drafts
+    assert run(dropped, {0: 270, 1: 360, 2: 400}, 9, 40, rng).count(0) == 40  # nothing below says k pays
 
 
 def test_fixed_draft_length_measures_per_bucket():
