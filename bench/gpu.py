@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from bench.gpu_args import SHAPE_ONLY, Settings, settings_from_args
+from bench.gpu_args import PARTS, SHAPE_ONLY, Settings, settings_from_args
 from bench.gpu_args import add_arguments as add_arguments  # this bench's options, for the registry (bench/cli.py)
 from bench.gpu_cells import profile_step
 from bench.gpu_decode import ByteTokenizer, batch_sweep, prior_from, sweep_b1, sweep_requests
@@ -70,6 +70,23 @@ GOALS: dict[str, tuple[str, float] | None] = {
 # the CPU form's own goals where they differ (issue 38: the path proven on a CPU, whose verify is nearly free
 # at batch 1 but whose drafting is not); keys of a CPU run that are not listed here keep the GPU's goals
 CPU_GOALS: dict[str, tuple[str, float]] = {"spec_step_cost_k4_b1": ("<=", 1.6), "spec_step_cost_k4_b4": ("<=", 2.0)}
+# each part's nested results, and the headline keys each nested result gives the top level (Run.take; merge)
+PART_RESULTS = {"h": ("cuda_tests",), "a": ("physics",), "b": ("warm_start",), "c": ("sweep_b1",),
+                "d": ("batch_sweep", "batch_sweep_bf16", "profile_b4"), "g": ("longtail",), "f": ("drift",),
+                "e": ("training",)}
+HEADLINES = {
+    "physics": ("forward_ms_b1_fp32", "forward_ms_b1_bf16", "wall_over_kernel_b1", "wall_over_kernel_b64",
+                "verify_cost_k3_b1", "kernels_per_forward_b1_fp32", "aten_ops_per_forward_b1"),
+    "warm_start": ("warm_start_s", "harvest_tokens_per_s"),
+    "sweep_b1": ("speedup_greedy_b1", "speedup_t1_b1", "accepted_greedy_best", "accepted_t1_best"),
+    "longtail": ("longtail_rollout_speedup", "longtail_tail_speedup", "longtail_tail_accepted_length",
+                 "longtail_rollout_speedup_history", "longtail_tail_speedup_history",
+                 "longtail_greedy_identical_fraction_history", "longtail_tail_rows_accepted_history",
+                 "longtail_history_step_fraction"),
+    "drift": ("drift_recovered_fraction", "drift_recovered_se", "drift_recovered_fraction_t1", "drift_recovered_t1_se"),
+    "training": ("train_fp32_tokens_per_s", "train_bf16_tokens_per_s", "train_bf16_over_fp32", "stop_p50_s",
+                 "stop_max_s"),
+}
 PART_NAMES = {"h": "CUDA tests", "a": "physics", "b": "warm start", "c": "batch-1 sweep", "d": "batch sweep",
               "g": "long-tail rollout", "f": "drift and adaptation", "e": "training throughput and stops"}
 
@@ -106,12 +123,12 @@ class Run:
         log(f"({letter}) {PART_NAMES[letter]}: {seconds} s" + (" FAILED" if letter in self.result["errors"] else ""))
         return out
 
-    def take(self, nested: str, out: dict | None, keys: tuple[str, ...]) -> None:
-        """Store a part's output under `nested` and copy its headline `keys` to the top level."""
+    def take(self, nested: str, out: dict | None, headlines: bool = True) -> None:
+        """Store a part's output under `nested` and copy its headline keys (HEADLINES) to the top level."""
         if out is None:
             return
         self.result[nested] = out
-        for key in keys:
+        for key in HEADLINES.get(nested, ()) if headlines else ():
             self.result[key] = out.get(key)
 
 
@@ -149,9 +166,7 @@ def bench_gpu(settings: Settings) -> dict:
                                      "aten_ops_per_forward_b1": aten_ops_per_forward(smollm2_layout(),
                                                                                      s.physics_context),
                                      "aten_ops_model": "SmolLM2-135M layout, narrow widths, CPU, batch 1, 1 token"})
-        run.take("physics", out, ("forward_ms_b1_fp32", "forward_ms_b1_bf16", "wall_over_kernel_b1",
-                                  "wall_over_kernel_b64", "verify_cost_k3_b1", "kernels_per_forward_b1_fp32",
-                                  "aten_ops_per_forward_b1"))
+        run.take("physics", out)
         if device == "cuda":
             torch.cuda.empty_cache()
     if not set(parts) & set("bcdefg"):
@@ -162,11 +177,10 @@ def bench_gpu(settings: Settings) -> dict:
     if warm is None:
         return finish(result, started)  # every later part needs the draft
     head, info = warm
-    run.take("warm_start", info, ("warm_start_s", "harvest_tokens_per_s") if "b" in parts else ())
+    run.take("warm_start", info, headlines="b" in parts)
     if "c" in parts:
         run.take("sweep_b1", run.part("c", lambda: sweep_b1(engine, tok, head, s.ks, s.k, s.sweep_prompts,
-                                                            s.sweep_new_tokens, s.calib_prompts, draft_dtype)),
-                 ("speedup_greedy_b1", "speedup_t1_b1", "accepted_greedy_best", "accepted_t1_best"))
+                                                            s.sweep_new_tokens, s.calib_prompts, draft_dtype)))
     # the adaptive tuner's prior: (c)'s accepted length at k, (a)'s verify cost (1 + 3 / knee at batch 1)
     verify_cost = result.get("verify_cost_k3_b1")
     knee = min(max(3 / (verify_cost - 1), 4.0), 256.0) if verify_cost and verify_cost > 1 else None
@@ -183,30 +197,24 @@ def bench_gpu(settings: Settings) -> dict:
 
         decoded = run.part("d", decode_part)
         for name, out in zip(("batch_sweep", "batch_sweep_bf16", "profile_b4"), decoded or ()):
-            run.take(name, out, ())
+            run.take(name, out)
     if "g" in parts:
         run.take("longtail", run.part("g", lambda: longtail(engine, tok, head, s.longtail_prompts, s.longtail_group,
                                                             s.longtail_new_tokens, s.k, s.longtail_repeats,
-                                                            draft_dtype, log, tuners.get(1.0), prior)),
-                 ("longtail_rollout_speedup", "longtail_tail_speedup", "longtail_tail_accepted_length",
-                  "longtail_rollout_speedup_history", "longtail_tail_speedup_history",
-                  "longtail_greedy_identical_fraction_history", "longtail_tail_rows_accepted_history",
-                  "longtail_history_step_fraction"))
+                                                            draft_dtype, log, tuners.get(1.0), prior)))
     headline_decode(result)
     trained = None
     if "f" in parts:
         trained = run.part("f", lambda: drift(engine, tok, head, s.k, s.drift_eval_prompts, s.sweep_new_tokens,
                                               s.drift_steps, s.adapt_prompts, s.adapt_seconds, draft_dtype))
         if trained is not None:
-            run.take("drift", trained[0], ("drift_recovered_fraction", "drift_recovered_se",
-                                           "drift_recovered_fraction_t1", "drift_recovered_t1_se"))
+            run.take("drift", trained[0])
     if "e" in parts:
         def train_part() -> dict:  # on (f)'s moved policy, adapted head and harvest, as a lease would train
             policy_e, head_e, buffer = trained[1:] if trained is not None else (policy, head, fresh_buffer(engine, tok))
             return training(policy_e, head_e, buffer, s.train_seconds, s.stop_trials)
 
-        run.take("training", run.part("e", train_part), ("train_fp32_tokens_per_s", "train_bf16_tokens_per_s",
-                                                          "train_bf16_over_fp32", "stop_p50_s", "stop_max_s"))
+        run.take("training", run.part("e", train_part))
     return finish(result, started)
 
 
@@ -241,8 +249,52 @@ def finish(result: dict, started: float) -> dict:
     return result
 
 
+def merge(results: list[dict]) -> dict:
+    """One result from runs of parts on the same machine (`--parts abcdh`, then `--parts befg` with the warm draft
+    cached: where one command may not run the whole bench): each part's nested results from the first run that
+    has them (the warm start where it was built, not read from the cache), the headline keys and goals computed
+    again from them, `merged_from` naming each run's parts and date. ValueError for results of another bench or
+    device, or runs that together miss a part."""
+    if not results or any(r.get("bench", "gpu") != "gpu" or "parts" not in r for r in results):
+        raise ValueError("--merge takes results of `tlt bench gpu` (JSON files with their parts)")
+    if len({r.get("device") for r in results}) > 1:
+        devices = sorted({str(r.get("device")) for r in results})
+        raise ValueError(f"--merge: the runs were on different devices: {devices}")
+    ordered = sorted(results, key=lambda r: bool((r.get("warm_start") or {}).get("cached")))  # a built one first
+    out = copy.deepcopy(ordered[0])
+    out["part_seconds"], out["errors"] = {}, {}
+    for r in ordered:
+        for letter in r["parts"]:  # the first run that ran a part gives it (its results, or its error)
+            failed = letter in r.get("errors", {})
+            if letter in out["part_seconds"] or not (failed or any(r.get(n) is not None for n in PART_RESULTS[letter])):
+                continue
+            for n in PART_RESULTS[letter]:
+                out[n] = copy.deepcopy(r.get(n))
+            out["part_seconds"][letter] = r.get("part_seconds", {}).get(letter)
+            if failed:
+                out["errors"][letter] = r["errors"][letter]
+    missing = set(PARTS) - set(out["part_seconds"])
+    if missing:
+        raise ValueError(f"--merge: no run has part(s) {''.join(sorted(missing))}")
+    for name, keys in HEADLINES.items():
+        for key in keys:
+            out[key] = (out.get(name) or {}).get(key)
+    tests = out.get("cuda_tests") or {}
+    out["cuda_tests_passed"], out["cuda_tests_failed"] = tests.get("passed"), tests.get("failed")
+    headline_decode(out)
+    out["parts"] = PARTS
+    out["merged_from"] = [{"parts": r["parts"], "date": r.get("date"), "total_s": r.get("total_s")} for r in results]
+    done = finish(out, time.perf_counter())
+    done["total_s"] = round(sum(r.get("total_s") or 0.0 for r in results), 1)
+    return done
+
+
 def run(args: argparse.Namespace) -> dict:
     """Run from parsed options (`tlt bench gpu`, `python3 -m bench.gpu`); the registry writes and prints."""
+    if args.merge:
+        import json
+
+        return merge([json.loads(open(path).read()) for path in args.merge])
     result = bench_gpu(settings_from_args(args, torch.cuda.is_available()))
     if result["errors"]:
         log(f"parts failed: {result['errors']}")

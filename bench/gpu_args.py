@@ -126,6 +126,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-dtype", default="auto", choices=("auto", "policy", "float32", "bfloat16"),
                    help="precision the draft heads draft in; auto: bf16 where the device has bf16 units")
     p.add_argument("--fresh-warm", action="store_true", help="train the warm draft even if one is cached")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="merge the results of runs of parts on "
+                   "this machine (e.g. --parts abcdgh, then --parts bef with the warm draft cached) into one, instead "
+                   "of running anything")
     sizes = p.add_argument_group("sizes (default: per device; see bench/gpu_args.py)")
     for f in fields(Sizes):
         flag = "--" + f.name.replace("_", "-")

@@ -276,3 +276,28 @@ def test_the_long_tail_times_every_arm_on_plain_decodings_lengths():
     assert [o.token_ids for o in engine.generate(matched)] == [o.token_ids for o in natural]
     spec = engine.generate(matched, k=3, drafter=EagleDrafter(model, new_head(model, None, None), None))
     assert [len(o.token_ids) for o in spec] == lengths
+
+
+def test_runs_of_parts_merge_into_the_whole_result():
+    """`tlt bench gpu --merge`: the H200 run's two calls (docs/bench/history/gpu_h200_2026-11-28: --parts abcdh, then
+    befg with the warm draft cached), in either order, give the figures of docs/bench/gpu.json (merged by hand then;
+    its two keys added after the run aside); bad inputs are named."""
+    import json
+
+    from bench.gpu import merge
+    from bench.record import ROOT
+
+    runs = ROOT / "docs" / "bench" / "history" / "gpu_h200_2026-11-28"
+    first, second = (json.loads((runs / f"gpu_{p}.json").read_text()) for p in ("abcdh", "befg"))
+    merged, by_hand = merge([second, first]), json.loads((ROOT / "docs" / "bench" / "gpu.json").read_text())
+    later = {"accepted_greedy_best", "accepted_t1_best"}
+    assert all(merged[k] == by_hand[k] for k in by_hand["goals_met"] if k not in later)
+    assert merged["warm_start"] == first["warm_start"] and merged["longtail"] == second["longtail"]
+    assert merged["part_seconds"]["b"] == 162.7 and merged["parts"] == "abcdefgh" and merged["total_s"] == 496.2
+    assert merge([first, second])["goals_met"] == merged["goals_met"]
+    with pytest.raises(ValueError, match="no run has part"):
+        merge([first])
+    with pytest.raises(ValueError, match="different devices"):
+        merge([first, {**second, "device": "NVIDIA H100 80GB HBM3"}])
+    with pytest.raises(ValueError, match="results of `tlt bench gpu`"):
+        merge([{"bench": "rl", "parts": "abc"}])
