@@ -147,8 +147,7 @@ def bench_gpu(settings: Settings) -> dict:
     # first, before the model takes the GPU's memory (not run on a CPU or without h: a note says so)
     tests = run.part("h", lambda: cuda_tests(device, "h" not in parts, settings.tests_junit, settings.tests_timeout))
     if tests is not None:
-        result["cuda_tests"] = tests
-        result["cuda_tests_passed"], result["cuda_tests_failed"] = tests.get("passed"), tests.get("failed")
+        take_tests(result, tests)
     if settings.model == SHAPE_ONLY:  # physics without the model file: the same shapes, random weights
         loaded = LoadedModel(random_model(ModelConfig(), 0, torch.float32, device), None, SHAPE_ONLY)
     else:
@@ -244,13 +243,24 @@ def headline_decode(result: dict) -> None:
 
 def finish(result: dict, started: float) -> dict:
     result["total_s"] = round(time.perf_counter() - started, 1)
+    return judge(result)
+
+
+def judge(result: dict) -> dict:
+    """`goals_met`: each goal of the result's device compared with its key."""
     goals = {**GOALS, **(CPU_GOALS if result.get("device_type") == "cpu" else {})}
     result["goals_met"] = {key: met(result.get(key), goal) for key, goal in goals.items() if goal is not None}
     return result
 
 
+def take_tests(result: dict, tests: dict) -> None:
+    """The CUDA test counts (h) into `result`: nested and as headline keys."""
+    result["cuda_tests"] = tests
+    result["cuda_tests_passed"], result["cuda_tests_failed"] = tests.get("passed"), tests.get("failed")
+
+
 def merge(results: list[dict]) -> dict:
-    """One result from runs of parts on the same machine (`--parts abcdh`, then `--parts befg` with the warm draft
+    """One result from runs of parts on the same machine (`--parts abcdgh`, then `--parts bef` with the warm draft
     cached: where one command may not run the whole bench): each part's nested results from the first run that
     has them (the warm start where it was built, not read from the cache), the headline keys and goals computed
     again from them, `merged_from` naming each run's parts and date. ValueError for results of another bench or
@@ -279,22 +289,21 @@ def merge(results: list[dict]) -> dict:
     for name, keys in HEADLINES.items():
         for key in keys:
             out[key] = (out.get(name) or {}).get(key)
-    tests = out.get("cuda_tests") or {}
-    out["cuda_tests_passed"], out["cuda_tests_failed"] = tests.get("passed"), tests.get("failed")
+    take_tests(out, out.get("cuda_tests") or {})
     headline_decode(out)
     out["parts"] = PARTS
     out["merged_from"] = [{"parts": r["parts"], "date": r.get("date"), "total_s": r.get("total_s")} for r in results]
-    done = finish(out, time.perf_counter())
-    done["total_s"] = round(sum(r.get("total_s") or 0.0 for r in results), 1)
-    return done
+    out["total_s"] = round(sum(r.get("total_s") or 0.0 for r in results), 1)
+    return judge(out)
 
 
 def run(args: argparse.Namespace) -> dict:
     """Run from parsed options (`tlt bench gpu`, `python3 -m bench.gpu`); the registry writes and prints."""
     if args.merge:
         import json
+        from pathlib import Path
 
-        return merge([json.loads(open(path).read()) for path in args.merge])
+        return merge([json.loads(Path(path).read_text()) for path in args.merge])
     result = bench_gpu(settings_from_args(args, torch.cuda.is_available()))
     if result["errors"]:
         log(f"parts failed: {result['errors']}")
