@@ -228,20 +228,22 @@ def node(folder: str, stage: str | None) -> int:
     else:
         raise CheckError(f"stage {stage!r}: give tests, A or B")
     env = bench_env(work, bundle)
+    shutil.rmtree(work / stage, ignore_errors=True)  # an earlier try's result is not this one's
     merge_s = 0 if stage == "A" else 20  # B leaves the merge its seconds
     rc = run_logged(cmd, out / f"{stage}.log", deadline - merge_s, env)
     if (work / stage).is_dir():
         shutil.copytree(work / stage, out / stage, dirs_exist_ok=True)
-    if rc != 0 or stage == "A":
+    if stage == "A":
         return rc
+    # a run whose parts failed still writes its result (the failures in `errors`): the merge keeps them
     merged = [sys.executable, "-m", "bench.gpu", "--json", "--merge", str(result_file(work / "A")),
               str(result_file(work / "B")), "--out-dir", str(out)]
-    rc = run_logged(merged, out / "merge.log", deadline, env)
-    if rc == 0:
+    merge_rc = run_logged(merged, out / "merge.log", deadline, env)
+    if merge_rc == 0:
         from bench.gpu import summary  # torch with it: only once the bench has run
 
         print("\n".join(summary(json.loads(result_file(out).read_text()))))
-    return rc
+    return rc or merge_rc
 
 
 def main(argv: list[str] | None = None) -> int:
