@@ -210,3 +210,12 @@ def test_publish_candidate_serves_it_at_its_draft_temperature(device, redis_clie
                         ((candidate, 0.4, []), "extra"), ((99, 0.4, {}), "not in draft store")):
         with pytest.raises(ValueError, match=field):
             r.scorer.publish_candidate(*args)
+
+
+def test_a_lease_trains_as_many_draft_positions_as_the_job_drafts_unless_told():
+    assert JobSpec(model="tiny", draft_k=4).train_config().num_unroll == 4
+    assert JobSpec(model="tiny").train_config().num_unroll == JobSpec(model="tiny").draft_k
+    told = JobSpec.model_validate({"model": "tiny", "draft_k": 3, "drafter": {"num_unroll": 6}})
+    assert told.train_config().num_unroll == 6 and told.drafter.num_unroll == 6
+    with pytest.raises(ValueError, match="num_unroll"):
+        JobSpec.model_validate({"model": "tiny", "drafter": {"num_unroll": 0}})
