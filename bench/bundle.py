@@ -18,10 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench.record import ROOT
+from bench.record import ROOT, deploy_script
 
 BUILDER = ROOT / "deploy" / "bundle.py"
-TRANSFER = ROOT / "deploy" / "transfer.py"
 GGUF = "model/SmolLM2-135M-Instruct.Q4_1.gguf"
 GOAL_MAX_PARTS = 4  # issue 40: files reach the GPU nodes in transfers of at most about 60 MB
 GOAL_MAX_PART_BYTES = 60_000_000
@@ -76,11 +75,7 @@ def run(args: argparse.Namespace) -> dict:
 def transfer_fit(parts_dir: Path) -> dict:
     """deploy/transfer.py's fit of these parts beside this tree in a lent machine's calls (a script of the
     checkout, as the builder is)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("tlt_transfer", TRANSFER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = deploy_script("transfer")
     return module.fit(parts_dir, ROOT) | {"limit_bytes": module.TRANSFER_LIMIT}
 
 

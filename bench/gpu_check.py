@@ -33,7 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.record import ROOT, deploy_script
+
 DIST = "dist"  # where prepare writes (GPU_CHECK_DIST): ignored by git, as a carried path must be
 CARRY_NAME = "gpu-check"  # the folders, one per call, DIST/CARRY_NAME/1..N
 CARRY_DIR = f"{DIST}/{CARRY_NAME}"
@@ -44,14 +45,6 @@ PARTS_A, PARTS_B = "abcdgh", "bef"  # (g) stays with (d), whose tuner it starts 
 CALL_LIMIT_S = 590  # inside a call's 600 s, with the log written
 MARGIN_BYTES = 256 * 1024  # room left in each call beside the tree, parts.json and unpack.py
 STAGE_TIMEOUTS = {"tests": 300, None: 60, "A": 600, "B": 600}  # the timeout_s each call asks for
-
-
-def deploy_module(name: str):
-    """A script of deploy/ (not a package), loaded by path."""
-    spec = importlib.util.spec_from_file_location(f"tlt_deploy_{name}", ROOT / "deploy" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def say(msg: str) -> None:
@@ -87,7 +80,7 @@ def prepare(gguf: str | None, wheel: str | None) -> tuple[Path, int, list[str]]:
     model = Path(gguf)
     if not model.is_file():
         raise CheckError(f"--gguf {gguf}: no such file")
-    transfer, parts_mod = deploy_module("transfer"), deploy_module("bundle_parts")
+    transfer, parts_mod = deploy_script("transfer"), deploy_script("bundle_parts")
     limit = int(os.environ.get("TLT_TRANSFER_LIMIT", transfer.TRANSFER_LIMIT))
     beside = (ROOT / "deploy" / "bundle_parts.py").stat().st_size + MARGIN_BYTES
     room = limit - transfer.tree_bytes(ROOT) - beside
@@ -211,22 +204,21 @@ def node(folder: str, stage: str | None) -> int:
     if stage == "A":
         if missing:
             raise CheckError(f"A needs every part; still to carry: {' '.join(missing)}")
-        bundle = deploy_module("bundle_parts").unpack(stash, work, force=True)
-        models = sorted(bundle.glob("*.gguf"))
-        if not models:
-            raise CheckError(f"the bundle ({bundle}) holds no .gguf")
-        tests = ["--tests-junit", str(junit)] if junit.is_file() else []
-        cmd = [sys.executable, "-m", "bench.gpu", "--json", "--model", str(models[0]), *tests, "--parts",
-               os.environ.get("GPU_CHECK_PARTS_A", PARTS_A), "--out-dir", str(work / "A"), *extra]
+        bundle = deploy_script("bundle_parts").unpack(stash, work, force=True)
+        stage_args = ["--tests-junit", str(junit)] if junit.is_file() else []
+        parts = os.environ.get("GPU_CHECK_PARTS_A", PARTS_A)
     elif stage == "B":
         bundle = work / BUNDLE_NAME
-        models = sorted(bundle.glob("*.gguf"))
-        if not models or not (work / "A").is_dir():
+        if not (work / "A").is_dir():
             raise CheckError(f"B follows A on the same held machine: no A run in {work} (run A first)")
-        cmd = [sys.executable, "-m", "bench.gpu", "--json", "--model", str(models[0]), "--skip-tests", "--parts",
-               os.environ.get("GPU_CHECK_PARTS_B", PARTS_B), "--out-dir", str(work / "B"), *extra]
+        stage_args, parts = ["--skip-tests"], os.environ.get("GPU_CHECK_PARTS_B", PARTS_B)
     else:
         raise CheckError(f"stage {stage!r}: give tests, A or B")
+    models = sorted(bundle.glob("*.gguf"))
+    if not models:
+        raise CheckError(f"no .gguf in {bundle}" + (" (run A first)" if stage == "B" else ""))
+    cmd = [sys.executable, "-m", "bench.gpu", "--json", "--model", str(models[0]), *stage_args, "--parts", parts,
+           "--out-dir", str(work / stage), *extra]
     env = bench_env(work, bundle)
     shutil.rmtree(work / stage, ignore_errors=True)  # an earlier try's result is not this one's
     merge_s = 0 if stage == "A" else 20  # B leaves the merge its seconds

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.gpu_check import deploy_module
+from bench.record import deploy_script
 from tests.bench.test_gpu import TINY
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +27,7 @@ def test_the_model_goes_in_parts_one_call_each_then_the_bench_runs_in_two_stages
     model.write_bytes(os.urandom(3_000_000))  # incompressible: two parts in the room the limit below leaves
     wheel.write_bytes(b"a stand-in: python3 here has gguf, so the node side installs nothing")
     dist, work, out = tmp_path / "dist", tmp_path / "work", tmp_path / "out"
-    tree = deploy_module("transfer").tree_bytes(ROOT)
+    tree = deploy_script("transfer").tree_bytes(ROOT)
     env = {**os.environ, "GPU_CHECK_DIST": str(dist), "TLT_CHECK_DIR": str(work), "OUT": str(out),
            "TLT_CACHE_DIR": str(tmp_path / "cache"), "TLT_TRANSFER_LIMIT": str(tree + 2_000_000)}
 

@@ -5,22 +5,15 @@ once all are there installs once and runs `tlt bench rl` from the tree (on the C
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from bench.record import deploy_script
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def deploy_module(name: str):
-    """A script of deploy/ (not a package), loaded by path."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "deploy" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def script(env: dict, *args: str) -> subprocess.CompletedProcess:
@@ -33,14 +26,14 @@ def test_the_parts_go_one_call_at_a_time_then_the_bench_runs_from_the_tree(tmp_p
     bundle.mkdir()
     (bundle / "install.sh").write_text('echo "$1" >> "$(dirname "$0")/../installs.txt"\n')
     (bundle / "payload.bin").write_bytes(os.urandom(5_000_000))  # incompressible: three parts of 2 MB
-    manifest = deploy_module("bundle_parts").write_parts(bundle, tmp_path / "parts", 2_000_000)
+    manifest = deploy_script("bundle_parts").write_parts(bundle, tmp_path / "parts", 2_000_000)
     names = [p["name"] for p in manifest["parts"]]
     assert len(names) == 3
     carry, stash, out = tmp_path / "carry", tmp_path / "stash", tmp_path / "out"
     env = {**os.environ, "TLT_CARRY": str(carry), "TLT_PARTS": str(stash), "OUT": str(out), "TLT_VENV": sys.prefix,
            "RL_BENCH": "--device cpu --size smallest", "TLT_CACHE_DIR": str(tmp_path / "cache")}
 
-    tree = deploy_module("transfer").tree_bytes(ROOT)
+    tree = deploy_script("transfer").tree_bytes(ROOT)
     tight = script({**env, "TLT_TRANSFER_LIMIT": str(tree + 1_500_000)}, "prepare", str(tmp_path / "parts"))
     assert tight.returncode == 1 and "over a call's" in tight.stderr and "SPLIT=1M" in tight.stderr, tight.stderr
     assert not carry.exists()  # nothing laid out for parts that cannot travel

@@ -3,20 +3,14 @@ each (the real tree of this checkout, real parts of a small incompressible bundl
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
 import pytest
 
+from bench.record import deploy_script
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "deploy" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -25,12 +19,12 @@ def parts(tmp_path_factory):
     bundle.mkdir()
     (bundle / "payload.bin").write_bytes(os.urandom(5_000_000))
     out = bundle.parent / "parts"
-    load("bundle_parts").write_parts(bundle, out, 2_000_000)
+    deploy_script("bundle_parts").write_parts(bundle, out, 2_000_000)
     return out
 
 
 def test_parts_that_fit_beside_the_tree_take_one_call_each_and_fewer_at_the_largest_fitting_split(parts):
-    transfer = load("transfer")
+    transfer = deploy_script("transfer")
     tree = transfer.tree_bytes(ROOT)
     assert tree > 1_000_000  # the tracked draft alone is more
     extra = sum((parts / f).stat().st_size for f in transfer.CARRIED_BESIDE)
@@ -41,7 +35,7 @@ def test_parts_that_fit_beside_the_tree_take_one_call_each_and_fewer_at_the_larg
 
 
 def test_parts_too_big_beside_the_tree_are_refused_with_the_split_that_fits(parts):
-    transfer = load("transfer")
+    transfer = deploy_script("transfer")
     tree = transfer.tree_bytes(ROOT)
     result = transfer.fit(parts, ROOT, limit=tree + 1_500_000)
     assert not result["fits"] and "SPLIT=1M" in result["error"] and "over a call's" in result["error"]
