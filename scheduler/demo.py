@@ -225,7 +225,9 @@ def rollout_verdict(off_s: list[float], on_s: list[float], accepted: list[float]
     MIN_PAYING_ACCEPTED_LENGTH), the difference is larger than the run-to-run noise, here the spread of the
     TLT-off job's own steps ((max - min) / mean; one step gives no estimate, and then no speed-up is claimed
     either), and the tail decoded faster too (speculative sampling draws other samples than plain decoding, from
-    the same distribution: a shorter longest response shortens a rollout whatever the drafter did)."""
+    the same distribution: a shorter longest response shortens a rollout whatever the drafter did); a slow-down
+    likewise only when the tail decoded slower (session 31: 0.85x from a TLT-on step that sampled longer
+    responses, its tail at 1.02x the TLT-off job's rate)."""
     r_off, r_on = sum(off_s), sum(on_s)
     if not (r_off > 0 and r_on > 0):
         return ["rollout: no timings to compare"]
@@ -241,12 +243,13 @@ def rollout_verdict(off_s: list[float], on_s: list[float], accepted: list[float]
     elif change <= noise:
         lines.append(f"  the difference ({change:.0%}) lies within run-to-run noise (the TLT-off job's steps "
                      f"spread {noise:.0%}): no speed-up is claimed")
+    elif tail_rate_ratio is not None and (tail_rate_ratio >= 1.0 if r_on > r_off else tail_rate_ratio <= 1.0):
+        lines.append(f"  not the drafter's doing: the tail decoded at {tail_rate_ratio:.2f}x the TLT-off job's rate, "
+                     "so the rollouts differ by how long their samples were: no "
+                     f"{'slow-down' if r_on > r_off else 'speed-up'} is claimed")
     elif r_on > r_off:
         lines.append(f"  rollout slow-down: TLT on took {r_on / r_off:.2f}x as long, beyond the run-to-run noise "
                      f"({noise:.0%} spread between the TLT-off job's steps)")
-    elif tail_rate_ratio is not None and tail_rate_ratio <= 1.0:
-        lines.append(f"  not the drafter's doing: the tail decoded at {tail_rate_ratio:.2f}x the TLT-off job's rate, "
-                     "so the rollouts differ by how long their samples were: no speed-up is claimed")
     else:
         lines.append(f"  rollout speed-up {r_off / r_on:.2f}x, beyond the run-to-run noise ({noise:.0%} spread "
                      "between the TLT-off job's steps)")

@@ -246,7 +246,10 @@ def test_stop_request_is_honoured_mid_epoch(structured):
 
     thread = threading.Thread(target=run)
     thread.start()
-    time.sleep(0.5)
+    # mid-epoch: once a step is applied (a fixed sleep of 0.5 s saw none on a slow box, session 31)
+    deadline = time.monotonic() + 30
+    while trainer.step < 1 and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
     t0 = time.perf_counter()
     trainer.request_stop()
     thread.join(timeout=30)

@@ -17,6 +17,9 @@ def test_a_shorter_rollout_the_tails_rate_does_not_show_is_not_claimed_and_a_slo
     assert "rollout speed-up 1.49x" in rollout_verdict([30.0, 31.0], [20.0, 21.0], [1.4, 1.4], 1.2)[-1]
     slower = rollout_verdict([20.0, 21.0], [30.0, 31.0], [1.4, 1.4], 0.8)[-1]
     assert "rollout slow-down: TLT on took 1.49x as long" in slower and "speed-up" not in slower
+    # longer samples, not the drafter: the tail decoded faster, so no slow-down is claimed either
+    longer = rollout_verdict([20.0, 21.0], [30.0, 31.0], [1.4, 1.4], 1.02)[-1]
+    assert "not the drafter's doing" in longer and "1.02x" in longer and "no slow-down is claimed" in longer
 
 
 def test_no_speed_up_when_the_drafter_never_paid():
