@@ -235,7 +235,7 @@ def rollout_verdict(off_s: list[float], on_s: list[float], accepted: list[float]
     noise = (max(off_s) - min(off_s)) / (r_off / len(off_s)) if len(off_s) > 1 else None
     lines = [f"rollout over {len(off_s)} steps: TLT off {r_off:.1f} s, TLT on {r_on:.1f} s (ratio {r_off / r_on:.2f}); "
              f"TLT on accepted {mean_acc:.2f} tokens per policy forward"]
-    change = abs(r_off / r_on - 1)
+    change, slower = abs(r_off / r_on - 1), r_on > r_off
     if mean_acc < MIN_PAYING_ACCEPTED_LENGTH:
         lines.append("  the drafter never paid (accepted length about 1.0): the difference is not TLT's doing")
     elif noise is None:
@@ -243,11 +243,11 @@ def rollout_verdict(off_s: list[float], on_s: list[float], accepted: list[float]
     elif change <= noise:
         lines.append(f"  the difference ({change:.0%}) lies within run-to-run noise (the TLT-off job's steps "
                      f"spread {noise:.0%}): no speed-up is claimed")
-    elif tail_rate_ratio is not None and (tail_rate_ratio >= 1.0 if r_on > r_off else tail_rate_ratio <= 1.0):
+    elif tail_rate_ratio is not None and (tail_rate_ratio >= 1.0 if slower else tail_rate_ratio <= 1.0):
         lines.append(f"  not the drafter's doing: the tail decoded at {tail_rate_ratio:.2f}x the TLT-off job's rate, "
                      "so the rollouts differ by how long their samples were: no "
-                     f"{'slow-down' if r_on > r_off else 'speed-up'} is claimed")
-    elif r_on > r_off:
+                     f"{'slow-down' if slower else 'speed-up'} is claimed")
+    elif slower:
         lines.append(f"  rollout slow-down: TLT on took {r_on / r_off:.2f}x as long, beyond the run-to-run noise "
                      f"({noise:.0%} spread between the TLT-off job's steps)")
     else:
