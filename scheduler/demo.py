@@ -36,7 +36,7 @@ from scheduler.served import (
 from workers.protocol.states import TERMINAL_JOB_STATES, JobState, WorkerState
 
 NUM_STEPS = 2
-NUM_WORKERS = 2  # one per core of this 2-core box: a lease on an idle worker takes nothing from a straggler
+NUM_WORKERS = 2  # one per core of this 2-core box: a lease on an idle worker takes no core from a straggler
 REPORT_DIR = "artifacts/demo-report"
 # one micro-step of 256 pairs takes ~1 s on a CPU core: leases of a few seconds still train
 # the workers' policy in bf16 where the CPU has bf16 units (policy_dtype auto): plain decoding 2.3-3.5x faster
