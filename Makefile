@@ -63,9 +63,18 @@ system-deps:
 	  else echo "no apt-get as root: the tests that need$$missing will skip"; fi; \
 	fi
 
+# the suite's processes (pytest-xdist, --dist loadfile: each module runs whole in one process, so its fixtures are
+# built once, and the modules that start Ray clusters run one after another: tests/conftest.py RAY_MODULES). On the
+# 2-core box 2 took the suite from 28 to 19 minutes; TEST_WORKERS=0 runs it in this process
+TEST_WORKERS ?= 2
+# run after the others, in one process: schemathesis gives its items one id under pytest 9, and xdist, which sends
+# tests by id, would run one of them (tests/conftest.py refuses duplicate ids in its workers)
+SERIAL_TESTS := tests/scheduler/test_schema_fuzz.py
+
 test: $(STAMP) $(ENGINES_STAMP) system-deps
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(addprefix --ignore=,$(SERIAL_TESTS))
+	$(BIN)/python -m pytest -q $(SERIAL_TESTS)
 	$(ENGINES_BIN)/python -m pytest -q -m "$(ENGINE_MARKS)" tests/engines
 
 lint: $(STAMP)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import importlib.util
 
@@ -10,6 +11,48 @@ import torch
 
 from drafter.model.causal_lm import CausalLM
 from drafter.model.config import ModelConfig
+
+# The modules that start a Ray cluster (in this process, with `ray start`, or through `tlt serve` / `tlt bench rl`)
+# and run jobs on it. Under `make test` (pytest-xdist, --dist loadfile) they are one unit of work, run one after
+# another in one process: two clusters' jobs at once on 2 cores starved a `ray start` node of its GCS for minutes.
+RAY_MODULES = frozenset(f"tests/{m}.py" for m in (
+    "scheduler/test_multinode", "scheduler/test_restart", "scheduler/test_ray_join", "scheduler/test_serve",
+    "scheduler/test_queue", "scheduler/test_durability", "scheduler/test_api", "scheduler/test_watcher",
+    "scheduler/test_watcher_gone", "scheduler/test_redis_outage", "scheduler/test_cli", "scheduler/test_commands",
+    "scheduler/test_scoring", "deploy/test_observability", "workers/test_job", "workers/test_learner_pairs_job",
+    "workers/test_swap_kill", "workers/test_swap_guard", "workers/test_warm", "bench/test_rl_device",
+    "bench/test_rl_gpu_path"))
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit of work a test belongs to under --dist loadfile: its module, or "ray" for RAY_MODULES."""
+    module = nodeid.split("::")[0]
+    return "ray" if module in RAY_MODULES else module
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; without xdist (a bare GPU node) it is never called
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile with RAY_MODULES as one unit (xdist's own xdist_group marks do not reach its scheduler under
+    pytest 9: the suffix they add to a test's id is lost)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LoadFileRayTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return LoadFileRayTogether(config, log)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's, called in the controller
+def pytest_xdist_node_collection_finished(node, ids) -> None:
+    """Refuse test ids that name several tests: xdist sends tests by id, so it would run one of them."""
+    shared = sorted(nodeid for nodeid, n in collections.Counter(ids).items() if n > 1)
+    if shared:
+        pytest.exit(f"{len(shared)} test ids name several tests each, which pytest-xdist would run once: "
+                    f"{shared[:3]}; run their modules without -n (the Makefile's SERIAL_TESTS)",
+                    returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
