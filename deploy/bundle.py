@@ -195,7 +195,9 @@ def resolve(wheel: Path, extras: list[str], tags: list[str], envs: list[dict[str
             for i in items if canonicalize_name(i["metadata"]["name"]) != PROJECT]
     resolution = {"pins": pins, "demands": demands(items, envs)}
     cache.mkdir(parents=True, exist_ok=True)
-    cached.write_text(json.dumps(resolution, indent=1))
+    tmp = cached.with_name(f".{cached.name}.{os.getpid()}")  # renamed into place: a reader never sees half of it
+    tmp.write_text(json.dumps(resolution, indent=1))
+    os.replace(tmp, cached)
     return resolution
 
 
@@ -320,7 +322,11 @@ def node_site(specs: list[str], tags: list[str], cache: Path) -> Path:
         tmp = tempfile.mkdtemp(prefix="tlt-torch-", dir=cache)
         try:
             run([sys.executable, "-m", "pip", "install", "-q", "--only-binary=:all:", "--target", tmp, *tags, *specs])
-            os.replace(tmp, site)
+            try:
+                os.replace(tmp, site)
+            except OSError:  # another build (a parallel test process) put its copy there first: use that one
+                if not site.is_dir():
+                    raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return site
