@@ -68,7 +68,7 @@ system-deps:
 # 2-core box 2 took the suite from 28 to 19 minutes; TEST_WORKERS=0 runs it in this process
 TEST_WORKERS ?= 2
 # run after the others, in one process: schemathesis gives its items one id under pytest 9, and xdist, which sends
-# tests by id, would run one of them (tests/conftest.py refuses duplicate ids in its workers)
+# tests by id, would run one of them (tests/conftest.py stops an xdist run that collects shared ids)
 SERIAL_TESTS := tests/scheduler/test_schema_fuzz.py
 
 test: $(STAMP) $(ENGINES_STAMP) system-deps
