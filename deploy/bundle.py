@@ -311,11 +311,16 @@ def build(args: argparse.Namespace) -> tuple[Path, Path | None]:
     return out, parts_out
 
 
+def node_site_path(specs: list[str], tags: list[str], cache: Path) -> Path:
+    """Where node_site keeps the site of `specs` for `tags`."""
+    key = hashlib.sha256(json.dumps([specs[0] if len(specs) == 1 else sorted(specs), tags]).encode()).hexdigest()
+    return cache / f"torch-site-{key[:16]}"
+
+
 def node_site(specs: list[str], tags: list[str], cache: Path) -> Path:
     """A directory holding only `specs` (torch, or a node's freeze) and their dependencies, for the target
     (cached): what a node already has."""
-    key = hashlib.sha256(json.dumps([specs[0] if len(specs) == 1 else sorted(specs), tags]).encode()).hexdigest()
-    site = cache / f"torch-site-{key[:16]}"
+    site = node_site_path(specs, tags, cache)
     if not site.is_dir():
         log(f"installing {' '.join(specs)} under {site} (once)")
         cache.mkdir(parents=True, exist_ok=True)

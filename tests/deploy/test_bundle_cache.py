@@ -20,14 +20,9 @@ def bundle(monkeypatch):
     return deploy_script("bundle")
 
 
-def site_of(bundle, cache: Path) -> Path:
-    key = bundle.hashlib.sha256(bundle.json.dumps([SPECS[0], []]).encode()).hexdigest()
-    return cache / f"torch-site-{key[:16]}"
-
-
 def test_a_node_site_another_build_finished_first_is_used(bundle, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
-    site = site_of(bundle, cache)
+    site = bundle.node_site_path(SPECS, [], cache)
 
     def pip_install(cmd, *args, **kwargs):  # meanwhile, the other build renames its copy into place
         (Path(cmd[cmd.index("--target") + 1]) / "torch").mkdir()
@@ -43,7 +38,7 @@ def test_a_node_site_another_build_finished_first_is_used(bundle, tmp_path, monk
 
 def test_a_failed_rename_with_no_site_in_place_still_fails(bundle, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
-    site = site_of(bundle, cache)
+    site = bundle.node_site_path(SPECS, [], cache)
 
     def pip_install(cmd, *args, **kwargs):  # a file where the site goes: the rename fails, and no site is there
         (Path(cmd[cmd.index("--target") + 1]) / "torch").mkdir()
