@@ -6,6 +6,11 @@
      steps); the history run also records, per match length, the mean accepted drafts of a step, and the
      combined arm starts from the shortest match whose history steps accept at least what EAGLE's steps did,
      then chooses by what it measures as it serves (drafter.draft.combined.SourceChooser);
+     With `tree` (widths, e.g. '4,2,2'), a "history_tree" arm drafts history trees (drafter.draft.history's
+     propose_tree: each node's candidates the distinct continuations of the suffix matches, best first) while at
+     most tree_max_batch rows are live. With earlier_groups, the history arms start from a store holding that many
+     earlier groups of responses to the same prompts (other seeds), as a worker's store does from a prompt's
+     second visit on (a dataset's next epoch);
 (h2) the history drafter's own cost per step (observe + propose) at batch 64 against a plain decode step there;
 (h3) greedy: history and combined outputs compared with plain decoding's, token for token.
 Part of issue 41; `tlt bench drafter` runs `history_part` as its part (h), with its model and warm head.
@@ -23,7 +28,7 @@ from drafter.decode.engine import Engine, Request
 from drafter.decode.sampling import SamplingParams
 from drafter.draft.combined import HISTORY_MIN_MATCH, CombinedDrafter
 from drafter.draft.eagle import EagleDrafter
-from drafter.draft.history import HistoryDrafter
+from drafter.draft.history import HistoryDrafter, ResponseStore
 from drafter.model.loading import encode_prompt, load_model
 from workers.tasks import make_task
 
@@ -162,17 +167,28 @@ def propose_cost(engine, prompts, group: int, k: int, num_steps: int, streams: l
 
 def history_part(result: dict, policy, tok, head, k: int = 4, group: int = 8, num_groups: int = 2,
                  new_tokens: int = 256, greedy_tokens: int = 64, seed: int = 0, draft_dtype: str | None = "auto",
-                 cost_steps: int = 8) -> None:
+                 cost_steps: int = 8, tree: str = "", tree_side_depth: int = 4, tree_max_batch: int = 4,
+                 earlier_groups: int = 0) -> None:
     """Fill `result` with the history arms' figures (see the module)."""
     engine = Engine(policy, tok)
     prompts = detailed_prompts(tok, num_groups, seed)
     res: dict = {"k": k, "group": group, "num_groups": num_groups, "new_tokens": new_tokens,
-                 "tail_fraction": TAIL_FRACTION}
+                 "tail_fraction": TAIL_FRACTION, "earlier_groups": earlier_groups}
+    store = ResponseStore()
+    for g in range(earlier_groups):  # earlier steps' responses, at seeds no arm uses
+        outs = run_arm(engine, prompts, group, 0, None, 1.0, new_tokens, seed=(g + 1) * 100_000)["outputs"]
+        for i, out in enumerate(outs):
+            store.add(prompts[i // group], out)
     eagle = EagleDrafter(policy, head, draft_dtype)
     engine.generate([Request(prompts[0], SamplingParams(max_new_tokens=8))], k=k, drafter=eagle)  # warm
     arms = {}
-    for name in ("plain", "eagle", "history"):
-        drafter = {"plain": None, "eagle": eagle, "history": RecordingHistory()}[name]
+    names = ("plain", "eagle", "history") + (("history_tree",) if tree else ())
+    if tree:
+        res["history_tree"] = {"widths": tree, "side_depth": tree_side_depth, "max_batch": tree_max_batch}
+    for name in names:
+        drafter = {"plain": None, "eagle": eagle, "history": RecordingHistory(store),
+                   "history_tree": HistoryDrafter(store, tree=tree, tree_side_depth=tree_side_depth,
+                                                  tree_max_batch=tree_max_batch) if tree else None}[name]
         arms[name] = run_arm(engine, prompts, group, k if drafter else 0, drafter, 1.0, new_tokens)
         if name == "history":
             by_match = drafter.by_match
@@ -183,7 +199,7 @@ def history_part(result: dict, policy, tok, head, k: int = 4, group: int = 8, nu
                                         for m, a in sorted(by_match.items())}
     res["combined_min_match"] = threshold
     res["combined_min_match_default"] = HISTORY_MIN_MATCH
-    combined = CombinedDrafter(EagleDrafter(policy, head, draft_dtype), HistoryDrafter(), min_match=threshold)
+    combined = CombinedDrafter(EagleDrafter(policy, head, draft_dtype), HistoryDrafter(store), min_match=threshold)
     arms["combined"] = run_arm(engine, prompts, group, k, combined, 1.0, new_tokens)
     rule = combined.chooser  # what the combined drafter measured as it served (drafter.draft.combined)
     res["combined_measured_head"] = [rule.head[0], round(rule.head[1] / max(rule.head[0], 1), 3)]
@@ -230,6 +246,11 @@ def add_arguments(p) -> None:
     p.add_argument("--greedy-tokens", type=int, default=64)
     p.add_argument("--cost-steps", type=int, default=8, help="plain steps at batch 64 (the median of all but two)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--history-tree", default="", help="widths of a history_tree arm's trees, e.g. 4,2,2 (none: '')")
+    p.add_argument("--history-tree-side-depth", type=int, default=4)
+    p.add_argument("--history-tree-max-batch", type=int, default=4, help="live rows up to which it drafts trees")
+    p.add_argument("--earlier-groups", type=int, default=0,
+                   help="earlier groups of responses per prompt in the history arms' store")
 
 
 def run(args) -> dict:
@@ -250,5 +271,6 @@ def run(args) -> dict:
         head, result["draft"] = warm_drafter(loaded, 1536, 2000, 8192)
     history_part(result, loaded.model, loaded.tokenizer, head, k=args.k, group=args.group, num_groups=args.groups,
                  new_tokens=args.new_tokens, greedy_tokens=args.greedy_tokens, seed=args.seed,
-                 cost_steps=args.cost_steps)
+                 cost_steps=args.cost_steps, tree=args.history_tree, tree_side_depth=args.history_tree_side_depth,
+                 tree_max_batch=args.history_tree_max_batch, earlier_groups=args.earlier_groups)
     return result

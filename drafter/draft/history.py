@@ -11,6 +11,11 @@ context looked up again, longest n first. The match length (grown by each follow
 Why not a library: the suffix-array packages on PyPI build static arrays (a sibling streaming in means a rebuild),
 and Snowflake's suffix-tree decoder ships inside a vLLM plugin; this structure is small and tested here.
 
+With `tree` widths, a row drafts a tree while few rows are live (`propose_tree`, the speculation trees of
+SuffixDecoding): each node's candidates are the distinct tokens that followed the suffix matches, best first, so
+where one sibling's continuation is rejected another's may be accepted (drafter.decode.tree verifies one-hot
+candidates by recursive rejection sampling).
+
 `ResponseStore` keeps earlier responses per prompt (keyed by a hash of its tokens) within a byte budget, evicting
 the least recently used prompt's oldest response first: a rollout worker keeps it across RL steps.
 """
@@ -23,6 +28,7 @@ from collections import OrderedDict, deque
 import numpy as np
 import torch
 
+from drafter.decode.tree import Tree, parse_widths
 from drafter.draft.drafters import Drafter, Proposal, pad_proposal
 
 NGRAM_SIZES = (16, 12, 8, 6, 4, 3, 2, 1)  # looked up longest first; a match longer than 16 grows by following
@@ -30,6 +36,7 @@ MAX_OCCURRENCES = 8  # latest positions kept per n-gram: a group of 8 siblings a
 # earlier responses kept per worker: 64 MiB of int32 tokens is 16M tokens, some 30k responses of 512 tokens
 STORE_MAX_BYTES = 64 << 20
 STORE_MAX_PER_PROMPT = 16  # two groups of 8: the latest steps say most about the current policy
+TREE_MAX_OCCURRENCES = 24  # occurrences a tree draft gathers (longest n-grams first) before it stops looking
 
 
 def prompt_key(prompt: list[int]) -> str:
@@ -157,13 +164,21 @@ class HistoryDrafter(Drafter):
     name = "history"
 
     def __init__(self, store: ResponseStore | None = None, min_match: int = 1,
-                 sizes: tuple[int, ...] = NGRAM_SIZES) -> None:
+                 sizes: tuple[int, ...] = NGRAM_SIZES, tree: str | tuple[int, ...] | None = None,
+                 tree_side_depth: int = 1, tree_max_batch: int = 4) -> None:
         """store: earlier responses (None: a fresh store of the default budget). min_match: the shortest match
-        that drafts (a row with a shorter one proposes nothing)."""
+        that drafts (a row with a shorter one proposes nothing). tree: candidates at the first depths of a draft
+        tree ('3,2'; None or '': chains), each extra candidate heading a chain of tree_side_depth nodes, drafted
+        while at most tree_max_batch rows are live (see `propose_tree`)."""
         if min_match < 1:
             raise ValueError(f"min_match must be >= 1, got {min_match}")
+        if tree_side_depth < 1 or tree_max_batch < 0:
+            raise ValueError(f"tree_side_depth must be >= 1 and tree_max_batch >= 0, got {tree_side_depth}, "
+                             f"{tree_max_batch}")
         self.store = ResponseStore() if store is None else store
         self.min_match, self.sizes = min_match, sizes
+        self.tree_widths = parse_widths(tree)
+        self.tree_side_depth, self.tree_max_batch = tree_side_depth, tree_max_batch
         self.indexes: list[SuffixIndex] = []
         self.groups: list[int] = []  # row -> its group's index
         self.own: list[int] = []  # row -> its sequence in that index
@@ -240,6 +255,56 @@ class HistoryDrafter(Drafter):
 
     def propose(self, contexts, caps, sampling, uniforms, width=None) -> Proposal:
         return pad_proposal(self.drafts(contexts, caps), width=width)
+
+    def tree_for(self, k: int, batch_size: int = 1) -> Tree | None:
+        if k < 1 or not any(w > 1 for w in self.tree_widths) or batch_size > self.tree_max_batch:
+            return None
+        return Tree.for_k(k, self.tree_widths, self.tree_side_depth)
+
+    def continuations(self, b: int, context: list[int], cap: int) -> dict:
+        """Row b's candidate continuations as a trie {token: [(longest n, count), subtrie]}: what followed each
+        occurrence of the context's suffix n-grams, longest n first, up to TREE_MAX_OCCURRENCES occurrences. A
+        branch ranks by the longest match behind it, then by how many occurrences took it (siblings vote)."""
+        index, root, seen, longest = self.indexes[self.groups[b]], {}, set(), 0
+        for n in index.sizes:
+            if len(seen) >= TREE_MAX_OCCURRENCES:
+                break
+            if n > len(context):
+                continue
+            for seq_id, end in reversed(index.table.get(tuple(context[-n:]), ())):
+                seq = index.seqs[seq_id]
+                if end >= len(seq) or (seq_id, end) in seen:
+                    continue
+                seen.add((seq_id, end))
+                longest = max(longest, n)
+                node = root
+                for t in seq[end : end + cap]:
+                    cell = node.setdefault(t, [(n, 0), {}])
+                    cell[0] = (max(cell[0][0], n), cell[0][1] + 1)
+                    node = cell[1]
+        self.match_lens[b] = longest
+        return root if longest >= self.min_match else {}
+
+    def propose_tree(self, contexts, caps, sampling, uniforms, tree: Tree) -> Proposal:
+        """Each row's trie of continuations (`continuations`) laid on `tree`: a node of rank r is its parent's
+        r-th best branch. The candidates are deterministic and distinct at each node (q one-hot), so the tree's
+        recursive rejection sampling keeps the policy's distribution."""
+        B, N = len(contexts), tree.num_nodes
+        tokens, valid = [[0] * N for _ in range(B)], [[False] * N for _ in range(B)]
+        for b, (context, cap) in enumerate(zip(contexts, caps)):
+            tries = {(): self.continuations(b, context, cap) if cap > 0 else {}}
+            for j, path in enumerate(tree.paths):
+                parent = tries.get(path[:-1])
+                if not parent or len(path) > cap:
+                    continue
+                ranked = sorted(parent.items(), key=lambda kv: kv[1][0], reverse=True)
+                if path[-1] < len(ranked):
+                    token, (_, sub) = ranked[path[-1]]
+                    tokens[b][j], valid[b][j] = token, True
+                    tries[path] = sub
+        tok = torch.tensor(tokens, dtype=torch.long).view(B, N)
+        ok = torch.tensor(valid, dtype=torch.bool).view(B, N)
+        return Proposal(tok, ok.sum(1), None, ok)
 
     def remember(self, prompt: list[int], response: list[int]) -> None:
         """Keep a finished response for later batches of the same prompt (the store's budget applies)."""

@@ -124,6 +124,51 @@ def test_greedy_history_drafts_equal_plain(tiny, device, k, shape):
     assert sum(o.num_steps for o in again) <= sum(o.num_steps for o in plain) / (k + 1) + 2 * len(requests)
 
 
+def test_tree_ranks_each_nodes_branches_by_longest_match_then_votes():
+    """A history tree: a node of rank r is its parent's r-th best continuation, distinct tokens at each node; a
+    branch's longest match behind it counts before how many occurrences took it."""
+    drafter = HistoryDrafter(sizes=(3, 1), tree="3,2", tree_side_depth=2)
+    prompt = [1, 2, 3]
+    for response in ([4, 5, 6], [4, 5, 7], [4, 8, 9], [9, 9, 9]):
+        drafter.remember(prompt, response)
+    drafter.begin([prompt, [7, 8]])
+    tree = drafter.tree_for(3, 2)
+    assert tree is not None and drafter.tree_for(3, 5) is None  # tree_max_batch 4
+    prop = drafter.propose_tree([prompt, [7, 8]], [3, 3], GREEDY, None, tree)
+    got = {p: int(t) for p, t, ok in zip(tree.paths, prop.tokens[0], prop.valid[0]) if ok}
+    # after [1, 2, 3] (n=3): 4 three times; 9 only after [3] (n=1): ranked after 4 whatever its count
+    assert got[(0,)] == 4 and got[(1,)] == 9 and (2,) not in got
+    assert got[(0, 0)] == 5 and got[(0, 1)] == 8 and got[(0, 0, 0)] in (6, 7) and got[(1, 0)] == 9
+    assert drafter.match_lens[0] == 3
+    assert not prop.valid[1].any() and prop.lens.tolist() == [len(got), 0]  # row 1 matches nothing
+    capped = drafter.propose_tree([prompt, [7, 8]], [1, 0], GREEDY, None, tree)
+    assert {tree.paths[j][0] for j in range(tree.num_nodes) if capped.valid[0, j]} == {0, 1}  # depth <= its cap
+    assert all(len(tree.paths[j]) == 1 for j in range(tree.num_nodes) if capped.valid[0, j])
+    with pytest.raises(ValueError, match="tree_side_depth"):
+        HistoryDrafter(tree="2", tree_side_depth=0)
+
+
+@pytest.mark.parametrize("shape", ["batch1", "batch8"])
+def test_greedy_history_trees_equal_plain(tiny, device, shape):
+    """Tree steps while at most 4 rows are live (batch8: chains first), rows finishing at different steps."""
+    model = on(tiny, device)
+    engine = Engine(model)
+    if shape == "batch1":
+        requests = groups_of(random_prompts([6], tiny.cfg.vocab_size), 1, [40])
+    else:
+        requests = groups_of(random_prompts([5, 9], tiny.cfg.vocab_size), 4, [40, 13, 27, 7, 33, 20, 9, 40])
+    plain = engine.generate(requests)
+    store = ResponseStore()
+    for o in plain:  # each row's stored answer, plus a wrong one ranked beside it: trees carry both
+        store.add(o.prompt_ids, o.token_ids)
+        store.add(o.prompt_ids, [(t + 1) % tiny.cfg.vocab_size for t in o.token_ids])
+    drafter = HistoryDrafter(store, tree="2,2", tree_side_depth=3)
+    spec = engine.generate(requests, k=3, drafter=drafter)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert [o.finish_reason for o in spec] == [o.finish_reason for o in plain]
+    assert sum(o.num_steps for o in spec) < sum(o.num_steps for o in plain) / 2
+
+
 def test_greedy_combined_drafts_equal_plain_and_use_both_sources(tiny, device):
     model = on(tiny, device)
     engine = Engine(model)

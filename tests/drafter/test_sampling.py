@@ -151,8 +151,11 @@ def make_drafter(name, model):
     if name == "history":
         return HistoryDrafter()
     if name == "history-stored":  # an earlier response every row drafts first: far likelier than the policy makes it
-        drafter = HistoryDrafter()
+        drafter = HistoryDrafter(tree=tree, tree_side_depth=2, tree_max_batch=NUM_SAMPLES)
         drafter.remember(PROMPT, [3, 3, 3])
+        if tree:  # more candidates, ones the policy often emits: the residuals between them matter
+            drafter.remember(PROMPT, [0, 4, 2])
+            drafter.remember(PROMPT, [4, 4, 4])
         return drafter
     if name == "combined":
         return CombinedDrafter(make_drafter("eagle", model), HistoryDrafter(), min_match=2)
@@ -190,7 +193,8 @@ def test_sharpened_or_bf16_drafts_stay_lossless(model, exact, drafter_name):
     assert sample_pvalue(model, exact, 2, make_drafter(drafter_name, model)) > ALPHA
 
 
-@pytest.mark.parametrize("drafter_name", ["noisy-policy-tree", "eagle-tree", "eagle-0-tree", "eagle-bf16-tree",
+@pytest.mark.parametrize("drafter_name", ["noisy-policy-tree", "history-stored-tree", "eagle-tree", "eagle-0-tree",
+                                          "eagle-bf16-tree",
                                           pytest.param("eagle-int8-tree", marks=NEEDS_INT8)])
 def test_tree_drafts_stay_lossless(model, exact, drafter_name):
     """Several candidates per position, verified by recursive rejection sampling: still the policy's
@@ -263,7 +267,10 @@ def reference_verify_tree(target_logits, tree, tokens, valid, draft_probs, sampl
                 c = int(tree.children[cur, i])
                 if c <= 0 or not valid[b, c - 1]:
                     continue
-                x, q = int(tokens[b, c - 1]), draft_probs[b, c - 1]
+                x = int(tokens[b, c - 1])
+                # None: deterministic candidates (history drafts), each drawn from a one-hot q
+                q = draft_probs[b, c - 1] if draft_probs is not None else torch.nn.functional.one_hot(
+                    torch.tensor(x), p.shape[-1]).to(p.dtype)
                 if uniforms[b, d * W + i] * q[x] < r[x]:
                     path[b, d], num[b], cur, r, moved = c, num[b] + 1, c, p[b, c], True
                     break
@@ -278,7 +285,7 @@ def reference_verify_tree(target_logits, tree, tokens, valid, draft_probs, sampl
 
 def test_tree_verifier_agrees_with_a_reference():
     """Same inputs, same uniforms: the batched verifier takes the reference's path and next token,
-    for greedy and sampled rows mixed, ragged validity and drafts drawn without replacement."""
+    for greedy and sampled rows mixed, ragged validity, and drafts drawn without replacement or one-hot."""
     g = torch.Generator().manual_seed(0)
     tree = Tree.for_k(3, (3, 2), 2)
     B, N, V = 64, tree.num_nodes, 7
@@ -289,22 +296,24 @@ def test_tree_verifier_agrees_with_a_reference():
     tokens[::3] = target[::3, tree.parent[1:]].argmax(-1)  # some rows guess the target's favourites
     valid = tree.depth[1:].view(1, N) <= torch.randint(0, 4, (B, 1), generator=g)
     uniforms = torch.rand(B, tree.num_uniforms, generator=g)
-    got = verify_tree(target, tree, tokens, valid, probs, bs, uniforms)
-    want = reference_verify_tree(target, tree, tokens, valid, probs, bs, uniforms)
-    assert torch.equal(got.num_accepted, want.num_accepted)
-    assert torch.equal(got.path, want.path)
-    assert torch.equal(got.next_tokens, want.next_tokens)
-    assert int(got.num_accepted.sum()) > 0 and bool((got.num_accepted == 0).any())
+    for q in (probs, None):  # None: deterministic candidates (history drafts), one-hot q
+        got = verify_tree(target, tree, tokens, valid, q, bs, uniforms)
+        want = reference_verify_tree(target, tree, tokens, valid, q, bs, uniforms)
+        assert torch.equal(got.num_accepted, want.num_accepted)
+        assert torch.equal(got.path, want.path)
+        assert torch.equal(got.next_tokens, want.next_tokens)
+        assert int(got.num_accepted.sum()) > 0 and bool((got.num_accepted == 0).any())
 
 
-def test_wrong_tree_verifier_fails_the_test(model, exact, monkeypatch):
+@pytest.mark.parametrize("drafter_name", ["noisy-policy-tree", "history-stored-tree"])
+def test_wrong_tree_verifier_fails_the_test(model, exact, monkeypatch, drafter_name):
     """Testing every candidate against the target instead of the residual left by the rejected ones
-    over-weights what the draft likes: the chi-square test must see it."""
+    mis-weights the candidates (sampled or one-hot): the chi-square test must see it."""
     def no_residual(*args):
         return reference_verify_tree(*args, update_residual=False)
 
     monkeypatch.setattr(engine_mod, "verify_tree", no_residual)
-    assert sample_pvalue(model, exact, 2, make_drafter("noisy-policy-tree", model)) < ALPHA
+    assert sample_pvalue(model, exact, 2, make_drafter(drafter_name, model)) < ALPHA
 
 
 def test_token_probs_top_k_top_p_and_greedy():
