@@ -302,8 +302,9 @@ class HistoryDrafter(Drafter):
                     token, (_, sub) = ranked[path[-1]]
                     tokens[b][j], valid[b][j] = token, True
                     tries[path] = sub
-        tok = torch.tensor(tokens, dtype=torch.long).view(B, N)
-        ok = torch.tensor(valid, dtype=torch.bool).view(B, N)
+        # host tensors, as pad_proposal's: the engine moves a proposal to the policy's device
+        tok = torch.tensor(tokens, dtype=torch.long, device="cpu").view(B, N)
+        ok = torch.tensor(valid, dtype=torch.bool, device="cpu").view(B, N)
         return Proposal(tok, ok.sum(1), None, ok)
 
     def remember(self, prompt: list[int], response: list[int]) -> None:
