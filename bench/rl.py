@@ -242,8 +242,15 @@ FULL = {"model": "smollm2-135m", "task": "longtail", "steps": 3, "repeats": 2, "
 # 512 tokens, the longest setting it) and 0.6-1.4 s of sync and update: one repeat in 231 s, 375 s in all; the second
 # does not fit. More prompts of the task's templates gave less each time on a CPU (benchmarks.md, "Levers tried":
 # 85k -> 113k tokens, greedy 2.41 -> 2.44), so the data stays.
+# That run's 32 prompts had no tail: the longtail task makes 1 prompt in 10 detailed (in blocks of 10), so 32 made
+# about 3 detailed groups, dealt round-robin to both workers, and each worker's longest row ran to the 512-token cap
+# (tails of 0.03-0.9 s, under a lease's 1 s: nothing reclaimed). FULL's 10 prompts make exactly one detailed group a
+# step, on one worker, while the other idles: the tail TLT is for. Its length: SmolLM2 at T=1, bf16, 24 detailed
+# rollouts capped at 2048 (2026-11-28, CPU) stopped at 87-421 tokens or ran away to the cap (4 of 24; 3 of 6 groups
+# had one), so 1,024 tokens make a runaway group's tail about 3.5 s at plain's 3.4 ms a step on the H100.
 SIZES = {"full": FULL,
-         "gpu": FULL | {"steps": 4, "prompts": 32, "policy_dtype": "bfloat16", "micro_batch": 16, "max_seconds": 450.0},
+         "gpu": FULL | {"steps": 4, "new_tokens": 1024, "policy_dtype": "bfloat16", "micro_batch": 16,
+                        "max_seconds": 450.0},
          "smallest": FULL | {"model": "tiny", "task": "arithmetic", "steps": 1, "repeats": 1, "prompts": 2,
                              "group_size": 2, "new_tokens": 16, "k": 2}}
 SMALLEST_RECIPE = {"num_prompts": 4, "max_new_tokens": 16, "num_steps": 4, "batch_size": 4, "num_eval_prompts": 0,
@@ -301,7 +308,7 @@ def run(args) -> dict:
     from workers.warm import GPU_RECIPE, WarmRecipe
 
     if args.size == "gpu" and args.device != "cuda":
-        raise ValueError("--size gpu is sized for one GPU (a bf16 policy, 128 rollouts of 512 tokens a step): run it "
+        raise ValueError("--size gpu is sized for one GPU (a bf16 policy, rollouts of up to 1,024 tokens): run it "
                          "with --device cuda; on a CPU, --size smallest --policy-dtype bfloat16 runs its path")
     size = SIZES[args.size]
     opt = {key: size[key] if getattr(args, key) is None else getattr(args, key) for key in FULL}
