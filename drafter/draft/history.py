@@ -291,17 +291,20 @@ class HistoryDrafter(Drafter):
         recursive rejection sampling keeps the policy's distribution."""
         B, N = len(contexts), tree.num_nodes
         tokens, valid = [[0] * N for _ in range(B)], [[False] * N for _ in range(B)]
+
+        def best_first(trie: dict) -> list:
+            return sorted(trie.items(), key=lambda kv: kv[1][0], reverse=True)  # ties: the latest occurrence first
+
         for b, (context, cap) in enumerate(zip(contexts, caps)):
-            tries = {(): self.continuations(b, context, cap) if cap > 0 else {}}
-            for j, path in enumerate(tree.paths):
-                parent = tries.get(path[:-1])
-                if not parent or len(path) > cap:
+            ranked = {(): best_first(self.continuations(b, context, cap)) if cap > 0 else []}  # path -> branches
+            for j, path in enumerate(tree.paths):  # parents before children
+                branches = ranked.get(path[:-1])
+                if not branches or len(path) > cap or path[-1] >= len(branches):
                     continue
-                ranked = sorted(parent.items(), key=lambda kv: kv[1][0], reverse=True)
-                if path[-1] < len(ranked):
-                    token, (_, sub) = ranked[path[-1]]
-                    tokens[b][j], valid[b][j] = token, True
-                    tries[path] = sub
+                token, (_, sub) = branches[path[-1]]
+                tokens[b][j], valid[b][j] = token, True
+                if tree.has_children[j + 1]:
+                    ranked[path] = best_first(sub)
         # host tensors, as pad_proposal's: the engine moves a proposal to the policy's device
         tok = torch.tensor(tokens, dtype=torch.long, device="cpu").view(B, N)
         ok = torch.tensor(valid, dtype=torch.bool, device="cpu").view(B, N)
