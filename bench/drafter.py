@@ -196,7 +196,7 @@ def _sweep_part(result, engine, eval_prompts, ks, policy, head, new_tokens, draf
     drafters = {"warm": eagle(head), "untrained": eagle(new_head(policy, None, None), tree=None),
                 "ngram": NgramDrafter()}
     result["draft_dtype"] = drafters["warm"].precision
-    result["draft_tree"] = ",".join(map(str, drafters["warm"].tree_widths))
+    result["draft_tree"] = ",".join(map(str, drafters["warm"].trees.widths))
     result["draft_tree_side_depth"] = tree_side_depth
     sampled_only: tuple[str, ...] = ()
     only_ks: dict[str, tuple[int, ...]] = {}

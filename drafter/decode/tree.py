@@ -114,6 +114,35 @@ def parse_widths(spec: str | tuple[int, ...] | list[int] | None) -> tuple[int, .
     return widths
 
 
+@dataclass(frozen=True)
+class DraftTrees:
+    """A drafter's tree options: widths (parse_widths), each extra candidate heading a chain of side_depth nodes
+    (Tree.for_k), drafted only while at most max_batch sequences are live: verifying a tree's extra nodes is nearly
+    free at batch 1 (bound by reading the weights), not in a full batch."""
+
+    widths: tuple[int, ...] = ()
+    side_depth: int = 1
+    max_batch: int = 4
+
+    @classmethod
+    def of(cls, tree: str | tuple[int, ...] | list[int] | None, side_depth: int = 1, max_batch: int = 4
+           ) -> DraftTrees:
+        if side_depth < 1 or max_batch < 0:
+            raise ValueError(f"tree_side_depth must be >= 1 and tree_max_batch >= 0, got {side_depth}, {max_batch}")
+        return cls(parse_widths(tree), side_depth, max_batch)
+
+    @property
+    def branches(self) -> bool:
+        """Whether any depth has more than one candidate (else every draft is a chain)."""
+        return any(w > 1 for w in self.widths)
+
+    def tree_for(self, k: int, batch_size: int) -> Tree | None:
+        """The tree for draft depth k with batch_size sequences live, None for a chain."""
+        if k < 1 or not self.branches or batch_size > self.max_batch:
+            return None
+        return Tree.for_k(k, self.widths, self.side_depth)
+
+
 def tree_attention(base: torch.Tensor, nodes: torch.Tensor, tree: Tree, offset: int,
                    num_slots: int) -> torch.Tensor:
     """(B, 1, T, S) bool mask for queries at tree `nodes` (T,) whose node j lives in slot

@@ -17,7 +17,7 @@ import time
 import torch
 
 from drafter.decode.sampling import BatchSampling, draft_probs, sample
-from drafter.decode.tree import Tree, parse_widths, tree_attention
+from drafter.decode.tree import DraftTrees, Tree, tree_attention
 from drafter.draft.draft_graphs import DraftGraphs
 from drafter.draft.draft_state import DraftRows, PendingSwap, SwapStats
 from drafter.draft.drafters import Drafter, Proposal
@@ -87,16 +87,11 @@ class EagleDrafter(Drafter):
         `_install`; a head converted here is a copy, the drafter's too); otherwise a swap serves the new head as
         itself, the drafter's own from then on if handed over (request_swap's `give`). tree: candidates
         at the first draft depths ("3,2": three at the first, two at the second; None or "": a chain),
-        each extra candidate heading a chain of tree_side_depth nodes (drafter.decode.tree.Tree.for_k). A
-        tree is drafted only while at most tree_max_batch sequences are live: verifying a tree's extra
-        nodes is nearly free at batch 1 (bound by reading the weights), not in a full batch."""
+        each extra candidate heading a chain of tree_side_depth nodes, drafted only while at most
+        tree_max_batch sequences are live (drafter.decode.tree.DraftTrees)."""
         self.policy = policy
         self.dtype, self.int8 = serving_precision(policy, dtype)
-        self.tree_widths = parse_widths(tree)
-        if tree_side_depth < 1 or tree_max_batch < 0:
-            raise ValueError(f"tree_side_depth must be >= 1 and tree_max_batch >= 0, got {tree_side_depth}, "
-                             f"{tree_max_batch}")
-        self.tree_side_depth, self.tree_max_batch = tree_side_depth, tree_max_batch
+        self.trees = DraftTrees.of(tree, tree_side_depth, tree_max_batch)
         # the policy layers the engine hands over (drafter.model.causal_lm.draft_features)
         self.aux_layers = head.aux_layers
         prepared = self._prepare(head)
@@ -110,7 +105,7 @@ class EagleDrafter(Drafter):
         # static: chains drafted on drafter.draft.draft_graphs' path (one head cache kept between calls, CUDA graphs
         # on a GPU); None chooses it wherever it applies, as the engine does: on CUDA, and on a CPU unless a tree
         # or int8 weights (CPU-only, eager) are asked for. It drafts chains only: no tree is proposed while it is on
-        on = (policy.device.type == "cuda" or not (any(w > 1 for w in self.tree_widths) or self.int8)) \
+        on = (policy.device.type == "cuda" or not (self.trees.branches or self.int8)) \
             if static is None else bool(static)
         if on and self.int8:
             raise ValueError("int8 drafting runs on the eager path only: leave static unset (None) or False")
@@ -217,10 +212,7 @@ class EagleDrafter(Drafter):
         return torch.zeros(0, self.head.feature_size, dtype=self.policy.dtype, device=self.policy.device)
 
     def tree_for(self, k: int, batch_size: int = 1) -> Tree | None:
-        if (k < 1 or not any(w > 1 for w in self.tree_widths) or batch_size > self.tree_max_batch
-                or self.graphs is not None):
-            return None
-        return Tree.for_k(k, self.tree_widths, self.tree_side_depth)
+        return None if self.graphs is not None else self.trees.tree_for(k, batch_size)
 
     def propose(self, contexts, caps, sampling: BatchSampling, uniforms, width: int | None = None) -> Proposal:
         with self._serve_lock:

@@ -28,7 +28,7 @@ from collections import OrderedDict, deque
 import numpy as np
 import torch
 
-from drafter.decode.tree import Tree, parse_widths
+from drafter.decode.tree import DraftTrees, Tree
 from drafter.draft.drafters import Drafter, Proposal, pad_proposal
 
 NGRAM_SIZES = (16, 12, 8, 6, 4, 3, 2, 1)  # looked up longest first; a match longer than 16 grows by following
@@ -79,18 +79,22 @@ class SuffixIndex:
                 if len(where) > self.max_occurrences:
                     del where[0]
 
+    def matches(self, context: list[int]):
+        """(n, occurrences) for each indexed n-gram ending `context` that occurs, longest n first; an occurrence
+        (seq, end) may have no token after it yet."""
+        for n in self.sizes:
+            if n <= len(context):
+                where = self.table.get(tuple(context[-n:]))
+                if where:
+                    yield n, where
+
     def find(self, context: list[int], want: int) -> tuple[int, int, int] | None:
         """(seq, end, n): the longest n-gram ending `context` that occurs with at least one token after it. Of its
         occurrences, those whose next token is the most common one (sampled siblings vote for the policy's likely
         token), and of those the one with the most tokens after it (up to `want`; ties: the latest). None when
         nothing matches."""
         seqs = self.seqs
-        for n in self.sizes:
-            if n > len(context):
-                continue
-            where = self.table.get(tuple(context[-n:]))
-            if not where:
-                continue
+        for n, where in self.matches(context):
             votes: dict[int, int] = {}
             for seq_id, end in where:
                 if end < len(seqs[seq_id]):
@@ -172,13 +176,9 @@ class HistoryDrafter(Drafter):
         while at most tree_max_batch rows are live (see `propose_tree`)."""
         if min_match < 1:
             raise ValueError(f"min_match must be >= 1, got {min_match}")
-        if tree_side_depth < 1 or tree_max_batch < 0:
-            raise ValueError(f"tree_side_depth must be >= 1 and tree_max_batch >= 0, got {tree_side_depth}, "
-                             f"{tree_max_batch}")
+        self.trees = DraftTrees.of(tree, tree_side_depth, tree_max_batch)
         self.store = ResponseStore() if store is None else store
         self.min_match, self.sizes = min_match, sizes
-        self.tree_widths = parse_widths(tree)
-        self.tree_side_depth, self.tree_max_batch = tree_side_depth, tree_max_batch
         self.indexes: list[SuffixIndex] = []
         self.groups: list[int] = []  # row -> its group's index
         self.own: list[int] = []  # row -> its sequence in that index
@@ -257,21 +257,17 @@ class HistoryDrafter(Drafter):
         return pad_proposal(self.drafts(contexts, caps), width=width)
 
     def tree_for(self, k: int, batch_size: int = 1) -> Tree | None:
-        if k < 1 or not any(w > 1 for w in self.tree_widths) or batch_size > self.tree_max_batch:
-            return None
-        return Tree.for_k(k, self.tree_widths, self.tree_side_depth)
+        return self.trees.tree_for(k, batch_size)
 
     def continuations(self, b: int, context: list[int], cap: int) -> dict:
         """Row b's candidate continuations as a trie {token: [(longest n, count), subtrie]}: what followed each
         occurrence of the context's suffix n-grams, longest n first, up to TREE_MAX_OCCURRENCES occurrences. A
         branch ranks by the longest match behind it, then by how many occurrences took it (siblings vote)."""
         index, root, seen, longest = self.indexes[self.groups[b]], {}, set(), 0
-        for n in index.sizes:
+        for n, where in index.matches(context):
             if len(seen) >= TREE_MAX_OCCURRENCES:
                 break
-            if n > len(context):
-                continue
-            for seq_id, end in reversed(index.table.get(tuple(context[-n:]), ())):
+            for seq_id, end in reversed(where):
                 seq = index.seqs[seq_id]
                 if end >= len(seq) or (seq_id, end) in seen:
                     continue
