@@ -191,12 +191,16 @@ def test_a_resumed_job_is_placed_before_the_queue_and_requeued_or_failed_when_it
             assert store.queued_ids(2) == [resumed["job_id"], waiting["job_id"]] and not launched
             assert store.get(waiting["job_id"])["state"] == JobState.QUEUED
 
+            # Ray retries a pending group with backoff: placing it once its GPU is free took over 2 s on a loaded CI
+            # box (it was requeued again), so this part, which tests placement, not the deadline, allows 30 s
+            monkeypatch.setattr(queue, "MAX_UNPLACEABLE_S", 30.0)
             store.transition(resumed["job_id"], JobState.RUNNING, {JobState.QUEUED})
             admitter.resume(resumed["job_id"], resumed["created_at"])
             remove_placement_group(blocker)  # its GPU is back: the resumed job's group is placed, its driver starts
             wait_for(lambda: admitter.admit_next(wait_s=1.0), 30, "the resumed job's group to be placed")
             assert [job_id for job_id, _ in launched] == [resumed["job_id"]] and launched[0][1] is not None
 
+            monkeypatch.setattr(queue, "MAX_UNPLACEABLE_S", 2.0)
             too_big = store.create(JobSpec(model="tiny", num_workers=3))[0]  # the cluster has 2 GPUs now
             ids.append(too_big["job_id"])
             store.transition(too_big["job_id"], JobState.RUNNING, {JobState.PENDING})
