@@ -321,7 +321,8 @@ class Driver:
                 continue
             ps = [prompts[g] for g in groups for _ in range(G)]
             params = [{"temperature": spec.temperature, "max_new_tokens": spec.max_new_tokens,
-                       "seed": rollout_seed(spec, rl_step, g * G + j), "stop_strings": tuple(stops[g])}
+                       "seed": rollout_seed(spec, rl_step, g * G + j), "stop_strings": tuple(stops[g]),
+                       "coupled": spec.coupled_sampling}
                       for g in groups for j in range(G)]
             futures[w.generate.remote(ps, params, rl_step)] = (wid, groups, time.perf_counter())
         results, worker_s, draft_versions, batches = {}, {}, {}, {}

@@ -158,13 +158,17 @@ class RolloutEngine(ABC):
         """Acceptance and throughput so far."""
 
 
-def request_settings(params: dict, eos_token_ids: tuple[int, ...], has_tokenizer: bool) -> tuple[SamplingParams, list]:
+def request_settings(params: dict, eos_token_ids: tuple[int, ...], has_tokenizer: bool,
+                     external: str | None = None) -> tuple[SamplingParams, list]:
     """One request's settings (the dict above) checked as the built-in engine checks them (ValueError naming the
     setting), and its stop token ids: its own, then the model's EOS ids unless it ignores EOS (an external engine
-    knows only its tokenizer's EOS, and a tokenizer-less model has none)."""
+    knows only its tokenizer's EOS, and a tokenizer-less model has none). external: the label of the external
+    engine asking, which samples its own way (no coupled sampling)."""
     p = SamplingParams(**{k: tuple(v) if k.startswith("stop_") else v for k, v in params.items()})
     if p.stop_strings and not has_tokenizer:
         raise ValueError("stop_strings need a tokenizer; this model has none")
+    if p.coupled and external is not None:
+        raise ValueError(f"coupled sampling is the built-in engine's; {external} samples its own way")
     return p, list(dict.fromkeys([*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]))
 
 

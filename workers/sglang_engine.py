@@ -85,7 +85,7 @@ def sampling_params(params: dict, eos_token_ids: tuple[int, ...], has_tokenizer:
     """SGLang sampling parameters for one request's settings (workers.engine's dict), checked as the built-in
     engine checks them (workers.engine.request_settings, EOS ids among the stops); an unseeded request gets a
     seed drawn from `rng`."""
-    p, stops = request_settings(params, eos_token_ids, has_tokenizer)
+    p, stops = request_settings(params, eos_token_ids, has_tokenizer, "SGLang")
     return {"temperature": float(p.temperature), "top_p": float(p.top_p), "top_k": int(p.top_k) or -1,
             "max_new_tokens": p.max_new_tokens, "stop": list(p.stop_strings) or None,
             "stop_token_ids": stops or None, "ignore_eos": p.ignore_eos,

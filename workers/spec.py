@@ -151,6 +151,11 @@ class JobSpec(BaseModel):
         "it to accept more than the head at that match length, else the head (drafter.draft.combined). Off by "
         "default: on SmolLM2's long-tail task at T=1 (`tlt bench drafter-history`, docs/benchmarks.md) sampled "
         "siblings share too little text for it to pay on tail rows"))
+    coupled_sampling: bool = Field(False, description=(
+        "sample rollouts by Gumbel-max over noise keyed by (the rollout's seed, position, token) "
+        "(drafter.decode.coupled): still exact samples of the policy, and a rollout's tokens no longer depend on "
+        "the draft, the draft length or whether it drafted at all, so runs with the same seed are reproducible "
+        "and A/B comparisons paired; drafts are accepted somewhat less often. Off by default"))
     # lax (the model is strict): the mode's name is what a JSON body and a dumped spec carry
     speculation: Speculation = Field(Speculation.ADAPTIVE, strict=False, description=(
         "with tlt on, how rollouts draft. adaptive: each worker picks k in 0..draft_k per live-batch-size bucket "
@@ -204,6 +209,9 @@ class JobSpec(BaseModel):
         if self.history_drafts and not entry.has_history_drafts:
             raise ValueError(f"history_drafts must be false with engine {self.engine!r} ({entry.label} drafts from "
                              "the EAGLE-3 head only)")
+        if self.coupled_sampling and not entry.has_coupled_sampling:
+            raise ValueError(f"coupled_sampling must be false with engine {self.engine!r} ({entry.label} samples its "
+                             "own way)")
         if self.draft_dtype not in entry.draft_dtypes:
             raise ValueError(f"draft_dtype must be {' or '.join(map(repr, entry.draft_dtypes))} with engine "
                              f"{self.engine!r} (its draft runs at the policy's precision)")

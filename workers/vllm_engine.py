@@ -59,7 +59,7 @@ SCRATCH_MIN_FREE = 4 << 30  # /dev/shm must have this free to hold the weight fi
 def sampling_kwargs(params: dict, eos_token_ids: tuple[int, ...], has_tokenizer: bool) -> dict:
     """vllm.SamplingParams keyword arguments for one request's settings (workers.engine's dict), checked as the
     built-in engine checks them (workers.engine.request_settings, EOS ids among the stops)."""
-    p, stops = request_settings(params, eos_token_ids, has_tokenizer)
+    p, stops = request_settings(params, eos_token_ids, has_tokenizer, "vLLM")
     return {"temperature": float(p.temperature), "top_k": int(p.top_k), "top_p": float(p.top_p),
             "max_tokens": p.max_new_tokens, "seed": p.seed, "stop": list(p.stop_strings) or None,
             "stop_token_ids": stops or None, "ignore_eos": p.ignore_eos, "detokenize": has_tokenizer}

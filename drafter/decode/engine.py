@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from drafter.decode.coupled import Coupling
 from drafter.decode.rows import Row
 from drafter.decode.sampling import BatchSampling, SamplingParams, Verdict
 from drafter.decode.static import ShapeCounts, StaticRunner, batch_bucket, slot_bucket, to_device
@@ -98,15 +99,14 @@ class Engine:
         and, on a CPU, every call that drafts no tree: there its GEMMs on oneDNN's packed weights and its lean
         layer beat the eager path's ops (docs/benchmarks.md, "Engine"). The static path drafts chains only;
         draft trees run on the eager path."""
-        self.model, self.tokenizer = model, tokenizer
-        self.prefer_static = static
+        self.model, self.tokenizer, self.prefer_static = model, tokenizer, static
         self.static = True if static is None else bool(static)  # the path of the latest call
         self.runner: StaticRunner | None = None
         self.stats = EngineStats()
         self.shapes = ShapeCounts()  # captures and rebuilds of the static path, host reads (the bench's counters)
         # chains' verification: on CUDA one graph per shape (as StaticRunner's forwards), kept across runner rebuilds
         self.verifier = VerifyGraphs(model.cfg.vocab_size, model.device, model.device.type == "cuda", self.shapes)
-        self._aranges: dict[int, torch.Tensor] = {}
+        self._aranges: dict[int, torch.Tensor] = {}  # _steps
         self._next_ids: torch.Tensor | None = None  # (B, 1) the latest step's next tokens
 
     def static_runner(self, num_rows: int, max_len: int) -> StaticRunner:
@@ -175,8 +175,11 @@ class Engine:
                 for r, lim in zip(requests, limits)]
         order = list(range(len(rows)))  # batch position -> index in `rows` (finished rows too, until compacted)
         sampling = BatchSampling.from_params([r.params for r in requests], device)
+        # coupled rows (drafter.decode.coupled): greedy chains over perturbed logits; `sampling` is what drafts see
+        coupling = Coupling.of([r.params for r in requests], sampling, device)
+        sampling = coupling.seen if coupling is not None else sampling
         # the largest tree this call may draft, which only the eager path runs (it needs room for side slots)
-        largest = drafter.tree_for(k) if drafter is not None else None
+        largest = drafter.tree_for(k) if drafter is not None and coupling is None else None
         self.static = self.prefer_static if self.prefer_static is not None else (
             device.type == "cuda" or largest is None)
         largest = None if self.static else largest
@@ -210,7 +213,7 @@ class Engine:
                 self._tree_step(batch, cache, tree, drafter, sampling, uniforms, step_k, aux)
             else:
                 uniforms = None if sampling.all_greedy else self._uniforms(batch, 2 * step_k + 1)
-                self._chain_step(batch, cache, drafter, sampling, uniforms, step_k, aux, alive, last_ids)
+                self._chain_step(batch, cache, drafter, sampling, uniforms, step_k, aux, alive, last_ids, coupling)
             last_ids = self._next_ids  # tree steps too: both end in _advance
             seconds = time.perf_counter() - start
             steady = step_k == last_k and marks == self.shapes_seen(drafter)
@@ -233,6 +236,7 @@ class Engine:
                 if not self.static or batch_bucket(len(keep)) < batch_bucket(len(batch)):
                     order, alive, kept = self._compact(order, keep, cache, drafter)
                     sampling, last_ids = sampling.select(kept), last_ids.index_select(0, to_device(kept, device))
+                    coupling = coupling.select(kept) if coupling is not None else None
                     num_finished = 0
                 else:
                     alive = to_device(torch.tensor([0 if r.finish_reason else 1 for r in batch], dtype=torch.long,
@@ -264,8 +268,8 @@ class Engine:
 
     def _forward(self, aux: tuple[int, ...] | None, *args, num_slots: int, **kwargs
                  ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The policy forward: (logits, hidden states), or with `aux` (logits, features). num_slots: one past
-        the largest position fed, known on the host (the static path reads no position back)."""
+        """The policy forward: (logits, hidden states), or with `aux` (logits, features). num_slots: one past the
+        largest position fed, known on the host (the static path reads no position back)."""
         if self.static:
             input_ids, positions, _ = args
             return self.runner.forward(input_ids, positions, num_slots, aux, kwargs.get("logits_for", "all"))
@@ -274,7 +278,8 @@ class Engine:
         logits, hidden, states = self.model(*args, aux_layers=aux, **kwargs)
         return logits, draft_features(hidden, states)  # (B, T, 4D)
 
-    def _chain_step(self, batch, cache, drafter, sampling, uniforms, k, aux=None, alive=None, last=None) -> None:
+    def _chain_step(self, batch, cache, drafter, sampling, uniforms, k, aux=None, alive=None, last=None,
+                    coupling: Coupling | None = None) -> None:
         """One verify forward of [last, d_1..d_k] per row (k = 0: plain decoding; a drafter still observes what
         the policy emitted, so it can draft again at a later step). Every row verifies k + 1 tokens whatever
         its draft length (a row near its cap, or finished, drafts fewer; its extra positions are masked)."""
@@ -291,6 +296,7 @@ class Engine:
             last = to_device(torch.tensor([[r.tokens[-1]] for r in batch], dtype=torch.long, device="cpu"), device)
         input_ids = last if K == 0 else torch.cat([last, draft_tokens], dim=1)  # (B, K+1)
         positions = cache.lens.unsqueeze(1) + self._steps(K + 1)  # (B, K+1)
+        index = positions + 1  # the index in its row of the token each position samples (coupled rows' noise)
         # masked positions (past a row's draft, or a finished row's) lie past every real one, or at the last slot
         positions = positions.clamp_(max=cache.max_len - 1)
         num_slots = min(max(len(r.tokens) for r in batch) + K, cache.max_len)
@@ -298,16 +304,16 @@ class Engine:
         if K == 0:
             draft_tokens = torch.zeros(len(batch), 0, dtype=torch.long, device=device)
             draft_lens = torch.zeros(len(batch), dtype=torch.long, device=device)
+        if coupling is not None:  # coupled rows: greedy over logits / temperature + the row's Gumbel noise
+            logits = coupling.perturb(logits, index)
         verify_u = None if uniforms is None else uniforms[:, : K + 1]  # K acceptance tests, then the final draw
         verdict = self.verifier.verify(logits, draft_tokens, draft_lens, draft_probs, sampling, verify_u)
         self._advance(batch, cache, verdict, draft_tokens, draft_lens, hidden, drafter, alive)
 
-    def _steps(self, n: int) -> torch.Tensor:
-        """arange(n) on the device, made once per n."""
-        t = self._aranges.get(n)
-        if t is None:
-            t = self._aranges[n] = torch.arange(n, device=self.model.device)
-        return t
+    def _steps(self, n: int) -> torch.Tensor:  # arange(n) on the device, made once per n
+        if n not in self._aranges:
+            self._aranges[n] = torch.arange(n, device=self.model.device)
+        return self._aranges[n]
 
     def _tree_step(self, live, cache, tree: Tree, drafter, sampling, uniforms, k, aux=None) -> None:
         """One verify forward of [last, tree nodes] per row under the tree mask (drafter.decode.tree), then
@@ -335,10 +341,9 @@ class Engine:
                       valid.sum(1), path_hidden, drafter)
 
     def _uniforms(self, live: list[Row], n: int) -> torch.Tensor:
-        """(B, n) per row: for a chain of k, n = 2k+1: k acceptance tests, one final draw, k for sampled
-        drafts; for a tree, its tests and final draw, then one per node. Drawn per row, so a row's
-        random stream depends on its own seed only, not on what else is in the batch."""
-        # drawn on the CPU, where each row's torch.Generator lives, then moved in one copy
+        """(B, n) per row: for a chain of k, n = 2k+1: k acceptance tests, one final draw, k for sampled drafts; for
+        a tree, its tests and final draw, then one per node. Drawn per row on the CPU (each row's torch.Generator
+        lives there), so a row's random stream depends on its own seed only; then moved in one copy."""
         return to_device(torch.stack([torch.rand(n, generator=r.gen, device="cpu") for r in live]), self.model.device)
 
     def _prefill(self, rows: list[Row], cache, needs_hidden: bool, aux=None) -> torch.Tensor | None:
@@ -347,10 +352,9 @@ class Engine:
         cache.lens = torch.tensor([len(r.tokens) - 1 for r in rows], dtype=torch.long, device=cache.lens.device)
         if P == 0:
             return None
-        device = self.model.device
         ids = torch.tensor([r.tokens[:-1] + [0] * (P + 1 - len(r.tokens)) for r in rows], dtype=torch.long,
-                           device=device)  # (B, P), right-padded
-        positions = torch.arange(P, device=device).expand(len(rows), P)  # padding slots get overwritten later
+                           device=self.model.device)  # (B, P), right-padded
+        positions = torch.arange(P, device=ids.device).expand(len(rows), P)  # padding slots get overwritten later
         _, hidden = self._forward(aux, ids, positions, cache, logits_for="none", num_slots=P)
         return hidden if needs_hidden else None
 

@@ -21,6 +21,9 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks generate a fixed number of tokens
     seed: int | None = None  # per-request seed; None draws one from torch's global generator
+    # Gumbel-max sampling keyed by (seed, position, token) (drafter.decode.coupled): the same seed gives the same
+    # tokens with or without drafts, whatever the draft; sampled rows only (greedy ones are already)
+    coupled: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
@@ -31,6 +34,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.coupled, bool):
+            raise ValueError(f"coupled must be a bool, got {self.coupled!r}")
         if any(not s for s in self.stop_strings):
             raise ValueError("stop_strings must not contain an empty string")
 
@@ -91,7 +96,7 @@ def token_probs(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
     temp = torch.where(sampling.is_greedy, torch.ones_like(sampling.temperature), sampling.temperature)
     logits = logits / temp.view(B, 1, 1)
     if sampling.truncates(V):
-        logits = _truncate(logits, sampling)
+        logits = truncate(logits, sampling)
     probs = logits.softmax(dim=-1)
     if sampling.any_greedy:
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
@@ -110,7 +115,7 @@ def draft_probs(logits: torch.Tensor, sampling: BatchSampling, draft_temperature
 TRUNCATION_CANDIDATES = 1024  # top-k/top-p look at the best this many first (a full sort is the fallback)
 
 
-def _truncate(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
+def truncate(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
     """Top-k, then top-p (the smallest prefix, by probability, whose mass reaches top_p): every
     other logit becomes -inf. The kept tokens are almost always among the best few hundred, so
     this ranks the best TRUNCATION_CANDIDATES with topk (a full sort of a 49k vocabulary is a

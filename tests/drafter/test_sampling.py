@@ -35,14 +35,22 @@ NEEDS_INT8 = pytest.mark.skipif(not int8_linear_available(), reason="no fbgemm/x
 PARAMS = {"temperature": 0.9, "top_k": 5, "top_p": 0.95}
 
 
-@pytest.fixture(scope="module")
-def model():
+def policy():
     torch.manual_seed(0)
     return tiny_model(vocab_size=VOCAB, seed=0, std=0.5, max_position=64)
 
 
 @pytest.fixture(scope="module")
+def model():
+    return policy()
+
+
+@pytest.fixture(scope="module")
 def exact(model) -> dict[tuple[int, ...], float]:
+    return exact_probs(model)
+
+
+def exact_probs(model) -> dict[tuple[int, ...], float]:
     """P(continuation) for every continuation, from full forwards of the policy."""
     seqs = list(itertools.product(range(VOCAB), repeat=NEW))
     ids = torch.tensor([PROMPT + list(s) for s in seqs])  # (N, L)

@@ -29,6 +29,8 @@ def test_sampling_settings_map_to_sglangs_names_and_every_request_has_a_seed():
         sampling_params({"stop_strings": ["\n"]}, (), False, rng)
     with pytest.raises(ValueError, match="temperature"):
         sampling_params({"temperature": -1}, (), False, rng)
+    with pytest.raises(ValueError, match="coupled sampling is the built-in engine's; SGLang samples its own way"):
+        sampling_params({"temperature": 1.0, "coupled": True}, (), False, rng)
 
 
 def test_acceptance_comes_from_meta_info_counts_or_lengths():

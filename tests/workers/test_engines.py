@@ -39,6 +39,13 @@ def test_history_drafts_are_refused_by_engines_without_them(name):
     assert JobSpec(engine="builtin", history_drafts=True).history_drafts
 
 
+@pytest.mark.parametrize("name", [n for n, e in ENGINES.items() if not e.has_coupled_sampling])
+def test_coupled_sampling_is_refused_by_engines_that_sample_their_own_way(name):
+    with pytest.raises(ValidationError, match=f"coupled_sampling must be false with engine '{name}'"):
+        JobSpec(engine=name, coupled_sampling=True)
+    assert JobSpec(engine="builtin", coupled_sampling=True).coupled_sampling
+
+
 @pytest.mark.parametrize("name", [n for n, e in ENGINES.items() if not e.has_draft_trees])
 def test_jobspec_refuses_what_the_table_says_an_engine_cannot_serve(name):
     with pytest.raises(ValidationError, match=f"draft_tree must be '' with engine '{name}'"):

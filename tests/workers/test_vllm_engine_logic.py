@@ -39,7 +39,8 @@ def test_request_settings_map_to_vllm_sampling_params():
 
 @pytest.mark.parametrize(("params", "match"), [
     ({"top_p": 0.0}, "top_p"), ({"temperature": -1}, "temperature"), ({"max_new_tokens": 0}, "max_new_tokens"),
-    ({"stop_strings": [""]}, "stop_strings"), ({"stop_strings": ["x"]}, "need a tokenizer")])
+    ({"stop_strings": [""]}, "stop_strings"), ({"stop_strings": ["x"]}, "need a tokenizer"),
+    ({"temperature": 1.0, "coupled": True}, "coupled sampling is the built-in engine's; vLLM samples its own way")])
 def test_bad_request_settings_are_named(params, match):
     with pytest.raises(ValueError, match=match):
         sampling_kwargs(params, (), False)
