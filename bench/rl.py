@@ -33,7 +33,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.rl_figures import ARMS, figures, goals_met, partial_figures, reclaimed_of, step_row, step_seconds
+from bench.rl_figures import (
+    ARMS,
+    figures,
+    goals_met,
+    paired_steps,
+    partial_figures,
+    reclaimed_of,
+    step_row,
+    step_seconds,
+)
 from workers.device import POLICY_DTYPES
 from workers.device import policy_dtype as served_dtype
 
@@ -49,13 +58,15 @@ def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: 
              model: str = "smollm2-135m", warm_draft: str | None = None, seed: int = 0,
              arms: str = "abc", device: str = "cpu", warm_recipe=None, policy_dtype: str = "auto",
              micro_batch_size: int | None = None, max_seconds: float | None = None,
-             progress_file: str | None = None, policy=None) -> dict:
+             progress_file: str | None = None, policy=None, coupled: bool = False) -> dict:
     """device "cuda": every job on this machine's GPUs (JobSpec.device), its workers sharing them when they
     outnumber them (JobSpec.gpus_per_worker), the warm draft built there if none is cached; "cpu": each worker
     pinned to its own cores. warm_recipe: the workers.warm.WarmRecipe of the warm draft (None: its defaults).
     policy_dtype, micro_batch_size: JobSpec's (None: its default). max_seconds: the time budget (None: none).
     progress_file: rewritten after every job with the finished jobs' step rows, for a run stopped from outside.
-    policy: the scheduler's scheduler.policy.PolicySettings (None: scheduler.demo.DEMO_POLICY, sized for a CPU)."""
+    policy: the scheduler's scheduler.policy.PolicySettings (None: scheduler.demo.DEMO_POLICY, sized for a CPU).
+    coupled: every arm samples coupled (JobSpec.coupled_sampling), so a repeat's arms generate the same rollouts
+    (paired_steps says in how many steps they did) and their ratios measure speed alone."""
 
     import ray
 
@@ -84,7 +95,8 @@ def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: 
     warm_start_s = time.perf_counter() - t0
     base = {"model": model, "task": task, "num_steps": num_steps, "num_prompts_per_step": num_prompts_per_step,
             "group_size": group_size, "max_new_tokens": max_new_tokens, "num_workers": num_workers,
-            "draft_k": draft_k, "temperature": 1.0, "device": device, "policy_dtype": policy_dtype}
+            "draft_k": draft_k, "temperature": 1.0, "device": device, "policy_dtype": policy_dtype,
+            "coupled_sampling": coupled}
     if micro_batch_size is not None:
         base["micro_batch_size"] = micro_batch_size
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
@@ -142,7 +154,7 @@ def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: 
               **(figures(runs) if full else partial_figures(runs)),
               "steps": {ARMS[arm]: [[step_row(s, reclaimed_of(r, s["rl_step"])) for s in r["steps"]] for r in rs]
                         for arm, rs in runs.items()},
-              "num_repeats_done": len(repeat_s), "stopped_early": stopped_early,
+              "paired_steps": paired_steps(runs), "num_repeats_done": len(repeat_s), "stopped_early": stopped_early,
               "warm_start_s": warm_start_s, "repeat_seconds": repeat_s,
               "job_seconds": {ARMS[arm]: [r["seconds"] for r in rs] for arm, rs in runs.items()},
               "seconds": time.perf_counter() - t0}
@@ -302,6 +314,10 @@ def add_arguments(p) -> None:
                    "`make warm-draft` builds for the task; built here with --device cuda or --size smallest/gpu)")
     p.add_argument("--arms", default="abc", help="a plain, b frozen warm draft, c TLT (a and b or c)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--coupled", action="store_true", help="every arm samples coupled (JobSpec.coupled_sampling: "
+                   "Gumbel-max keyed by seed and position), so the arms of a repeat generate the same rollouts and "
+                   "the ratios compare speed on identical work; drafts are accepted less often than by default. "
+                   "The policy serves float32 unless --policy-dtype says otherwise (in bf16 the arms' samples part)")
 
 
 def run(args) -> dict:
@@ -312,6 +328,8 @@ def run(args) -> dict:
                          "with --device cuda; on a CPU, --size smallest --policy-dtype bfloat16 runs its path")
     size = SIZES[args.size]
     opt = {key: size[key] if getattr(args, key) is None else getattr(args, key) for key in FULL}
+    if args.coupled and args.policy_dtype is None:  # bf16 logits differ between a verify and a plain forward
+        opt["policy_dtype"] = "float32"  # enough to move coupled samples (drafter.decode.coupled): no pairs
     bases = {"smallest": WarmRecipe(), "gpu": GPU_RECIPE}
     recipe = dataclasses.replace(bases[args.size], **RECIPES[args.size]) if args.size in RECIPES else None
     policy = None
@@ -324,7 +342,8 @@ def run(args) -> dict:
                       draft_k=opt["k"], task=opt["task"], model=opt["model"], warm_draft=args.warm_draft,
                       seed=args.seed, arms=args.arms, device=args.device, warm_recipe=recipe,
                       policy_dtype=opt["policy_dtype"], micro_batch_size=opt["micro_batch"],
-                      max_seconds=opt["max_seconds"], progress_file=args.progress_file, policy=policy)
+                      max_seconds=opt["max_seconds"], progress_file=args.progress_file, policy=policy,
+                      coupled=args.coupled)
     result["config"]["size"] = args.size
     return result
 

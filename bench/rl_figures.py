@@ -167,6 +167,19 @@ def figures(runs: dict[str, list[dict]]) -> dict:
     }
 
 
+def paired_steps(runs: dict[str, list[dict]]) -> dict[str, int]:
+    """In how many (repeat, step) pairs every arm generated the same rollouts, by their token count, length
+    percentiles and mean reward (all equal under coupled sampling while the arms' policies are), of how many:
+    {"paired": n, "steps": m}."""
+    def work(step: dict) -> tuple:
+        return step["num_tokens"], tuple(sorted(step["response_lengths"].items())), step["mean_reward"]
+
+    num_repeats = min((len(rs) for rs in runs.values()), default=0)
+    alike = [len({work(s) for s in steps}) == 1 for r in range(num_repeats)
+             for steps in zip(*(rs[r]["steps"] for rs in runs.values()))]
+    return {"paired": sum(alike), "steps": len(alike)}
+
+
 def partial_figures(runs: dict[str, list[dict]]) -> dict:
     """With arm b or c left out: the ratios against plain that can be computed."""
     steps = {arm: [s for r in rs for s in r["steps"]] for arm, rs in runs.items()}

@@ -21,7 +21,7 @@ RAY_MODULES = frozenset(f"tests/{m}.py" for m in (
     "scheduler/test_watcher_gone", "scheduler/test_redis_outage", "scheduler/test_cli", "scheduler/test_commands",
     "scheduler/test_scoring", "deploy/test_observability", "workers/test_job", "workers/test_learner_pairs_job",
     "workers/test_swap_kill", "workers/test_swap_guard", "workers/test_warm", "bench/test_rl_device",
-    "bench/test_rl_gpu_path"))
+    "bench/test_rl_gpu_path", "bench/test_rl_coupled"))
 
 
 def work_unit(nodeid: str) -> str:

@@ -175,9 +175,9 @@ class Engine:
                 for r, lim in zip(requests, limits)]
         order = list(range(len(rows)))  # batch position -> index in `rows` (finished rows too, until compacted)
         sampling = BatchSampling.from_params([r.params for r in requests], device)
-        # coupled rows (drafter.decode.coupled): greedy chains over perturbed logits; `sampling` is what drafts see
+        # coupled rows (drafter.decode.coupled): greedy chains over perturbed logits (sampling.coupling)
         coupling = Coupling.of([r.params for r in requests], sampling, device)
-        sampling = coupling.seen if coupling is not None else sampling
+        sampling = coupling.seen() if coupling is not None else sampling
         # the largest tree this call may draft, which only the eager path runs (it needs room for side slots)
         largest = drafter.tree_for(k) if drafter is not None and coupling is None else None
         self.static = self.prefer_static if self.prefer_static is not None else (
@@ -213,7 +213,7 @@ class Engine:
                 self._tree_step(batch, cache, tree, drafter, sampling, uniforms, step_k, aux)
             else:
                 uniforms = None if sampling.all_greedy else self._uniforms(batch, 2 * step_k + 1)
-                self._chain_step(batch, cache, drafter, sampling, uniforms, step_k, aux, alive, last_ids, coupling)
+                self._chain_step(batch, cache, drafter, sampling, uniforms, step_k, aux, alive, last_ids)
             last_ids = self._next_ids  # tree steps too: both end in _advance
             seconds = time.perf_counter() - start
             steady = step_k == last_k and marks == self.shapes_seen(drafter)
@@ -236,7 +236,6 @@ class Engine:
                 if not self.static or batch_bucket(len(keep)) < batch_bucket(len(batch)):
                     order, alive, kept = self._compact(order, keep, cache, drafter)
                     sampling, last_ids = sampling.select(kept), last_ids.index_select(0, to_device(kept, device))
-                    coupling = coupling.select(kept) if coupling is not None else None
                     num_finished = 0
                 else:
                     alive = to_device(torch.tensor([0 if r.finish_reason else 1 for r in batch], dtype=torch.long,
@@ -278,8 +277,7 @@ class Engine:
         logits, hidden, states = self.model(*args, aux_layers=aux, **kwargs)
         return logits, draft_features(hidden, states)  # (B, T, 4D)
 
-    def _chain_step(self, batch, cache, drafter, sampling, uniforms, k, aux=None, alive=None, last=None,
-                    coupling: Coupling | None = None) -> None:
+    def _chain_step(self, batch, cache, drafter, sampling, uniforms, k, aux=None, alive=None, last=None) -> None:
         """One verify forward of [last, d_1..d_k] per row (k = 0: plain decoding; a drafter still observes what
         the policy emitted, so it can draft again at a later step). Every row verifies k + 1 tokens whatever
         its draft length (a row near its cap, or finished, drafts fewer; its extra positions are masked)."""
@@ -304,8 +302,8 @@ class Engine:
         if K == 0:
             draft_tokens = torch.zeros(len(batch), 0, dtype=torch.long, device=device)
             draft_lens = torch.zeros(len(batch), dtype=torch.long, device=device)
-        if coupling is not None:  # coupled rows: greedy over logits / temperature + the row's Gumbel noise
-            logits = coupling.perturb(logits, index)
+        if sampling.coupling is not None:  # coupled rows: greedy over logits / temperature + the row's Gumbel noise
+            logits = sampling.coupling.perturb(logits, index)
         verify_u = None if uniforms is None else uniforms[:, : K + 1]  # K acceptance tests, then the final draw
         verdict = self.verifier.verify(logits, draft_tokens, draft_lens, draft_probs, sampling, verify_u)
         self._advance(batch, cache, verdict, draft_tokens, draft_lens, hidden, drafter, alive)

@@ -6,6 +6,7 @@ Naming, here and everywhere in drafter/: p is the target's (the policy's) distri
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,8 @@ class BatchSampling:
     top_k: torch.Tensor  # (B,) long, 0 = off
     top_p: torch.Tensor  # (B,) float, 1 = off
     host: tuple[tuple[float, int, float], ...] | None = None  # per row (temperature, top_k, top_p)
+    # drafter.decode.coupled.Coupling: the rows that sample coupled (greedy here, over perturbed logits), None: none
+    coupling: Any = None
     is_greedy: torch.Tensor = field(init=False)  # (B,) bool
 
     def __post_init__(self) -> None:
@@ -70,7 +73,8 @@ class BatchSampling:
 
     def select(self, rows: torch.Tensor) -> BatchSampling:
         host = tuple(self.host[i] for i in rows.tolist())
-        return BatchSampling(self.temperature[rows], self.top_k[rows], self.top_p[rows], host)
+        return BatchSampling(self.temperature[rows], self.top_k[rows], self.top_p[rows], host,
+                             None if self.coupling is None else self.coupling.select(rows))
 
     @property
     def all_greedy(self) -> bool:

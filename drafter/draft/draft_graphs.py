@@ -174,6 +174,11 @@ class DraftGraphs:
                      else token_probs(logits / self.draft_temperature, sampling))[:, 0]
                 x = vocab_ids[sample(q, b["uniforms"][:Bp, j])]
                 probs[:, j].index_copy_(1, vocab_ids, q)  # scattered onto the policy vocabulary
+            if b["coupled"] is not None:  # uncaptured: coupled rows draft with their policy sample's noise
+                coupling, index = b["coupled"]
+                tau = head.cfg.draft_temperature
+                chosen = vocab_ids[coupling.draft(logits[: len(index), 0], index + j, vocab_ids, tau)]
+                x = torch.cat([torch.where(coupling.mask, chosen, x[: len(index)]), x[len(index) :]])
             tokens[:, j] = x
             if j + 1 < K:
                 embeds = d.policy.embed_tokens(x.view(Bp, 1)).to(d.dtype)
@@ -192,7 +197,10 @@ class DraftGraphs:
         self.graphs[key].replay()
 
     # --- propose -------------------------------------------------------------------------------------
-    def propose(self, caps: list[int], sampling: BatchSampling, uniforms: torch.Tensor | None, K: int) -> Proposal:
+    def propose(self, caps: list[int], sampling: BatchSampling, uniforms: torch.Tensor | None, K: int,
+                index: torch.Tensor | None = None) -> Proposal:
+        """index (B,): each row's context length, the token index of its first draft (for coupled rows; their
+        steps run uncaptured)."""
         d, rows = self.drafter, self.drafter.rows
         B = len(caps)
         device, V = d.policy.device, d.policy.cfg.vocab_size
@@ -238,8 +246,9 @@ class DraftGraphs:
         if truncates:
             self._truncating = _padded(sampling, Bp)
         one_hot = not greedy and self._set_draft_temperature(d.head.cfg.draft_temperature)
+        b["coupled"] = None if sampling.coupling is None else (sampling.coupling, index)
         key = (Bp, K, self._slots(lens, done, b["P"], K), greedy, sampling.any_greedy, truncates, one_hot)
-        self._run(b, key, captured and b["P"] == K + 1)
+        self._run(b, key, captured and b["P"] == K + 1 and b["coupled"] is None)
         cache.lens = b["new_lens"][:B].clone()
         rows.clear_pending(d._empty())
         host_lens = [min(c, K) if n > 0 else 0 for c, n in zip(caps, num_pending)]

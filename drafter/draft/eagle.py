@@ -253,9 +253,11 @@ class EagleDrafter(Drafter):
         self._apply_swap()
         if tree is not None:
             return self._propose_tree(contexts, caps, sampling, uniforms, tree)
-        if self.graphs is not None:
-            return self.graphs.propose(caps, sampling, uniforms, max(caps) if width is None else width)
         B, device = len(contexts), self.policy.device
+        coupling = sampling.coupling  # coupled rows draft with the noise their policy sample will use
+        index = None if coupling is None else torch.tensor([len(c) for c in contexts], device=device)
+        if self.graphs is not None:
+            return self.graphs.propose(caps, sampling, uniforms, max(caps) if width is None else width, index)
         K = max(caps) if width is None else width
         vocab_ids = self.head.vocab_ids
         tokens = torch.zeros(B, K, dtype=torch.long, device=device)
@@ -275,6 +277,9 @@ class EagleDrafter(Drafter):
                 q = draft_probs(logits, sampling, self.head.cfg.draft_temperature)[:, 0]  # (B, V'): the draft's q
                 x = vocab_ids[sample(q, uniforms[:, j])]
                 probs[:, j].index_copy_(1, vocab_ids, q)  # scattered onto the policy vocabulary
+            if coupling is not None:  # greedy rows to the verifier: their q never enters its test
+                chosen = vocab_ids[coupling.draft(logits[:, 0], index + j, vocab_ids, self.head.cfg.draft_temperature)]
+                x = torch.where(coupling.mask, chosen, x)
             tokens[:, j] = x
             if j + 1 < K:
                 pred = self.head(pred, self.policy.embed_tokens(x.unsqueeze(1)).to(self.dtype), pos + j, cache)

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from bench.rl import over_budget
-from bench.rl_figures import bucket_ratios, figures, goals_met, met, pooled_reward, step_row
+from bench.rl_figures import bucket_ratios, figures, goals_met, met, paired_steps, pooled_reward, step_row
 
 
 def step(rl_step, rollout, update, reward, acc, buckets, n=4, std=0.5):
@@ -37,6 +37,17 @@ def test_figures_are_ratios_of_sums_and_last_step_means():
     assert f["min_bucket_ratio_vs_plain"] == pytest.approx(0.98)
     assert f["min_bucket_ratio_vs_plain_frozen"] == pytest.approx(0.99)
     assert f["per_step_mean"]["tlt"]["rollout_s"] == [20.0, 10.0]
+
+
+def test_paired_steps_count_the_steps_whose_rollouts_every_arm_shared():
+    def work(tokens, longest, reward):
+        return {"num_tokens": tokens, "response_lengths": {"median": 20.0, "max": longest}, "mean_reward": reward}
+
+    runs = {"a": [{"steps": [work(900, 300, 0.25), work(800, 200, 0.5)]}, {"steps": [work(700, 90, 0.0)]}],
+            "b": [{"steps": [work(900, 300, 0.25), work(800, 201, 0.5)]}, {"steps": [work(700, 90, 0.0)]}],
+            "c": [{"steps": [work(900, 300, 0.25), work(800, 200, 0.75)]}, {"steps": [work(700, 90, 0.0)]}]}
+    assert paired_steps(runs) == {"paired": 2, "steps": 3}  # step 2 of repeat 1 differs in b's longest, c's reward
+    assert paired_steps({"a": [], "b": []}) == {"paired": 0, "steps": 0}
 
 
 def test_pooled_reward_and_its_standard_error():

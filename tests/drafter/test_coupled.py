@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import drafter.decode.coupled as coupled_mod
-from drafter.decode.coupled import gumbel_noise
+from drafter.decode.coupled import Coupling, gumbel_noise
 from drafter.decode.engine import Engine, Request
-from drafter.decode.sampling import SamplingParams
+from drafter.decode.sampling import BatchSampling, SamplingParams
 from drafter.draft.adaptive import DraftLengthTuner
 from tests.conftest import on, tiny_model
 from tests.drafter.test_sampling import (
@@ -49,7 +49,7 @@ def test_coupled_plain_sampling_matches_policy(model, exact):
 def test_noise_shared_across_positions_fails_the_test(model, exact, monkeypatch):
     """Teeth: noise that ignores the position (the same draw at every token of a row) is not the policy's."""
     real = coupled_mod.gumbel_noise
-    monkeypatch.setattr(coupled_mod, "gumbel_noise", lambda keys, index, V: real(keys, index * 0, V))
+    monkeypatch.setattr(coupled_mod, "gumbel_noise", lambda keys, index, ids: real(keys, index * 0, ids))
     assert pvalue_of(Engine(model).generate(coupled_requests(NUM_SAMPLES)), exact) < ALPHA
 
 
@@ -82,12 +82,16 @@ def test_coupled_rows_beside_sampled_and_greedy_rows_keep_their_tokens(model):
 def test_the_noise_is_gumbel_keyed_and_the_same_on_every_device(device):
     keys = torch.tensor([7, 2**62 + 11], dtype=torch.int64)
     index = torch.tensor([[5, 6], [5, 6]], dtype=torch.int64)
-    g = gumbel_noise(keys, index, 50_000)  # (2, 2, V)
+    ids = torch.arange(50_000)
+    g = gumbel_noise(keys, index, ids)  # (2, 2, V)
     assert abs(g.mean().item() - 0.5772) < 0.01 and abs(g.var().item() - math.pi ** 2 / 6) < 0.03
-    assert torch.equal(g, gumbel_noise(keys, index, 50_000))  # keyed, not drawn
+    assert torch.equal(g, gumbel_noise(keys, index, ids))  # keyed, not drawn
+    flat = torch.arange(0, 2**32, 2**32 // 10_000, dtype=torch.int64)
+    assert torch.equal(coupled_mod._noise(flat), coupled_mod._gumbel_of(flat))  # compiled (where it is) = eager
+    assert torch.equal(gumbel_noise(keys, index, ids[7::3])[..., 2], g[..., 13])  # a token's noise, in any subset
     for a, b in [((0, 0), (0, 1)), ((0, 0), (1, 0))]:  # another position, another key: another draw
         assert torch.corrcoef(torch.stack([g[a], g[b]]))[0, 1].abs() < 0.02
-    there = gumbel_noise(keys.to(device), index.to(device), 50_000)
+    there = gumbel_noise(keys.to(device), index.to(device), ids.to(device))
     assert there.device.type == torch.device(device).type and torch.allclose(there.cpu(), g, atol=1e-5)
 
 
@@ -98,6 +102,26 @@ def test_coupled_decoding_on_a_device_equals_the_cpus(device):
     reqs = coupled_requests(16, {"temperature": 1.0}, new=10, prompt=[3, 9, 27])
     want = [o.token_ids for o in Engine(cpu).generate(reqs)]
     assert [o.token_ids for o in Engine(on(cpu, device)).generate(reqs)] == want
+
+
+def test_a_draft_that_is_the_policy_always_drafts_the_policys_sample(device):
+    """Coupling.draft adds the noise the policy's sample at that token will use: a draft distribution equal to
+    the policy's (over a subset of its vocabulary holding the sample) drafts exactly that sample, at any draft
+    temperature of 1 (rows at T=0.7 here); with the noise of another position it mostly does not."""
+    B, V = 64, 500
+    logits = torch.randn(B, 1, V, generator=torch.Generator().manual_seed(0), device="cpu").to(device) * 3
+    params = [SamplingParams(temperature=0.7, seed=1000 + b, coupled=True) for b in range(B)]
+    coupling = Coupling.of(params, BatchSampling.from_params(params, device), device)
+    index = torch.full((B, 1), 40, dtype=torch.long, device=device)
+    sample = coupling.perturb(logits, index).argmax(-1)[:, 0]  # (B,): the policy's coupled samples
+    ids = torch.arange(V, device=device)
+    assert torch.equal(coupling.draft(logits[:, 0], index[:, 0], ids, 1.0), sample)
+    assert (coupling.draft(logits[:, 0], index[:, 0] + 1, ids, 1.0) == sample).float().mean() < 0.7
+    sub = torch.cat([ids[:100], sample.unique()]).unique()  # a draft vocabulary that holds every sample
+    p_sub = logits[:, 0, sub]
+    drafted = sub[coupling.draft(p_sub, index[:, 0], sub, 1.0)]
+    # over a subset, the draft's argmax is the policy's sample whenever the sample is in it (here: always)
+    assert torch.equal(drafted, sample)
 
 
 def test_coupled_must_be_a_bool():
