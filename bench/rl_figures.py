@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from scheduler.served import accepted_by_bucket, bucket_rates, by_edge, k_rates, tail_accepted_length
+from scheduler.served import accepted_by_bucket, bucket_rates, by_edge, k_rates, step_work, tail_accepted_length
 
 ARMS = {"a": "plain", "b": "frozen", "c": "tlt"}
 # a bucket counts in min_bucket_ratio_vs_plain once both arms decoded in it this long (seconds, all steps)
@@ -168,14 +168,10 @@ def figures(runs: dict[str, list[dict]]) -> dict:
 
 
 def paired_steps(runs: dict[str, list[dict]]) -> dict[str, int]:
-    """In how many (repeat, step) pairs every arm generated the same rollouts, by their token count, length
-    percentiles and mean reward (all equal under coupled sampling while the arms' policies are), of how many:
-    {"paired": n, "steps": m}."""
-    def work(step: dict) -> tuple:
-        return step["num_tokens"], tuple(sorted(step["response_lengths"].items())), step["mean_reward"]
-
+    """In how many (repeat, step) pairs every arm generated the same rollouts (scheduler.served.step_work), of how
+    many: {"paired": n, "steps": m}."""
     num_repeats = min((len(rs) for rs in runs.values()), default=0)
-    alike = [len({work(s) for s in steps}) == 1 for r in range(num_repeats)
+    alike = [len({step_work(s) for s in steps}) == 1 for r in range(num_repeats)
              for steps in zip(*(rs[r]["steps"] for rs in runs.values()))]
     return {"paired": sum(alike), "steps": len(alike)}
 

@@ -3,7 +3,8 @@
 A private redis-server, local Ray with 2 logical GPUs (each rollout worker pinned to its own core), and the
 scheduler's REST API on loopback. Two RL jobs on SmolLM2-135M-Instruct with the built-in longtail task (most
 prompts ask for the answer alone, one in ten for detailed reasoning: a long tail in every step) are submitted
-over REST, the same job with TLT off and with TLT on, one after the other so they do not share the cores.
+over REST, the same job with TLT off and with TLT on, one after the other so they do not share the cores, both
+sampling coupled (JobSpec.coupled_sampling) so that they generate the same rollouts.
 The TLT-on job starts from a warm draft (JobSpec.warm_draft) that `tlt drafter train --task` builds on the
 task's own prompts: the one `make warm-draft` cached under $TLT_CACHE_DIR (keyed by model, task and recipe), else
 the one the checkout ships (deploy/drafts/, `make ship-draft`).
@@ -30,6 +31,7 @@ from scheduler.served import (
     MAX_TAIL_BUCKET,
     accepted_by_bucket,
     k_rates,
+    step_work,
     tail_accepted_length,
     tail_tokens_per_s,
 )
@@ -38,12 +40,14 @@ from workers.protocol.states import TERMINAL_JOB_STATES, JobState, WorkerState
 NUM_STEPS = 2
 NUM_WORKERS = 2  # one per core of this 2-core box: a lease on an idle worker takes no core from a straggler
 REPORT_DIR = "artifacts/demo-report"
-# one micro-step of 256 pairs takes ~1 s on a CPU core: leases of a few seconds still train
-# the workers' policy in bf16 where the CPU has bf16 units (policy_dtype auto): plain decoding 2.3-3.5x faster
-# there, the demo about 100 s instead of 4 minutes (docs/benchmarks.md, "RL", run E)
+# one micro-step of 256 pairs takes ~1 s on a CPU core: leases of a few seconds still train.
+# Coupled sampling (JobSpec.coupled_sampling): both jobs generate the same rollouts, so their rollout times differ
+# by the drafter and the machine alone, not by how long two jobs' T=1 samples happened to be (the demo's claims
+# before session 34 were judged against that spread); it needs the workers' policy in float32 (in bf16 a verify
+# forward's logits part from a one-token forward's, and the samples with them: docs/benchmarks.md, "Paired arms")
 SPEC = {"model": "smollm2-135m", "task": "longtail", "num_steps": NUM_STEPS, "num_prompts_per_step": 10,
         "group_size": 4, "max_new_tokens": 512, "num_workers": NUM_WORKERS, "draft_k": 4, "seed": 0,
-        "policy_dtype": "auto", "drafter": {"num_rows": 1, "max_tokens_per_row": 256}}
+        "policy_dtype": "float32", "coupled_sampling": True, "drafter": {"num_rows": 1, "max_tokens_per_row": 256}}
 # CPU steps are tens of seconds and a worker's share is 2 responses: accept shorter leases and smaller
 # buffers than the GPU-sized defaults (5 s, 512 tokens), or nothing would be reclaimed here
 DEMO_POLICY = PolicySettings(min_lease_s=2.0, min_buffer_tokens=128)
@@ -200,10 +204,12 @@ def summarize(url: str, jobs: dict[str, dict]) -> bool:
     line = tail_k_line(steps["TLT on"])
     if line:
         say(line)
+    paired = len(steps["TLT off"]) == len(steps["TLT on"]) and all(
+        step_work(a) == step_work(b) for a, b in zip(steps["TLT off"], steps["TLT on"]))
     for line in rollout_verdict([s["timings"].get("rollout", 0.0) for s in steps["TLT off"]],
                                 [s["timings"].get("rollout", 0.0) for s in steps["TLT on"]],
                                 [s["mean_accepted_length"] for s in steps["TLT on"]],
-                                None if None in rates else rates[1] / rates[0]):
+                                None if None in rates else rates[1] / rates[0], paired):
         say(line)
     rest_off, rest_on = t_off["step_s"] - t_off["rollout_s"], t_on["step_s"] - t_on["rollout_s"]
     say(f"  (the steps' other phases, weight sync and the learner's update, took {rest_off:.1f} s and {rest_on:.1f} s: "
@@ -215,10 +221,14 @@ def summarize(url: str, jobs: dict[str, dict]) -> bool:
 
 # accepted tokens per policy forward below this: the drafter did not pay (plain decoding is 1.0)
 MIN_PAYING_ACCEPTED_LENGTH = 1.05
+# paired jobs (the same rollouts): a change claimed only where every step moved the same way and the total by more
+# than this, the machine's own timing noise on the same work (run S of `tlt bench rl --coupled`: frozen-draft and
+# plain steps on identical rollouts differed by -7% to +7% step by step)
+PAIRED_MIN_CHANGE = 0.05
 
 
 def rollout_verdict(off_s: list[float], on_s: list[float], accepted: list[float],
-                    tail_rate_ratio: float | None = None) -> list[str]:
+                    tail_rate_ratio: float | None = None, paired: bool = False) -> list[str]:
     """What the demo may say of its two jobs' rollout times (per step, TLT off and on), given the TLT-on job's
     accepted lengths and, where both decoded in the tail, the TLT-on job's tail decoding rate over the TLT-off
     job's (scheduler.served.tail_tokens_per_s): a speed-up only when the drafter paid (accepted length above
@@ -227,7 +237,9 @@ def rollout_verdict(off_s: list[float], on_s: list[float], accepted: list[float]
     either), and the tail decoded faster too (speculative sampling draws other samples than plain decoding, from
     the same distribution: a shorter longest response shortens a rollout whatever the drafter did); a slow-down
     likewise only when the tail decoded slower (session 31: 0.85x from a TLT-on step that sampled longer
-    responses, its tail at 1.02x the TLT-off job's rate)."""
+    responses, its tail at 1.02x the TLT-off job's rate). paired: the two jobs generated the same rollouts
+    (coupled sampling; scheduler.served.step_work), so the difference is the drafter's and the machine's alone:
+    claimed where every step moved the same way and the total by more than PAIRED_MIN_CHANGE."""
     r_off, r_on = sum(off_s), sum(on_s)
     if not (r_off > 0 and r_on > 0):
         return ["rollout: no timings to compare"]
@@ -238,6 +250,8 @@ def rollout_verdict(off_s: list[float], on_s: list[float], accepted: list[float]
     change, slower = abs(r_off / r_on - 1), r_on > r_off
     if mean_acc < MIN_PAYING_ACCEPTED_LENGTH:
         lines.append("  the drafter never paid (accepted length about 1.0): the difference is not TLT's doing")
+    elif paired:
+        lines.append(paired_line(off_s, on_s))
     elif noise is None:
         lines.append("  one step per job gives no noise estimate: no speed-up is claimed")
     elif change <= noise:
@@ -254,6 +268,21 @@ def rollout_verdict(off_s: list[float], on_s: list[float], accepted: list[float]
         lines.append(f"  rollout speed-up {r_off / r_on:.2f}x, beyond the run-to-run noise ({noise:.0%} spread "
                      "between the TLT-off job's steps)")
     return lines
+
+
+def paired_line(off_s: list[float], on_s: list[float]) -> str:
+    """rollout_verdict's claim for two jobs that generated the same rollouts."""
+    ratios = [a / b for a, b in zip(off_s, on_s) if a > 0 and b > 0]
+    total = sum(off_s) / sum(on_s)
+    same = "both jobs generated the same rollouts (coupled sampling)"
+    per_step = ", ".join(f"{r:.2f}x" for r in ratios)
+    if total >= 1 + PAIRED_MIN_CHANGE and min(ratios) > 1:
+        return f"  rollout speed-up {total:.2f}x on the same work: {same}; per step {per_step}"
+    if total <= 1 - PAIRED_MIN_CHANGE and max(ratios) < 1:
+        return (f"  rollout slow-down: TLT on took {1 / total:.2f}x as long on the same work: {same}; "
+                f"per step {per_step}")
+    return (f"  {same}, and the rollout ratio ({per_step} per step) lies within this machine's timing noise on the "
+            f"same work (a change of {PAIRED_MIN_CHANGE:.0%} in every step's direction): no speed-up is claimed")
 
 
 def tail_k_line(steps: list[dict]) -> str | None:

@@ -70,6 +70,13 @@ def k_rates(steps: list[dict]) -> dict[str, dict[str, list[float]]]:
             for name, by_k in sorted(acc.items(), key=by_edge)}
 
 
+def step_work(step: dict) -> tuple:
+    """What a step generated, as far as its record tells: token count, length percentiles and mean reward. Equal
+    between two jobs' steps under coupled sampling (JobSpec.coupled_sampling) while their policies are equal: the
+    same rollouts, so their times compare speed alone."""
+    return step["num_tokens"], tuple(sorted(step["response_lengths"].items())), step["mean_reward"]
+
+
 def tail_tokens_per_s(steps: list[dict]) -> float | None:
     """Tokens per second a worker decoded while its live batch was in the tail (buckets of at most MAX_TAIL_BUCKET
     rows), from bucket_rates; None if none ran. A rate, so two jobs whose samples differ in length (speculative
