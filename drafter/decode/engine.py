@@ -88,6 +88,7 @@ class DraftLengthChooser(Protocol):
 
     def choose(self, batch_size: int) -> int: ...
     def record(self, batch_size: int, k: int, num_tokens: int, seconds: float, steady: bool = True) -> None: ...
+    def record_rows(self, batch_size: int, k: int, rows: list[tuple[int, int]]) -> None: ...  # (drafted, accepted)
     def record_sources(self, batch_size: int, sources: dict[str, tuple[int, int, int]]) -> None:
         """What each draft source of the step drafted and had accepted (Drafter.step_sources): reports only."""
 
@@ -107,7 +108,8 @@ class Engine:
         # chains' verification: on CUDA one graph per shape (as StaticRunner's forwards), kept across runner rebuilds
         self.verifier = VerifyGraphs(model.cfg.vocab_size, model.device, model.device.type == "cuda", self.shapes)
         self._aranges: dict[int, torch.Tensor] = {}  # _steps
-        self._next_ids: torch.Tensor | None = None  # (B, 1) the latest step's next tokens
+        # the latest step's next tokens (B, 1), and each live row's (drafts proposed, accepted) in it
+        self._next_ids, self._row_accepts = None, []
 
     def static_runner(self, num_rows: int, max_len: int) -> StaticRunner:
         """The static path's runner, reused while its cache holds num_rows rows of max_len slots (its captured
@@ -148,10 +150,8 @@ class Engine:
                 raise ValueError(f"stop_strings of request {i} need a tokenizer; this engine has none")
 
     @torch.inference_mode()
-    def generate(self, requests: list[Request], k: int = 0, drafter: Drafter | None = None,
-                 record_hidden: bool = False,
-                 on_step: Callable[[int, int], None] | None = None,
-                 tuner: DraftLengthChooser | None = None,
+    def generate(self, requests: list[Request], k: int = 0, drafter: Drafter | None = None, record_hidden: bool = False,
+                 on_step: Callable[[int, int], None] | None = None, tuner: DraftLengthChooser | None = None,
                  aux_layers: tuple[int, ...] | None = None) -> list[GenerationOutput]:
         """Generate for all requests as one batch. k: max draft tokens per step (0 = plain).
         record_hidden: return each position's policy features (drafter.model.causal_lm.draft_features) over
@@ -219,6 +219,7 @@ class Engine:
             steady = step_k == last_k and marks == self.shapes_seen(drafter)
             if tuner is not None:
                 tuner.record(num_live, step_k, sum(len(r.tokens) for r in batch) - num_before, seconds, steady)
+                tuner.record_rows(num_live, step_k, self._row_accepts)
                 sources = drafter.step_sources() if step_k > 0 else None  # which source drafted: reported only
                 if sources:
                     tuner.record_sources(num_live, sources)
@@ -242,10 +243,9 @@ class Engine:
                                                    device="cpu"), device)
         return [self._output(r) for r in rows]
 
-    def _compact(self, order: list[int], keep: list[int], cache, drafter
-                 ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-        """Keep only the batch positions `keep`, in order, as positions 0..len(keep)-1 (cache rows moved).
-        Returns the new order, the live mask (all live) and `keep` as a host tensor (sampling reads it back)."""
+    def _compact(self, order: list[int], keep: list[int], cache, drafter) -> tuple[list, torch.Tensor, torch.Tensor]:
+        """Keep the batch positions `keep`, in order, as 0..len(keep)-1 (cache rows moved): the new order, the live
+        mask (all live) and `keep` as a host tensor (sampling reads it back)."""
         rows = torch.tensor(keep, dtype=torch.long, device="cpu")  # the drafter reorders host-side rows by it
         cache.keep_rows(rows.to(self.model.device))
         if drafter is not None:
@@ -362,7 +362,7 @@ class Engine:
         packed = torch.cat([verdict.num_accepted.view(B, 1), verdict.next_tokens.view(B, 1),
                             draft_lens.view(B, 1), draft_tokens], dim=1).tolist()
         self.shapes.num_host_reads += 1
-        new_tokens = []
+        new_tokens, self._row_accepts = [], []  # the live rows' (drafts proposed, accepted): the tuner's record_rows
         st = self.stats
         st.num_forwards += 1
         # recorded features: one copy of the step's (its buffers are overwritten next step), a view per row of it
@@ -385,6 +385,7 @@ class Engine:
             st.num_accepted += n
             st.num_verify_steps += int(num_drafted > 0)
             st.accept_hist[n] += 1
+            self._row_accepts.append((num_drafted, n))
         self._next_ids = verdict.next_tokens.view(B, 1)  # every live row's last token now (a finished row's: unused)
         grown = verdict.num_accepted + 1
         cache.lens = cache.lens + (grown if alive is None else grown * alive)  # a finished row's length stays

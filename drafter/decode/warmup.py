@@ -28,6 +28,9 @@ class Schedule:
     def record(self, batch_size: int, k: int, num_tokens: int, seconds: float, steady: bool = True) -> None:
         pass
 
+    def record_rows(self, batch_size: int, k: int, rows: list[tuple[int, int]]) -> None:
+        pass
+
     def record_sources(self, batch_size: int, sources: dict[str, tuple[int, int, int]]) -> None:
         pass
 

@@ -12,18 +12,18 @@ that captured a graph, caught the draft up or followed a change of k) and so ser
        tried in 1.; without a prior every eligible arm is;
     1. forced tries: each arm is served in a run until it has `num_tries` steady steps in the bucket;
     2. then the arm with the best tokens/s estimate serves: an EMA of rows times the tokens a row emits at k over an
-       EMA of seconds, where a row's tokens come from the acceptance that explains every drafting step of the
-       bucket (drafter.draft.step_model.fit_acceptance, pooled over k and decayed by POOL_DECAY per step: a step
-       costs much the same whatever it accepts, and a step at batch 1 emits 1..k+1 tokens by chance, so a
-       per-arm mean of tokens needs many steps to tell two arms apart); until `min_row_samples` rows have
-       drafted, each arm's own EMA of tokens stands in. A bounded share of steps (at most `explore_frac` of the
-       bucket's steps, growing only as sqrt(steps) later) re-measures the least recently tried other eligible
-       arm, in runs of `run_length` steps: exploring costs at most explore_frac x (best - worst) / best;
-       and an arm not served for `stale_steps` of the bucket's steps is re-measured afresh (its new samples
-       replace its estimate), the wait doubling each time it is and resetting when it wins: an estimate taken
-       while the core was busy with other work (a lease, the learner) would otherwise keep a paying arm off for
-       the rest of the job, since only the arm that serves is measured again. This costs O(log(steps)) runs
-       per arm;
+       EMA of seconds, a row's tokens from the bucket's acceptance of each position given the ones before it, over
+       every drafting row of every k (decayed by POOL_DECAY per step: a step costs much the same whatever it
+       accepts, and one at batch 1 emits 1..k+1 tokens by chance, so a per-arm mean needs many steps to tell two
+       arms apart), or one geometric acceptance fitted to the steps' tokens (fit_acceptance) where a position has
+       fewer than `min_row_samples` rows, each arm's own EMA of tokens before that. A bounded share of steps (at
+       most `explore_frac` of the bucket's steps, growing only as sqrt(steps) later) re-measures the least recently
+       tried other eligible arm, in runs of `run_length` steps: exploring costs at most explore_frac x (best -
+       worst) / best;
+       and an arm not served for `stale_steps` of the bucket's steps is re-measured afresh (its new samples replace
+       its estimate), the wait doubling each time it is and resetting when it wins: an estimate taken while the
+       core was busy (a lease, the learner) would otherwise keep a paying arm off for the rest of the job, since
+       only the arm that serves is measured again. This costs O(log(steps)) runs per arm;
     3. a new draft (`new_draft`: a hot swap) makes every speculative arm's estimate stale: each is
        tried again `num_retries` times; its old estimate is dropped, or, for a draft published for beating the
        serving one, kept as one sample (the pooled acceptance at a quarter of its weight).
@@ -46,7 +46,7 @@ import math
 import threading
 from dataclasses import dataclass, field
 
-from drafter.draft.step_model import StepCostPrior, expected_tokens, fit_acceptance
+from drafter.draft.step_model import StepCostPrior, fit_acceptance, tokens_by_position
 
 # the pooled acceptance's memory: each step of a bucket weighs the earlier ones down by this (about the last 128
 # steps speak: acceptance drifts along a response and with the draft's version)
@@ -91,8 +91,7 @@ class _Arm:
     stale_waits: int = 0  # re-measured this many times since it last won: it waits stale_steps << this when it loses
 
     @property
-    def rate(self) -> float:
-        """Tokens/s: the ratio of the EMAs (a mean of per-step ratios would overweight the lucky fast steps)."""
+    def rate(self) -> float:  # the ratio of the EMAs (a mean of per-step ratios overweights the lucky fast steps)
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
@@ -112,6 +111,10 @@ class _Bucket:
     # k -> [rows, tokens] of the drafting steps, decayed by POOL_DECAY per step of the bucket: what fit_acceptance reads
     pooled: dict[int, list[float]] = field(default_factory=dict)
     acceptance: float | None = None  # fit_acceptance(pooled), once min_row_samples rows have drafted
+    # position j's [rows that reached it, rows that had it accepted] (record_rows), decayed per row: one
+    # acceptance misreads a draft accepted in stretches (run S, `tlt bench rl --coupled`: 1.35 per row-step at k=1,
+    # 1.60 at k=2, which it put at 1.37 and 1.51, k=2 level with k=1 though 8% faster)
+    positions: list[list[float]] = field(default_factory=list)
 
 
 class _Meter:
@@ -148,10 +151,12 @@ class _Meter:
                 cell = b.sources.setdefault(source, [0, 0, 0])
                 cell[0], cell[1], cell[2] = cell[0] + rows, cell[1] + drafted, cell[2] + accepted
 
+    def record_rows(self, batch_size: int, k: int, rows: list[tuple[int, int]]) -> None:
+        """Each live row's (drafts proposed, drafts accepted) in a step at k, after its record: a meter keeps none."""
+
     def bucket_sources(self) -> dict[str, dict[str, tuple[int, int, int]]]:
-        """{bucket: {source: (rows, tokens drafted, drafts accepted)}} over every step so far (cumulative), the
-        buckets where no drafter of several sources served left out; 1 + accepted / rows is a source's accepted
-        length there."""
+        """{bucket: {source: (rows, tokens drafted, drafts accepted)}} so far (cumulative), where a drafter of several
+        sources served; 1 + accepted / rows is a source's accepted length there."""
         with self._lock:
             return {name: {source: tuple(cell) for source, cell in sorted(b.sources.items())}
                     for name, b in self._buckets.items() if b.sources}
@@ -310,20 +315,19 @@ class DraftLengthTuner(_Meter):
 
     def new_draft(self, prior: StepCostPrior | None = None, keep_estimates: bool = False) -> None:
         """A different draft serves from now on: the speculative arms' estimates are stale, and each arm is tried
-        again `num_retries` times. prior: what the new draft is expected to give (its calibrated score; None keeps
-        the prior as it is). Without keep_estimates the old estimates and the pooled acceptance are dropped. With it
-        (a draft published for beating the serving one on held-out rollouts, so that what the old one measured is
-        a floor to start from) each arm's estimate is kept as one sample (the next halves it, then the EMA takes
-        over) and the pooled acceptance at NEW_DRAFT_POOL_KEEP of its weight: dropping them left only plain
-        measured in every bucket, and the large buckets, which draft only where a smaller one measured k paying,
-        served plain until the tail had measured the new draft again (`tlt bench rl` run L: after each publish,
-        the TLT arm's next step served plain in 25-47% of its steps, the frozen arm's last steps in 9-18%)."""
+        again `num_retries` times. prior: the new draft's expected gain (its calibrated score; None keeps the prior).
+        Without keep_estimates the old estimates and the pooled acceptances are dropped. With it (a draft published
+        for beating the serving one on held-out rollouts: what the old one measured is a floor) each arm's estimate
+        is kept as one sample and the pooled acceptances at NEW_DRAFT_POOL_KEEP of their weight: dropped, they left
+        the large buckets (which draft only where a smaller one measured k paying) plain until the tail measured
+        the new draft again (`tlt bench rl` run L: 25-47% plain steps after each publish, frozen 9-18%)."""
         with self._lock:
             if prior is not None:
                 self.prior = prior
             for b in self._buckets.values():
                 keep = NEW_DRAFT_POOL_KEEP if keep_estimates else 0.0
                 b.pooled = {k: [r * keep, t * keep] for k, (r, t) in b.pooled.items()} if keep else {}
+                b.positions = [[r * keep, t * keep] for r, t in b.positions] if keep else []
                 rows = sum(r for r, _ in b.pooled.values())
                 b.acceptance = fit_acceptance({j: (r, t) for j, (r, t) in b.pooled.items()}) \
                     if rows >= max(self.min_row_samples, 1) else None
@@ -341,6 +345,18 @@ class DraftLengthTuner(_Meter):
             return max(eligible, key=lambda k: (expected.get(k, 1.0 if k == 0 else 0.0), -k))
         return max(measured, key=lambda k: (self._rate(b, k), -k))
 
+    def record_rows(self, batch_size: int, k: int, rows: list[tuple[int, int]]) -> None:
+        """Each live row's (drafts proposed, drafts accepted) in a step at k: into the bucket's per-position
+        acceptance (`_Bucket.positions`), which `_rate` prefers once every position up to k has min_row_samples."""
+        with self._lock:
+            b = self._bucket(batch_size)
+            for drafted, accepted in rows if k > 0 else ():
+                for j in range(min(drafted, accepted + 1)):  # position j + 1 was reached: all before accepted
+                    if j == len(b.positions):
+                        b.positions.append([0.0, 0.0])
+                    cell = b.positions[j]  # each position remembers its own last ~1 / (1 - POOL_DECAY) rows
+                    cell[0], cell[1] = cell[0] * POOL_DECAY + 1, cell[1] * POOL_DECAY + float(accepted > j)
+
     def _pool(self, b: _Bucket, k: int, num_rows: int, num_tokens: int) -> None:
         """A step's rows and tokens into the bucket's pooled acceptance (k = 0: none), older steps decayed: every
         step of the bucket ages it, so what a draft accepted before a long run of plain steps fades as the arm's
@@ -354,14 +370,16 @@ class DraftLengthTuner(_Meter):
         b.acceptance = fit_acceptance({j: (r, t) for j, (r, t) in b.pooled.items()}) \
             if rows >= max(self.min_row_samples, 1) else None
 
-    @staticmethod
-    def _rate(b: _Bucket, k: int) -> float:
-        """Arm k's tokens/s estimate: its rows times the tokens a row emits at k by the pooled acceptance, over its
-        seconds; its own EMA of tokens over seconds for plain, or before the pooled acceptance is trusted."""
+    def _rate(self, b: _Bucket, k: int) -> float:
+        """Arm k's tokens/s estimate: its rows times the tokens a row emits at k, over its seconds. The tokens: by
+        the per-position acceptance where every position up to k has min_row_samples rows, else by the pooled
+        geometric acceptance; its own EMA of tokens over seconds for plain, or before either is trusted."""
         arm = b.arms[k]
-        if k == 0 or b.acceptance is None or arm.seconds <= 0:
+        if k == 0 or arm.seconds <= 0 or b.acceptance is None:
             return arm.rate
-        return arm.rows * expected_tokens(b.acceptance, k) / arm.seconds
+        m, a = max(self.min_row_samples, 1), b.acceptance  # each position's rows, with m of the geometric fit's
+        by_position = [(accepted + m * a) / (rows + m) for rows, accepted in b.positions[:k]]
+        return arm.rows * tokens_by_position(by_position + [a] * (k - len(by_position)), k) / arm.seconds
 
     def best(self, batch_size: int) -> int:
         with self._lock:

@@ -13,6 +13,18 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return k + 1.0 if acceptance >= 1 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
 
 
+def tokens_by_position(accepted: list[float], k: int) -> float:
+    """Tokens per row per step at draft length k when position j (1-based) is accepted with chance accepted[j - 1]
+    once the ones before it were: 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k; positions past the list take its last."""
+    if not accepted:
+        raise ValueError("tokens_by_position needs the acceptance of at least one position")
+    total, survive = 1.0, 1.0
+    for j in range(k):
+        survive *= accepted[min(j, len(accepted) - 1)]
+        total += survive
+    return total
+
+
 def fit_acceptance(counts: dict[int, tuple[float, float]]) -> float:
     """The acceptance a that explains {k: (rows, tokens)} measured at draft lengths k >= 1 (row-steps and the tokens
     they emitted, pooled over k): sum_k rows_k E(k) = sum_k tokens_k, by bisection (E grows with a), in [0, 0.999].

@@ -66,6 +66,9 @@ class CycleK:
         if steady:
             self.log.append((batch_size, k, num_tokens, seconds))
 
+    def record_rows(self, batch_size: int, k: int, rows: list[tuple[int, int]]) -> None:
+        pass
+
 
 @pytest.mark.parametrize("drafter_name", ["ngram", "eagle", "eagle-tree"])
 def test_greedy_adaptive_draft_length_equals_plain(tiny, drafter_name, device):

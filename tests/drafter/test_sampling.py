@@ -223,6 +223,9 @@ class Cycle:
     def record(self, batch_size: int, k: int, num_tokens: int, seconds: float, steady: bool = True) -> None:
         return None
 
+    def record_rows(self, batch_size: int, k: int, rows: list[tuple[int, int]]) -> None:
+        pass
+
 
 @pytest.mark.parametrize("ks", [[0, 2], [1, 0, 3], [2, 1]])
 @pytest.mark.parametrize("drafter_name", ["eagle", "noisy-policy"])

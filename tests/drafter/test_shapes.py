@@ -43,6 +43,9 @@ class Sequence(Schedule):
         if steady:
             self.log.append(k)
 
+    def record_rows(self, batch_size: int, k: int, rows: list[tuple[int, int]]) -> None:
+        pass
+
 
 @pytest.fixture(scope="module")
 def model_and_head():
