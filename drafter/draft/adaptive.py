@@ -111,7 +111,7 @@ class _Bucket:
     # k -> [rows, tokens] of the drafting steps, decayed by POOL_DECAY per step of the bucket: what fit_acceptance reads
     pooled: dict[int, list[float]] = field(default_factory=dict)
     acceptance: float | None = None  # fit_acceptance(pooled), once min_row_samples rows have drafted
-    # position j's [rows that reached it, rows that had it accepted] (record_rows), decayed per row: one
+    # position j's [rows that reached it, rows that had it accepted] (record_rows), aged with `pooled`: one
     # acceptance misreads a draft accepted in stretches (run S, `tlt bench rl --coupled`: 1.35 per row-step at k=1,
     # 1.60 at k=2, which it put at 1.37 and 1.51, k=2 level with k=1 though 8% faster)
     positions: list[list[float]] = field(default_factory=list)
@@ -354,14 +354,14 @@ class DraftLengthTuner(_Meter):
                 for j in range(min(drafted, accepted + 1)):  # position j + 1 was reached: all before accepted
                     if j == len(b.positions):
                         b.positions.append([0.0, 0.0])
-                    cell = b.positions[j]  # each position remembers its own last ~1 / (1 - POOL_DECAY) rows
-                    cell[0], cell[1] = cell[0] * POOL_DECAY + 1, cell[1] * POOL_DECAY + float(accepted > j)
+                    b.positions[j][0] += 1
+                    b.positions[j][1] += float(accepted > j)
 
     def _pool(self, b: _Bucket, k: int, num_rows: int, num_tokens: int) -> None:
         """A step's rows and tokens into the bucket's pooled acceptance (k = 0: none), older steps decayed: every
         step of the bucket ages it, so what a draft accepted before a long run of plain steps fades as the arm's
         other estimates go stale (see `stale_steps`)."""
-        for cell in b.pooled.values():
+        for cell in (*b.pooled.values(), *b.positions):
             cell[0], cell[1] = cell[0] * POOL_DECAY, cell[1] * POOL_DECAY
         if k > 0:
             cell = b.pooled.setdefault(k, [0.0, 0.0])
