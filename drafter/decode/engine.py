@@ -219,7 +219,7 @@ class Engine:
             steady = step_k == last_k and marks == self.shapes_seen(drafter)
             if tuner is not None:
                 tuner.record(num_live, step_k, sum(len(r.tokens) for r in batch) - num_before, seconds, steady)
-                tuner.record_rows(num_live, step_k, self._row_accepts)
+                tuner.record_rows(num_live, step_k, [] if tree is not None else self._row_accepts)  # chains' only
                 sources = drafter.step_sources() if step_k > 0 else None  # which source drafted: reported only
                 if sources:
                     tuner.record_sources(num_live, sources)
