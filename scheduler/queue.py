@@ -147,10 +147,18 @@ class Admitter:
         self.wake()
 
     def stop(self, join_s: float = 5.0) -> None:
+        """Stop the thread (waiting `join_s` at most); once it has stopped, the group asked for the head goes back
+        unless that job runs in it: a detached group left by a scheduler that stopped while Ray placed it (or whose
+        job was cancelled meanwhile) would hold its GPUs until the next scheduler's sweep."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(join_s)
+        if self._asked is not None and (self._thread is None or not self._thread.is_alive()):
+            try:
+                self._give_back_asked()
+            except Exception as exc:  # Redis or Ray already gone: the next scheduler's sweep_groups removes it
+                log.warning("admission: the group asked for job %s was left: %s", self._asked, one_line(exc))
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -163,6 +163,27 @@ def test_a_submit_and_cancel_storm_starts_jobs_in_submission_order(cluster, tmp_
     wait_for(lambda: not {g for g in groups_left() if g.startswith("tlt-pg-")}, 60, "the groups to go")
 
 
+def test_a_stopping_admitter_gives_back_the_group_it_asked_for_the_head(cluster):
+    """A scheduler that stops while Ray places the head's group (here: never, both GPUs held) leaves no detached
+    group holding GPUs until the next scheduler's sweep; a group its job runs in stays."""
+    import scheduler.queue as queue
+
+    blocker = placement_group([{"GPU": 1}] * NUM_GPUS, name="tlt-test-blocker-all")
+    assert blocker.wait(30)
+    try:
+        with PrivateRedis() as server:
+            store = JobStore(server.client())
+            head = store.create(JobSpec(model="tiny", num_workers=1), is_queued=True)[0]["job_id"]
+            admitter = queue.Admitter(store, lambda *args: None, lambda *args: None)
+            assert not admitter.admit_next(wait_s=0.2)  # asked for, not placed
+            assert placement_group_name(head) in groups_left()
+            admitter.stop(join_s=0.0)  # no thread started: stopped at once
+            wait_for(lambda: placement_group_name(head) not in groups_left(), 30, "the asked group to go")
+            assert store.get(head)["state"] == JobState.QUEUED  # still first in line for the next scheduler
+    finally:
+        remove_placement_group(blocker)
+
+
 def test_a_resumed_job_is_placed_before_the_queue_and_requeued_or_failed_when_it_cannot_be(cluster, monkeypatch):
     """Issue 42, item 1, the Admitter's side with a real Ray: a RUNNING job to resume whose group cannot be placed
     (another group holds a GPU) keeps a queued job that would fit from starting; after MAX_UNPLACEABLE_S it is
