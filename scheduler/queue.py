@@ -191,8 +191,14 @@ class Admitter:
         spec = JobSpec.from_stored(record["spec"])
         pg = job_group(head, spec)
         self._asked = head
-        if not pg.wait(wait_s):
-            return False
+        try:
+            if not pg.wait(wait_s):
+                return False
+        except Exception:  # its group was removed while Ray placed it: the job was cancelled (the queue moved)
+            if (now := self.store.get(head)) is not None and now["state"] == JobState.QUEUED:
+                raise
+            self._asked = None
+            return True
         started = self.store.transition(head, JobState.RUNNING, {JobState.QUEUED}, started_at=time.time())
         self._asked = None
         if started is None:  # cancelled as Ray placed it

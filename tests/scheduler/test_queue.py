@@ -53,6 +53,17 @@ def groups_left() -> set[str]:
     return {i["name"] for i in ray.util.placement_group_table().values() if i["state"] != "REMOVED"}
 
 
+@pytest.fixture
+def free_cluster(cluster):
+    """The shared cluster with no job's group left by an earlier test (the storm's assert their removal): a test
+    that places groups itself starts with every GPU free instead of failing on another test's leftovers."""
+    with contextlib.suppress(TimeoutError):
+        wait_for(lambda: not {g for g in groups_left() if g.startswith("tlt-pg-")}, 30, "earlier tests' groups")
+    for info in ray.util.placement_group_table().values():
+        if info["state"] != "REMOVED" and (info.get("name") or "").startswith("tlt-pg-"):
+            remove_placement_group(ray.util.get_placement_group(info["name"]))
+
+
 def test_n_gpus_run_n_jobs_the_rest_wait_without_a_driver_and_all_finish_in_order(cluster, tmp_path):
     with PrivateRedis() as server, app_on(server.url, str(tmp_path)) as client:
         figures = queue_case(client, AUTH, NUM_GPUS, timeout_s=400)
@@ -163,7 +174,7 @@ def test_a_submit_and_cancel_storm_starts_jobs_in_submission_order(cluster, tmp_
     wait_for(lambda: not {g for g in groups_left() if g.startswith("tlt-pg-")}, 60, "the groups to go")
 
 
-def test_a_stopping_admitter_gives_back_the_group_it_asked_for_the_head(cluster):
+def test_a_stopping_admitter_gives_back_the_group_it_asked_for_the_head(free_cluster):
     """A scheduler that stops while Ray places the head's group (here: never, both GPUs held) leaves no detached
     group holding GPUs until the next scheduler's sweep; a group its job runs in stays."""
     import scheduler.queue as queue
@@ -184,7 +195,7 @@ def test_a_stopping_admitter_gives_back_the_group_it_asked_for_the_head(cluster)
         remove_placement_group(blocker)
 
 
-def test_a_resumed_job_is_placed_before_the_queue_and_requeued_or_failed_when_it_cannot_be(cluster, monkeypatch):
+def test_a_resumed_job_is_placed_before_the_queue_and_requeued_or_failed_when_it_cannot_be(free_cluster, monkeypatch):
     """Issue 42, item 1, the Admitter's side with a real Ray: a RUNNING job to resume whose group cannot be placed
     (another group holds a GPU) keeps a queued job that would fit from starting; after MAX_UNPLACEABLE_S it is
     requeued at its place, first in line, with a warning; placed, its driver is launched in its group; one asking
