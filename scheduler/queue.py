@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 # a RUNNING job whose Ray cluster has had fewer GPUs than it asks for this long, without finishing a step meanwhile,
 # fails (scheduler.launcher); a resumed job whose group Ray has not placed again by then leaves the head of the line
 MAX_UNPLACEABLE_S = 60.0
+GIVE_BACK_JOIN_S = 2.0  # how long a stopping Admitter waits for the head's pending group to be given back
 ADMIT_WAIT_S = 1.0  # how long one look at the head waits for Ray to place its group; a submit or an end wakes it
 # PACK: a job's bundles on as few nodes as fit (its workers talk to one driver), spread where one node cannot hold them
 PLACEMENT_STRATEGY = "PACK"
@@ -155,10 +156,18 @@ class Admitter:
         if self._thread is not None:
             self._thread.join(join_s)
         if self._asked is not None and (self._thread is None or not self._thread.is_alive()):
-            try:
-                self._give_back_asked()
-            except Exception as exc:  # Redis or Ray already gone: the next scheduler's sweep_groups removes it
-                log.warning("admission: the group asked for job %s was left: %s", self._asked, one_line(exc))
+            # on a thread of its own, waited for GIVE_BACK_JOIN_S at most: with the whole process group signalled,
+            # Ray may be going too, and a call to it would hold the exit for a minute
+            asked = self._asked
+            giver = threading.Thread(target=self._give_back_quietly, args=(asked,), daemon=True, name="give-back")
+            giver.start()
+            giver.join(GIVE_BACK_JOIN_S)
+
+    def _give_back_quietly(self, asked: str) -> None:
+        try:
+            self._give_back_asked()
+        except Exception as exc:  # Redis or Ray already gone: the next scheduler's sweep_groups removes it
+            log.warning("admission: the group asked for job %s was left: %s", asked, one_line(exc))
 
     def _loop(self) -> None:
         while not self._stop.is_set():
