@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from drafter.decode.coupled import Coupling
-from drafter.decode.rows import Row
+from drafter.decode.rows import Row, distinct_prompts, draw_uniforms
 from drafter.decode.sampling import BatchSampling, SamplingParams, Verdict
 from drafter.decode.static import ShapeCounts, StaticRunner, batch_bucket, slot_bucket, to_device
 from drafter.decode.tree import Tree, compact_path, tree_attention, verify_tree
@@ -164,9 +164,8 @@ class Engine:
         None: k every step. The choice depends only on past steps, so the outputs stay the policy's (greedy:
         identical to plain decoding).
 
-        On the static path every step of a draft length has one shape: it drafts exactly k tokens and
-        verifies k + 1 per row (a row near its cap drafts fewer, masked), and a finished row stays in the
-        batch, masked, until the live rows fit a smaller batch bucket; only then is the batch compacted."""
+        On the static path every step of a draft length has one shape: it drafts k and verifies k + 1 per row (a row
+        near its cap drafts fewer, masked); a finished row stays, masked, until the live rows fit a smaller bucket."""
         self.validate(requests, k, drafter)
         model, device = self.model, self.model.device
         drafter = drafter if k > 0 else None
@@ -209,10 +208,11 @@ class Engine:
             start = time.perf_counter()
             tree = drafter.tree_for(step_k, len(batch)) if largest is not None else None  # the tail: a tree
             if tree is not None:
-                uniforms = None if sampling.all_greedy else self._uniforms(batch, tree.num_uniforms + tree.num_nodes)
+                n = tree.num_uniforms + tree.num_nodes
+                uniforms = None if sampling.all_greedy else draw_uniforms(batch, n, device)
                 self._tree_step(batch, cache, tree, drafter, sampling, uniforms, step_k, aux)
             else:
-                uniforms = None if sampling.all_greedy else self._uniforms(batch, 2 * step_k + 1)
+                uniforms = None if sampling.all_greedy else draw_uniforms(batch, 2 * step_k + 1, device)
                 self._chain_step(batch, cache, drafter, sampling, uniforms, step_k, aux, alive, last_ids)
             last_ids = self._next_ids  # tree steps too: both end in _advance
             seconds = time.perf_counter() - start
@@ -338,22 +338,23 @@ class Engine:
         self._advance(live, cache, Verdict(verdict.num_accepted, verdict.next_tokens), path_tokens,
                       valid.sum(1), path_hidden, drafter)
 
-    def _uniforms(self, live: list[Row], n: int) -> torch.Tensor:
-        """(B, n) per row: for a chain of k, n = 2k+1: k acceptance tests, one final draw, k for sampled drafts; for
-        a tree, its tests and final draw, then one per node. Drawn per row on the CPU (each row's torch.Generator
-        lives there), so a row's random stream depends on its own seed only; then moved in one copy."""
-        return to_device(torch.stack([torch.rand(n, generator=r.gen, device="cpu") for r in live]), self.model.device)
-
     def _prefill(self, rows: list[Row], cache, needs_hidden: bool, aux=None) -> torch.Tensor | None:
-        """Run prompt[:-1] of every row through the policy (no logits needed)."""
-        P = max(len(r.tokens) - 1 for r in rows)
-        cache.lens = torch.tensor([len(r.tokens) - 1 for r in rows], dtype=torch.long, device=cache.lens.device)
-        if P == 0:
-            return None
-        ids = torch.tensor([r.tokens[:-1] + [0] * (P + 1 - len(r.tokens)) for r in rows], dtype=torch.long,
-                           device=self.model.device)  # (B, P), right-padded
-        positions = torch.arange(P, device=ids.device).expand(len(rows), P)  # padding slots get overwritten later
-        _, hidden = self._forward(aux, ids, positions, cache, logits_for="none", num_slots=P)
+        """Run prompt[:-1] of every row through the policy (no logits needed). Rows with one prompt (a GRPO group)
+        share a forward: each distinct prompt runs once as cache row u, then row b copies row source[b]."""
+        device, (distinct, source) = self.model.device, distinct_prompts(rows)
+        is_shared, P = len(distinct) < len(rows), max(len(p) for p in distinct)
+        cache.lens = torch.tensor([len(p) for p in distinct], dtype=torch.long, device=device)
+        if is_shared:  # rows 0..U-1 (an eager cache shrinks to U rows)
+            cache.keep_rows(torch.arange(len(distinct), device=device))
+        hidden = None  # (U, P, F) after the forward
+        if P > 0:
+            ids = torch.tensor([p + [0] * (P - len(p)) for p in distinct], dtype=torch.long, device=device)  # (U, P)
+            positions = torch.arange(P, device=device).expand(len(distinct), P)  # right-padded: slots overwritten
+            _, hidden = self._forward(aux, ids, positions, cache, logits_for="none", num_slots=P)
+        if is_shared:
+            index = torch.tensor(source, dtype=torch.long, device=device)
+            cache.keep_rows(index)  # (U, ...) -> (B, ...)
+            hidden = hidden.index_select(0, index) if hidden is not None and needs_hidden else None
         return hidden if needs_hidden else None
 
     def _advance(self, batch, cache, verdict, draft_tokens, draft_lens, hidden, drafter, alive=None) -> None:

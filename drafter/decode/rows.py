@@ -10,6 +10,7 @@ import random
 import torch
 
 from drafter.decode.sampling import SamplingParams
+from drafter.decode.static import to_device
 
 REPLACEMENT = "\ufffd"  # what a tokenizer decodes an incomplete UTF-8 sequence to: wait for the next token
 
@@ -104,3 +105,18 @@ class Row:
             if self.finish_reason:
                 break
         return taken
+
+
+def draw_uniforms(live: list[Row], n: int, device: torch.device) -> torch.Tensor:
+    """(B, n) per row: for a chain of k, n = 2k+1: k acceptance tests, one final draw, k for sampled drafts; for a
+    tree, its tests and final draw, then one per node. Drawn per row on the CPU (each row's torch.Generator lives
+    there), so a row's random stream depends on its own seed only; then moved to `device` in one copy."""
+    return to_device(torch.stack([torch.rand(n, generator=r.gen, device="cpu") for r in live]), device)
+
+
+def distinct_prompts(rows: list[Row]) -> tuple[list[list[int]], list[int]]:
+    """The distinct prompts of `rows` (their prompt[:-1], what a prefill feeds) in first-seen order, and each row's
+    index among them: a GRPO group's rows share one."""
+    first: dict[tuple[int, ...], int] = {}
+    source = [first.setdefault(tuple(r.tokens[:-1]), len(first)) for r in rows]
+    return [list(p) for p in first], source

@@ -171,6 +171,36 @@ def test_batch_output_equals_single_sequence_output(tiny):
         assert engine.generate([req])[0].token_ids == out.token_ids
 
 
+@pytest.mark.parametrize("static", [True, False], ids=["static", "eager"])
+@pytest.mark.parametrize("k", [0, 3])
+def test_rows_with_one_prompt_share_its_prefill_and_decode_as_alone(tiny, device, static, k):
+    """A GRPO group: rows with one prompt, sampled apart by their seeds. The prefill runs each distinct prompt
+    once (a batch of 2 here, not 5), and every row decodes as it would alone: the same tokens and features as
+    its request generated on its own."""
+    model = on(tiny, device)
+    a, b = random_prompts([7, 4], tiny.cfg.vocab_size, seed=5)
+    reqs = [Request(p, SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=i))
+            for i, p in enumerate([a, b, a, a, b])]
+    engine, prefills = Engine(model, static=static), []
+    forward = engine._forward
+
+    def spy(aux, ids, *args, **kwargs):
+        if kwargs.get("logits_for") == "none":
+            prefills.append(ids.shape[0])
+        return forward(aux, ids, *args, **kwargs)
+
+    engine._forward = spy
+    outs = engine.generate(reqs, k=k, drafter=NgramDrafter() if k else None, record_hidden=True)
+    assert prefills == [2]
+    assert len({tuple(o.token_ids) for o in outs}) == 5  # the siblings sampled apart
+    for req, out in zip(reqs, outs):
+        alone = Engine(model, static=static).generate([req], k=k, drafter=NgramDrafter() if k else None,
+                                                      record_hidden=True)[0]
+        assert out.token_ids == alone.token_ids
+        torch.testing.assert_close(out.prompt_hidden_states, alone.prompt_hidden_states, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out.hidden_states, alone.hidden_states, atol=1e-4, rtol=1e-4)
+
+
 def fit_eagle_head(model: CausalLM, prompts: list[list[int]], steps: int = 200, num_unroll: int = 3) -> EagleHead:
     """Fit of a draft head on the policy's own greedy rollouts (a test-only trainer: plain cross-entropy on
     the tokens, over drafter.train.unroll's training-time unrolling, which tests/drafter/test_train.py checks
