@@ -108,6 +108,8 @@ def step_row(step: dict, reclaimed: float) -> dict:
             "draft_versions": step["draft_versions"],
             "draft_versions_published": step.get("draft_versions_published", []),
             "idle_worker_s": step["idle_worker_s"], "reclaimed_worker_s": reclaimed,
+            # each worker's rollout seconds: with bucket_throughput's decode seconds, what its prefill and swaps took
+            "worker_rollout_s": step.get("worker_rollout_s", {}),
             "mean_reward": step["mean_reward"], "bucket_throughput": step.get("bucket_throughput", {}),
             "bucket_served": step.get("bucket_served", {}), "grpo": step.get("grpo", {})}
 

@@ -66,7 +66,9 @@ def test_a_step_row_has_the_tail_share_and_per_bucket_acceptance_and_k():
     s = step(3, 20.0, 5.0, 0.5, 1.5, {"1": [90, 3.0], "5-8": [300, 2.0]})
     s["bucket_served"] = {"1": {"0": [10, 10, 10], "4": [80, 20, 20]}, "5-8": {"0": [300, 50, 300]}}
     s["draft_versions_published"] = [2, 3]
+    s["worker_rollout_s"] = {"w0": 20.0, "w1": 17.0}
     row = step_row(s, reclaimed=2.5)
+    assert row["worker_rollout_s"] == {"w0": 20.0, "w1": 17.0}
     assert row["tail_fraction"] == pytest.approx(0.5) and row["reclaimed_worker_s"] == 2.5
     assert row["idle_worker_s"] == 3.0 and row["draft_versions_published"] == [2, 3]
     assert row["accepted_length_by_bucket"] == {"1": pytest.approx(90 / 30), "5-8": 1.0}
@@ -74,6 +76,7 @@ def test_a_step_row_has_the_tail_share_and_per_bucket_acceptance_and_k():
     assert row["k_served_by_bucket"] == {"1": {"0": 10, "4": 20}, "5-8": {"0": 50}}
     old = step_row(step(0, 1.0, 1.0, 0, 1, {}), 0.0)  # a record from before bucket_served: empty, not an error
     assert old["accepted_length_by_bucket"] == {} and old["draft_versions_published"] == []
+    assert old["worker_rollout_s"] == {}
 
 
 def test_tail_acceptance_and_the_goals():
