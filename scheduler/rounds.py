@@ -64,6 +64,7 @@ class Rounds:
             log.info("job %s: copies %s cannot be averaged with %s (another parent or draft vocabulary); dropped",
                      job_id, dropped, merged)
         serving = DraftIndex(self.redis, served_ns).latest_version()
+        trained, trained_steps = st.trained, st.trained_steps  # kept with the round: a preempted scoring puts them back
         # a new round starts; leases granted meanwhile belong to it
         st.copies, st.trained, st.trained_steps = [], [], {}
         if not merged:
@@ -72,7 +73,7 @@ class Rounds:
         round_id = f"{job_id}-r{st.num_rounds}"
         st.scoring = {"stage": SCORING, "round_id": round_id, "merged": merged, "dropped": dropped + missing,
                       "parent_version": serving or 0, "serving_version": serving, "evaluated_by": scorer,
-                      "held_out": held_out, "at": time.time()}
+                      "held_out": held_out, "at": time.time(), "trained": trained, "trained_steps": trained_steps}
         log.info("job %s: round %s: %s merges copies %s and scores the candidate", job_id, round_id, scorer, merged)
         self.commands.send(job_id, scorer, "score_round", ScoringRequest(round_id, merged, serving).to_dict(),
                            on_reply=lambda r: self._asked(r, round_id))
@@ -109,7 +110,9 @@ class Rounds:
                       serving_accepted_length=(result.serving_accepted_length if record["serving_version"] is not None
                                                else None),
                       candidate_draft_temperature=result.candidate_draft_temperature, eval_tokens=result.num_tokens)
-        if result.error is not None:
+        if result.preempted:
+            self.requeue(job_id, st, result)
+        elif result.error is not None:
             self.finish(job_id, st, f"not scored: {result.error}")
         elif not should_publish(result.candidate_accepted_length, record["serving_accepted_length"], self.settings):
             self.finish(job_id, st, "scored worse than the serving draft")
@@ -170,6 +173,21 @@ class Rounds:
             self._record_published(job_id, st, version)
         elif time.time() - record["at"] > EVAL_TIMEOUT_S + PUBLISH_TIMEOUT_S + COMMAND_TIMEOUT_S:
             self.finish(job_id, st, "not published: the answer was lost with a scheduler restart")
+
+    def requeue(self, job_id: str, st: JobTLT, result: ScoringResult) -> None:
+        """The scorer's own rollouts arrived while it scored, and it stopped (rollouts come first): nothing is
+        decided. The round's copies, and the workers that trained them, go back to be scored by the next free
+        worker; its candidate and the copies that could not be merged are deleted."""
+        record, st.scoring = st.scoring, None
+        st.num_requeued += 1
+        st.copies = record["merged"] + st.copies  # before the copies of leases granted since
+        st.trained = list(dict.fromkeys(record.get("trained", []) + st.trained))
+        st.trained_steps = record.get("trained_steps", {}) | st.trained_steps  # a later lease's step wins
+        log.info("job %s: round %s: %s's rollouts arrived while it scored; copies %s wait for the next free worker",
+                 job_id, record["round_id"], record["evaluated_by"], record["merged"])
+        st.save(self.redis, job_id)
+        if self.settings.prune_copies:
+            self._prune(job_id, record["dropped"] + [v for v in [result.candidate] if v])
 
     def finish(self, job_id: str, st: JobTLT, reason: str | None = None) -> None:
         """Record the round's decision and start the next round afresh."""

@@ -116,6 +116,7 @@ class DraftsOut(Out):
     num_leases: int
     num_published: int
     num_rejected: int
+    num_requeued: int = 0  # rounds whose scoring the scorer's own rollouts stopped: scored again, not decided
     idle_worker_s: float = 0.0  # the driver's running total over the steps (its step records have each step's)
     # rl_step -> reclaimed worker-seconds within that step's rollout (the newest 1000 steps)
     reclaimed_by_step: dict[int, float] = {}

@@ -32,6 +32,7 @@ class JobTLT:
     num_rounds: int = 0
     num_published: int = 0
     num_rejected: int = 0
+    num_requeued: int = 0  # rounds whose scorer's rollouts stopped their scoring (Rounds.requeue)
     swaps_seen: dict = field(default_factory=dict)  # worker id -> num_swaps last observed
     scoring: dict | None = None  # the round being scored or published (scheduler/rounds.py)
     last_scoring_s: float | None = None  # how long the last round took to score, ask to result (None: none yet)
@@ -55,7 +56,8 @@ class JobTLT:
     def save(self, redis, job_id: str) -> None:
         redis.hset(job_tlt_key(job_id), mapping={
             TltField.RECLAIMED_WORKER_S: self.reclaimed_worker_s, TltField.NUM_PUBLISHED: self.num_published,
-            TltField.NUM_REJECTED: self.num_rejected, TltField.NUM_LEASES: self.num_leases,
+            TltField.NUM_REJECTED: self.num_rejected, TltField.NUM_REQUEUED: self.num_requeued,
+            TltField.NUM_LEASES: self.num_leases,
             TltField.ACTIVE_LEASES: len(self.leases),
             TltField.STATE: json.dumps({f.name: getattr(self, f.name) for f in fields(self)})})  # plain JSON already
 

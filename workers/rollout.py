@@ -149,6 +149,8 @@ class RolloutRunner:
         if self.leases.stop():  # rollouts come first: a lease still running here is preempted now
             log.warning("worker %s: a drafter lease was still training when rollouts arrived; stopped it",
                         self.worker_id)
+        if self.scorer.preempt():  # and a round's scoring, which the scheduler has scored again elsewhere
+            log.warning("worker %s: a round was still being scored when rollouts arrived; stopped it", self.worker_id)
         self.status.begin_rollout(rl_step, len(prompts))
         start = time.perf_counter()
 

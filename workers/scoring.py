@@ -19,7 +19,7 @@ import redis as redis_lib
 
 from drafter.model.causal_lm import CausalLM
 from drafter.train.buffer import Rollout, RolloutBuffer
-from drafter.train.evaluate import calibrate_draft_temperature
+from drafter.train.evaluate import EvaluationStoppedError, calibrate_draft_temperature
 from workers.errors import one_line
 from workers.message import Message
 from workers.protocol.keys import job_scoring_key
@@ -56,6 +56,7 @@ class Scorer:
         self.served, self.copies, self.status = served, copies, status
         self.scoring: str | None = None  # the round under scoring
         self._lock = threading.Lock()
+        self._stop = threading.Event()  # set by preempt(): the round's scoring ends at its next batch
 
     def accept(self, request: dict) -> ScoringRequest:
         """The request, checked (ValueError naming the field), or ValueError if a round is under scoring."""
@@ -66,26 +67,44 @@ class Scorer:
             if self.scoring is not None:
                 raise ValueError(f"worker {self.status.worker_id} is scoring round {self.scoring}")
             self.scoring = req.round_id
+            self._stop.clear()
         return req
+
+    def preempt(self) -> bool:
+        """Rollouts arrived: a round under scoring stops at its next batch and answers `preempted`, so that the
+        scheduler has it scored again elsewhere (scoring is idle-time work: it must not slow a rollout, on this
+        worker's cores or GPU). True if a round was under scoring."""
+        with self._lock:
+            if self.scoring is None:
+                return False
+            self._stop.set()
+            return True
 
     def run(self, req: ScoringRequest) -> ScoringResult:
         """Merge and score an accepted request; the result (or the error) is written and returned."""
         result = ScoringResult(req.round_id, self.status.worker_id)
         try:
+            if self._stop.is_set() or self.status.is_generating:  # asked on an idle record, rollouts came first
+                raise EvaluationStoppedError("rollouts arrived before it began")
             result.candidate = self.copies.merge_and_publish(list(req.copies))
             recent, result.num_tokens = recent_rollouts(self.buffer)
             if not recent:
                 raise ValueError(f"worker {self.status.worker_id} has no rollouts its own leases did not train on "
                                  "to score drafts on")
             head, _ = self.copies.load_head(result.candidate, self.policy.dtype, self.policy.device)
-            tau, scores = calibrate_draft_temperature(head, self.policy, recent, self.spec.draft_k)
+            tau, scores = calibrate_draft_temperature(head, self.policy, recent, self.spec.draft_k, stop=self._stop)
             result.candidate_accepted_length, result.candidate_draft_temperature = scores[tau], tau
             if req.serving_version is not None:  # at its best draft temperature too: the candidate's score is the
                 # best of DRAFT_TEMPERATURES on these rollouts, and against one fixed temperature that maximum alone
                 # would favour it (runs J and K of `tlt bench rl` published versions that then accepted less)
                 serving, _ = self.served.load_head(req.serving_version, self.policy.dtype, self.policy.device)
-                _, serving_scores = calibrate_draft_temperature(serving, self.policy, recent, self.spec.draft_k)
+                _, serving_scores = calibrate_draft_temperature(serving, self.policy, recent, self.spec.draft_k,
+                                                                stop=self._stop)
                 result.serving_accepted_length = max(serving_scores.values())
+        except EvaluationStoppedError as exc:
+            log.info("job %s: worker %s: scoring round %s stopped for rollouts: %s", self.status.job_id,
+                     self.status.worker_id, req.round_id, exc)
+            result.error, result.preempted = f"preempted: {exc}", True
         except Exception as exc:  # the round's boundary: whatever failed, its ScoringResult is written (with the error)
             log.exception("job %s: worker %s: scoring round %s failed", self.status.job_id, self.status.worker_id,
                           req.round_id)

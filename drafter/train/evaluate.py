@@ -20,6 +20,8 @@ only the chain starts its own acceptances lead to, so the two agree in expectati
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -36,6 +38,10 @@ NUM_ROWS = 4  # rows per batch: bounds the (rows * tokens * vocab) logits held a
 DRAFT_TEMPERATURES = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.0)
 
 
+class EvaluationStoppedError(RuntimeError):
+    """A scoring's `stop` event was set (the worker's rollouts arrived): it ended between two batches."""
+
+
 def expected_accepted_length(head: EagleHead, policy: CausalLM, rollouts: list[Rollout], k: int,
                              greedy: bool = True, draft_temperature: float | None = None) -> float:
     """Mean tokens per verify step the head would give with k drafts on these rollouts (sampled: with
@@ -45,18 +51,21 @@ def expected_accepted_length(head: EagleHead, policy: CausalLM, rollouts: list[R
 
 
 def calibrate_draft_temperature(head: EagleHead, policy: CausalLM, rollouts: list[Rollout], k: int,
-                                candidates: tuple[float, ...] = DRAFT_TEMPERATURES) -> tuple[float, dict[float, float]]:
+                                candidates: tuple[float, ...] = DRAFT_TEMPERATURES,
+                                stop: threading.Event | None = None) -> tuple[float, dict[float, float]]:
     """The draft temperature with the most expected tokens per verify step when sampling at temperature
-    1 on these (held-out) rollouts, and every candidate's score. Ties keep the earlier candidate."""
-    scores = expected_accepted_lengths(head, policy, rollouts, k, False, candidates)
+    1 on these (held-out) rollouts, and every candidate's score. Ties keep the earlier candidate. `stop`: raise
+    EvaluationStoppedError at the next batch once it is set."""
+    scores = expected_accepted_lengths(head, policy, rollouts, k, False, candidates, stop)
     best = max(range(len(candidates)), key=lambda i: (scores[i], -i))
     return candidates[best], dict(zip(candidates, scores))
 
 
 def expected_accepted_lengths(head: EagleHead, policy: CausalLM, rollouts: list[Rollout], k: int,
-                              greedy: bool = True, draft_temperatures: tuple[float, ...] = (1.0,)) -> list[float]:
+                              greedy: bool = True, draft_temperatures: tuple[float, ...] = (1.0,),
+                              stop: threading.Event | None = None) -> list[float]:
     """expected_accepted_length for each draft temperature (sampled; greedy ignores them), in one pass."""
-    survived, count = _survival(head, policy, rollouts, k, greedy, draft_temperatures)
+    survived, count = _survival(head, policy, rollouts, k, greedy, draft_temperatures, stop)
     return (1.0 + survived.sum(1) / count).tolist()
 
 
@@ -74,7 +83,8 @@ def acceptance_by_position(head: EagleHead, policy: CausalLM, rollouts: list[Rol
 
 @torch.no_grad()
 def _survival(head: EagleHead, policy: CausalLM, rollouts: list[Rollout], k: int, greedy: bool,
-              draft_temperatures: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+              draft_temperatures: tuple[float, ...], stop: threading.Event | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed over every chain start whose k targets are in the sequence, from the prompt's last pair on (the
     batch's response_start): per draft temperature and m = 1..k,
     the chance that the first m drafts are all accepted ((n, k) float64, on the CPU), and the number of chains."""
@@ -100,6 +110,8 @@ def _survival(head: EagleHead, policy: CausalLM, rollouts: list[Rollout], k: int
     count = torch.zeros((), dtype=torch.float64, device=device)
     try:
         for batch in iter_batches(rollouts, ROW_TOKENS, NUM_ROWS, shuffle=False):
+            if stop is not None and stop.is_set():
+                raise EvaluationStoppedError("stopped before the last batch: the worker's rollouts came first")
             batch = batch.to(device, dtype)  # packed on the CPU, where the rollouts are
             feats = batch.feats
             preds = unrolled_predictions(head, policy.embed_tokens, batch, k)

@@ -45,13 +45,14 @@ def drafts(job: Job, redis: Redis) -> DraftsOut:
                                 **{k: e["extra"].get(k) for k in ("accepted_length", "serving_accepted_length",
                                                                   "draft_temperature")})
                 for e in served.versions()]
-    reclaimed, leases, published, rejected = redis.hmget(
+    reclaimed, leases, published, rejected, requeued = redis.hmget(
         job_tlt_key(job_id), TltField.RECLAIMED_WORKER_S, TltField.NUM_LEASES, TltField.NUM_PUBLISHED,
-        TltField.NUM_REJECTED)
+        TltField.NUM_REJECTED, TltField.NUM_REQUEUED)
     idle, num_collapses = redis.hmget(job_totals_key(job_id), TotalsField.IDLE_WORKER_S,
                                       TotalsField.NUM_DRAFT_COLLAPSES)
     return DraftsOut(job_id=job_id, serving_version=served.latest_version(), versions=versions,
                      decisions=_decisions(redis, job_id), reclaimed_worker_s=float(reclaimed or 0.0),
                      num_leases=int(leases or 0), num_published=int(published or 0), num_rejected=int(rejected or 0),
+                     num_requeued=int(requeued or 0),
                      idle_worker_s=float(idle or 0.0), reclaimed_by_step=JobTLT.read_reclaimed_by_step(redis, job_id),
                      num_collapses=int(num_collapses or 0), collapses=_collapses(redis, job_id))

@@ -33,6 +33,7 @@ from workers.spec import JobSpec
 from workers.store import job_stores
 
 JOB = "job1"
+PREEMPTED = "preempted"  # SlowScorer's answer: stopped for its worker's rollouts
 IDLE = {"w0": WorkerState.IDLE, "w1": WorkerState.IDLE}
 
 
@@ -53,7 +54,10 @@ class SlowScorer:
     async def _score(self, req: ScoringRequest) -> None:
         await self.released.wait()
         result = ScoringResult(req.round_id, self.worker_id, num_tokens=100)
-        if isinstance(self.answer, str):
+        if self.answer == PREEMPTED:  # the scorer's rollouts arrived after it merged the copies
+            result.candidate = self.copies.merge_and_publish(list(req.copies))
+            result.error, result.preempted = "preempted: stopped before the last batch", True
+        elif isinstance(self.answer, str):
             result.error = self.answer
         else:  # a calibrated candidate, answered at draft temperature 0.6
             result.candidate = self.copies.merge_and_publish(list(req.copies))
@@ -234,6 +238,29 @@ def test_a_failed_or_vanished_scorer_rejects_the_round(setup):
     assert st.scoring is None and decisions(redis)[-1]["reason"].startswith("not scored: worker w7 has no actor")
     served, copies = job_stores(redis, tmp_path, JOB)
     assert copies.versions() == [] and served.latest_version() is None
+
+
+def test_a_scoring_its_scorers_rollouts_preempted_is_scored_again_later(setup):
+    """The scorer's rollouts arrived while it scored (a worker stops scoring for them): nothing is decided, the
+    round's copies and the workers that trained them wait for the next free worker, its candidate is deleted."""
+    watcher, redis, tmp_path, scorer = setup
+    copies = add_copies(tmp_path, redis, 2)
+    st = JobTLT(copies=list(copies), trained=["w1"], trained_steps={"w1": 2})
+    start(watcher, st)
+    assert st.copies == [] and st.trained == []
+    st.trained_steps = {"w1": 3}  # a lease granted meanwhile
+    ray.get(scorer.release.remote(PREEMPTED))
+    wait_decided(watcher, st, live("w0", "w1"))
+    assert decisions(redis) == [] and st.num_rejected == 0 and st.num_rounds == 1 and st.num_requeued == 1
+    assert st.copies == copies and st.trained == ["w1"] and st.trained_steps == {"w1": 3}
+    _, store = job_stores(redis, tmp_path, JOB)
+    assert [e["version"] for e in store.versions()] == copies  # the preempted round's candidate is gone
+    assert JobTLT.load(redis, JOB).copies == copies  # saved: a restarted scheduler scores them too
+    ray.get(scorer.release.remote([1.7]))
+    start(watcher, st, {"w0": WorkerState.IDLE})
+    wait_decided(watcher, st, live("w0", "w1"))
+    [d] = decisions(redis)
+    assert d["merged"] == copies and d["published_version"] == 1 and d["round_id"] == f"{JOB}-r2"
 
 
 def test_no_free_worker_means_no_round_yet_and_pruning_can_be_turned_off(setup):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from drafter.train.evaluate import DRAFT_TEMPERATURES, calibrate_draft_temperature
+from drafter.train.evaluate import DRAFT_TEMPERATURES, EvaluationStoppedError, calibrate_draft_temperature
 from workers.protocol.keys import job_leases_key, job_scoring_key
 from workers.protocol.messages import LeaseOutcome, ScoringResult
 from workers.protocol.states import LeaseState, WorkerState
@@ -172,6 +172,28 @@ def test_score_round_writes_an_error_result_when_it_cannot_score(device, redis_c
     res = fresh.scorer.run(fresh.scorer.accept({"round_id": "r3", "copies": [a.version], "serving_version": None}))
     assert res.candidate is not None and "no rollouts" in res.error  # merged: the caller can prune it
     assert r0.scorer.scoring is None  # free for the next round
+
+
+def test_rollouts_preempt_a_scoring_which_answers_preempted_and_frees_the_scorer(device, redis_client, tmp_path):
+    """Scoring is idle-time work: rollouts arriving stop it at its next batch (a set stop event ends a calibration
+    there), and its answer says preempted, so that the scheduler has the round scored again elsewhere."""
+    r = runner(device, redis_client, tmp_path)
+    a = lease(r, "a")
+    r.generate(PROMPTS, sampled(7), rl_step=1)  # rollouts the copy did not train on
+    recent, _ = recent_rollouts(r.buffer)
+    head, _ = r.copies.load_head(a.version, r.policy.dtype)
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(EvaluationStoppedError, match="rollouts came first"):
+        calibrate_draft_temperature(head, r.policy, recent, r.spec.draft_k, stop=stop)
+    assert not r.scorer.preempt()  # no round under scoring: nothing to stop
+    req = r.scorer.accept({"round_id": "r1", "copies": [a.version], "serving_version": None})
+    r.generate(PROMPTS, sampled(9), rl_step=2)  # the worker's next rollouts arrive: the round is stopped
+    res = r.scorer.run(req)
+    assert res.preempted and res.error.startswith("preempted: ") and res.candidate is None
+    assert ScoringResult.from_json(redis_client.get(job_scoring_key("job1"))) == res and r.scorer.scoring is None
+    res = r.scorer.run(r.scorer.accept({"round_id": "r2", "copies": [a.version], "serving_version": None}))
+    assert res.error is None and not res.preempted and res.candidate is not None  # the next round scores
 
 
 @pytest.mark.parametrize(("request_", "field"), [

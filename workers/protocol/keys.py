@@ -66,6 +66,7 @@ class TltField(StrEnum):
     NUM_LEASES = "num_leases"
     NUM_PUBLISHED = "num_published"
     NUM_REJECTED = "num_rejected"
+    NUM_REQUEUED = "num_requeued"  # rounds whose scoring stopped for the scorer's rollouts, scored again later
     ACTIVE_LEASES = "active_leases"
     CLASSES = "classes"  # JSON: worker id -> the watcher's class of it (WorkerState)
     LONG_TAIL = "long_tail"  # 1 while the rollout is in its long tail

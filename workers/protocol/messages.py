@@ -153,6 +153,8 @@ class ScoringResult(Message):
     candidate_draft_temperature: float | None = None
     num_tokens: int = 0  # recorded pairs the scores were measured on
     error: str | None = None
+    # the scorer's rollouts arrived and it stopped (error says so): the round is scored again later, not decided
+    preempted: bool = False
 
 
 @dataclass
