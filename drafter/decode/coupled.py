@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,16 @@ def _noise(x: torch.Tensor) -> torch.Tensor:
                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             _compiled["fn"] = None
     return _gumbel_of(x)
+
+
+def warm_noise(device: torch.device | str) -> float:
+    """Compile the noise kernel now, on a few rows of a small vocabulary (its graph takes any size: dynamic), and
+    return the seconds it took: its first call in a process costs seconds (a minute cold), which a job's workers
+    pay before their first rollout (drafter.decode.warmup) rather than inside it."""
+    start = time.perf_counter()
+    keys = torch.arange(2, dtype=torch.int64, device=device)
+    gumbel_noise(keys, keys.view(2, 1) + 3, torch.arange(64, dtype=torch.int64, device=device))
+    return time.perf_counter() - start
 
 
 def row_key(seed: int | None) -> int:

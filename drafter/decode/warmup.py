@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from drafter.decode.coupled import warm_noise
 from drafter.decode.engine import Engine, EngineStats, Request
 from drafter.decode.sampling import SamplingParams
 from drafter.decode.static import batch_bucket
@@ -44,17 +45,20 @@ def warm_up(engine: Engine, max_batch: int, max_len: int, ks: tuple[int, ...], p
     (every slot bucket of a shape at once). A rollout then pays no capture and no rebuild: a job that met them
     as it went paid them inside its first steps. It runs short batches of `params`'s sampling (greedy or not,
     top-k/top-p: the graphs differ), with record_hidden and aux_layers as the job's generate calls pass them;
-    the engine's stats are left as they were. Where nothing is captured (a CPU) it does nothing, unless
-    `force` (tests). Returns {"seconds", "captures", "rebuilds", "batches"}."""
+    the engine's stats are left as they were. Where nothing is captured (a CPU) it only compiles coupled rows'
+    noise kernel (coupled.warm_noise), unless `force` (tests). Returns {"seconds", "captures", "rebuilds",
+    "batches"}."""
     if max_batch < 1 or max_len < WARM_PROMPT + 2:
         raise ValueError(f"warm_up needs max_batch >= 1 and max_len >= {WARM_PROMPT + 2}, got {max_batch}, "
                          f"{max_len}")
     if any(k < 0 for k in ks) or (any(ks) and drafter is None):
         raise ValueError(f"warm_up: draft lengths {tuple(ks)} must be >= 0, and k > 0 needs a drafter")
     max_len = min(max_len, engine.model.cfg.max_position)
+    # coupled rows' noise kernel, compiled on every device (its first call in a process takes seconds)
+    noise_s = warm_noise(engine.model.device) if params.coupled and params.temperature > 0 else 0.0
     captures = engine.model.device.type == "cuda" and engine.prefer_static is not False
     if not (captures or force):
-        return {"seconds": 0.0, "captures": 0, "rebuilds": 0, "batches": 0}
+        return {"seconds": noise_s, "captures": 0, "rebuilds": 0, "batches": 0}
     start, marks = time.perf_counter(), engine.shapes_seen(drafter)
     saved = engine.stats
     engine.stats = EngineStats()
@@ -82,6 +86,6 @@ def warm_up(engine: Engine, max_batch: int, max_len: int, ks: tuple[int, ...], p
     finally:
         engine.stats = saved
     after = engine.shapes_seen(drafter)
-    return {"seconds": round(time.perf_counter() - start, 3), "captures": after[0] - marks[0],
+    return {"seconds": round(time.perf_counter() - start + noise_s, 3), "captures": after[0] - marks[0],
             "rebuilds": after[1] - marks[1], "batches": num_batches}
 

@@ -12,6 +12,7 @@ import drafter.decode.coupled as coupled_mod
 from drafter.decode.coupled import Coupling, gumbel_noise
 from drafter.decode.engine import Engine, Request
 from drafter.decode.sampling import BatchSampling, SamplingParams
+from drafter.decode.warmup import warm_up
 from drafter.draft.adaptive import DraftLengthTuner
 from tests.conftest import on, tiny_model
 from tests.drafter.test_sampling import (
@@ -127,3 +128,13 @@ def test_a_draft_that_is_the_policy_always_drafts_the_policys_sample(device):
 def test_coupled_must_be_a_bool():
     with pytest.raises(ValueError, match="coupled must be a bool"):
         SamplingParams(coupled="yes")
+
+
+@pytest.mark.parametrize("coupled", [True, False])
+def test_a_jobs_warm_up_compiles_the_noise_where_its_rows_sample_coupled(model, monkeypatch, coupled):
+    """Its first call in a process costs seconds: a job's workers pay it in warm_up, before their first rollout,
+    on a CPU too (where warm_up captures nothing), and only when the job samples coupled."""
+    monkeypatch.setattr(coupled_mod, "_compiled", {})  # this process's kernel forgotten: compiled again
+    out = warm_up(Engine(model), 4, 32, (0,), SamplingParams(temperature=1.0, coupled=coupled))
+    assert ("fn" in coupled_mod._compiled) == coupled  # compiled (or, where compiling fails, eager from now on)
+    assert (out["seconds"] > 0) == coupled and out["captures"] == out["batches"] == 0
