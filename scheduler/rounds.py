@@ -105,7 +105,9 @@ class Rounds:
             elif time.time() - record["at"] > EVAL_TIMEOUT_S:
                 self.finish(job_id, st, f"not scored: {scorer} did not answer in {EVAL_TIMEOUT_S:.0f} s")
             return
-        st.last_scoring_s = max(time.time() - record["at"], 0.0)  # whether the next round fits a tail's rest
+        elapsed = max(time.time() - record["at"], 0.0)
+        # whether the next round fits a tail's rest: a stopped one took longer than it ran, so the estimate grows
+        st.last_scoring_s = max(st.last_scoring_s or 0.0, 2 * elapsed) if result.preempted else elapsed
         record.update(candidate=result.candidate, candidate_accepted_length=result.candidate_accepted_length,
                       serving_accepted_length=(result.serving_accepted_length if record["serving_version"] is not None
                                                else None),

@@ -246,12 +246,18 @@ def test_a_scoring_its_scorers_rollouts_preempted_is_scored_again_later(setup):
     watcher, redis, tmp_path, scorer = setup
     copies = add_copies(tmp_path, redis, 2)
     st = JobTLT(copies=list(copies), trained=["w1"], trained_steps={"w1": 2})
+    t0 = time.time()
     start(watcher, st)
+    t1 = time.time()
     assert st.copies == [] and st.trained == []
     st.trained_steps = {"w1": 3}  # a lease granted meanwhile
+    time.sleep(0.3)
+    released = time.time()
     ray.get(scorer.release.remote(PREEMPTED))
     wait_decided(watcher, st, live("w0", "w1"))
     assert decisions(redis) == [] and st.num_rejected == 0 and st.num_rounds == 1 and st.num_requeued == 1
+    # it took longer than it ran: the next round is asked for only where twice that time is left
+    assert released - t1 <= st.last_scoring_s / 2 <= time.time() - t0
     assert st.copies == copies and st.trained == ["w1"] and st.trained_steps == {"w1": 3}
     _, store = job_stores(redis, tmp_path, JOB)
     assert [e["version"] for e in store.versions()] == copies  # the preempted round's candidate is gone
