@@ -96,7 +96,7 @@ def _noise(x: torch.Tensor) -> torch.Tensor:
 
 def warm_noise(device: torch.device | str) -> float:
     """Compile the noise kernel now, on a few rows of a small vocabulary (its graph takes any size: dynamic), and
-    return the seconds it took: its first call in a process costs seconds (a minute cold), which a job's workers
+    return the seconds it took: its first call in a process costs seconds (18 s cold here), which a job's workers
     pay before their first rollout (drafter.decode.warmup) rather than inside it."""
     start = time.perf_counter()
     keys = torch.arange(2, dtype=torch.int64, device=device)
