@@ -1,43 +1,44 @@
-"""Adaptive speculation: the draft length k (0 = plain decoding) chosen per live-batch-size bucket from
-the accepted tokens per second each (bucket, k) measurably gives. Pure Python: no torch.
+"""Adaptive speculation: the draft length k (0 = plain decoding) chosen per live-batch-size bucket from the accepted
+tokens per second each (bucket, k) measurably gives. Pure Python: no torch.
 
-Speculation pays where a policy forward is cheap to widen (the tail: small batches) and can cost at large
-batches, where verifying k extra tokens per row is real compute; how much depends on the draft, the
-device and the model, so it is measured rather than set by a threshold. A `DraftLengthTuner` is an
-epsilon-greedy bandit per bucket, as in TLT, that learns from steady steps only (the engine reports no step
-that captured a graph, caught the draft up or followed a change of k) and so serves every arm in runs:
-    0. a prior (`StepCostPrior`: the draft's calibrated acceptance and the device's step costs) ranks the arms
-       before anything is measured: its best arm serves a bucket's first steps (a draft that pays at a batch
-       size is used there at once, in the tail too), and only the arms it expects to pay, and plain, are
-       tried in 1.; without a prior every eligible arm is;
+Speculation pays where a policy forward is cheap to widen (the tail: small batches) and can cost at large batches,
+where verifying k extra tokens per row is real compute; how much depends on the draft, the device and the model, so it
+is measured rather than set by a threshold. A `DraftLengthTuner` is an epsilon-greedy bandit per bucket, as in TLT,
+that learns from steady steps only (the engine reports no step that captured a graph, caught the draft up or followed
+a change of k) and so serves every arm in runs:
+    0. a prior (`StepCostPrior`: the draft's calibrated acceptance and the device's step costs) ranks the arms before
+       anything is measured: its best arm serves a bucket's first steps (a draft that pays at a batch size is used
+       there at once, in the tail too), and only the arms it expects to pay, and plain, are tried in 1.; without a
+       prior every eligible arm is;
     1. forced tries: each arm is served in a run until it has `num_tries` steady steps in the bucket;
-    2. then the arm with the best tokens/s estimate serves: an EMA of rows times the tokens a row emits at k over an
-       EMA of seconds, a row's tokens from the bucket's acceptance of each position given the ones before it, over
-       every drafting row of every k (decayed by POOL_DECAY per step: a step costs much the same whatever it
-       accepts, and one at batch 1 emits 1..k+1 tokens by chance, so a per-arm mean needs many steps to tell two
-       arms apart), or one geometric acceptance fitted to the steps' tokens (fit_acceptance) where a position has
-       fewer than `min_row_samples` rows, each arm's own EMA of tokens before that. A bounded share of steps (at
-       most `explore_frac` of the bucket's steps, growing only as sqrt(steps) later) re-measures the least recently
-       tried other eligible arm, in runs of `run_length` steps: exploring costs at most explore_frac x (best -
-       worst) / best;
-       and an arm not served for `stale_steps` of the bucket's steps is re-measured afresh (its new samples replace
-       its estimate), the wait doubling each time it is and resetting when it wins: an estimate taken while the
-       core was busy (a lease, the learner) would otherwise keep a paying arm off for the rest of the job, since
-       only the arm that serves is measured again. This costs O(log(steps)) runs per arm;
-    3. a new draft (`new_draft`: a hot swap) makes every speculative arm's estimate stale: each is
-       tried again `num_retries` times; its old estimate is dropped, or, for a draft published for beating the
-       serving one, kept as one sample (the pooled acceptance at a quarter of its weight).
-Eligible arms (without a prior, and beside the prior's): what a step gains from drafting k tokens shrinks as
-the batch grows (each row's extra k tokens are compute a wider batch no longer hides), so a bucket drafts
-k > 0 only where the nearest smaller bucket measured has found k faster than plain. The smallest bucket ("1",
-the end of every rollout that shrinks) tries every arm; a large batch is never slowed by trying drafts that a
-smaller batch already shows do not pay. A rollout reaches its small buckets last, so without a prior its first
-large-batch steps decode plainly.
-The engine asks `choose(batch_size)` before each step and reports `record(batch_size, k, num_tokens,
-seconds)` after it; the choice depends only on past steps, so verification stays lossless.
-A drafter of two sources (drafter.draft.combined: history or the EAGLE head, per row) also says which source
-drafted how many rows and what they had accepted (`record_sources`): every chooser keeps that per bucket
-(`bucket_sources`) for its reports, and no choice reads it (the chooser serves the k the mix of sources pays at).
+    2. then the arm with the best tokens/s estimate serves: an EMA of rows times the tokens a row emits at k over an EMA
+       of seconds, a row's tokens from the bucket's acceptance of each position given the ones before it, over every
+       drafting row of every k (decayed by POOL_DECAY per step: a step costs much the same whatever it accepts, and one
+       at batch 1 emits 1..k+1 tokens by chance, so a per-arm mean needs many steps to tell two arms apart), or one
+       geometric acceptance fitted to the steps' tokens (fit_acceptance) where a position has fewer than
+       `min_row_samples` rows, the prior's acceptance counted in as that many rows more (ranked by its first steps' own
+       tokens a paying arm could lose to plain after its forced tries and wait out stale_steps: simulated at 0.45
+       acceptance, up to 58 of a one-row tail's first 100 steps plain), or without a prior each arm's own EMA of tokens
+       until the bucket has that many drafting rows. A bounded share of steps (at most `explore_frac` of the bucket's
+       steps, growing only as sqrt(steps) later) re-measures the least recently tried other eligible arm, in runs of
+       `run_length` steps: exploring costs at most explore_frac x (best - worst) / best; and an arm not served for
+       `stale_steps` of the bucket's steps is re-measured afresh (its new samples replace its estimate), the wait
+       doubling each time it is and resetting when it wins: an estimate taken while the core was busy (a lease, the
+       learner) would otherwise keep a paying arm off for the rest of the job, since only the arm that serves is
+       measured again. This costs O(log(steps)) runs per arm;
+    3. a new draft (`new_draft`: a hot swap) makes every speculative arm's estimate stale: each is tried again
+       `num_retries` times; its old estimate dropped, or, for a draft published for beating the serving one, kept
+       as one sample (the pooled acceptance at a quarter of its weight).
+Eligible arms (without a prior, and beside the prior's): what a step gains from drafting k tokens shrinks as the batch
+grows (each row's extra k tokens are compute a wider batch no longer hides), so a bucket drafts k > 0 only where the
+nearest smaller bucket measured has found k faster than plain. The smallest bucket ("1", the end of every rollout that
+shrinks) tries every arm; a large batch is never slowed by trying drafts that a smaller batch already shows do not pay.
+A rollout reaches its small buckets last, so without a prior its first large-batch steps decode plainly.
+The engine asks `choose(batch_size)` before each step and reports `record(batch_size, k, num_tokens, seconds)` after it;
+the choice depends only on past steps, so verification stays lossless.
+A drafter of two sources (drafter.draft.combined: history or the EAGLE head, per row) also says which source drafted how
+many rows and what they had accepted (`record_sources`): every chooser keeps that per bucket (`bucket_sources`) for its
+reports, and no choice reads it (the chooser serves the k the mix of sources pays at).
 """
 
 from __future__ import annotations
@@ -103,17 +104,15 @@ class _Bucket:
     last_k: int | None = None  # the arm served last step
     run_left: int = 0  # steps the exploring arm still serves in its run
     totals: dict[int, list[float]] = field(default_factory=dict)  # k -> [tokens, seconds], all time
-    # k -> [steps, rows]: the steps it served and their live rows (each row is one policy forward's position),
-    # all time; tokens / rows is the bucket's accepted length at k (1.0 for plain decoding)
+    # k -> [steps, live rows] it served, all time: tokens / rows is the bucket's accepted length at k (plain: 1.0)
     served: dict[int, list[int]] = field(default_factory=dict)
     # source -> [rows, tokens drafted, drafts accepted] over the steps a drafter of several sources served, all time
     sources: dict[str, list[int]] = field(default_factory=dict)
     # k -> [rows, tokens] of the drafting steps, decayed by POOL_DECAY per step of the bucket: what fit_acceptance reads
     pooled: dict[int, list[float]] = field(default_factory=dict)
-    acceptance: float | None = None  # fit_acceptance(pooled), once min_row_samples rows have drafted
-    # position j's [rows that reached it, rows that had it accepted] (record_rows), aged with `pooled`: one
-    # acceptance misreads a draft accepted in stretches (run S, `tlt bench rl --coupled`: 1.35 per row-step at k=1,
-    # 1.60 at k=2, which it put at 1.37 and 1.51, k=2 level with k=1 though 8% faster)
+    acceptance: float | None = None  # the pooled acceptance, the prior's counted in (DraftLengthTuner._fit)
+    # position j's [rows that reached it, rows that had it accepted] (record_rows), aged with `pooled`: one acceptance
+    # misreads a draft accepted in stretches (run S: 1.35 per row-step at k=1, 1.60 at k=2, fitted as 1.37 and 1.51)
     positions: list[list[float]] = field(default_factory=list)
 
 
@@ -314,13 +313,12 @@ class DraftLengthTuner(_Meter):
             arm.num_tries_left = max(arm.num_tries_left - 1, 0)
 
     def new_draft(self, prior: StepCostPrior | None = None, keep_estimates: bool = False) -> None:
-        """A different draft serves from now on: the speculative arms' estimates are stale, and each arm is tried
-        again `num_retries` times. prior: the new draft's expected gain (its calibrated score; None keeps the prior).
-        Without keep_estimates the old estimates and the pooled acceptances are dropped. With it (a draft published
-        for beating the serving one on held-out rollouts: what the old one measured is a floor) each arm's estimate
-        is kept as one sample and the pooled acceptances at NEW_DRAFT_POOL_KEEP of their weight: dropped, they left
-        the large buckets (which draft only where a smaller one measured k paying) plain until the tail measured
-        the new draft again (`tlt bench rl` run L: 25-47% plain steps after each publish, frozen 9-18%)."""
+        """A different draft serves from now on: each speculative arm is tried again `num_retries` times. prior: the
+        new draft's expected gain (its calibrated score; None keeps the prior). Without keep_estimates the old
+        estimates and pooled acceptances are dropped; with it (a draft published for beating the serving one: what
+        the old one measured is a floor) each arm's estimate is kept as one sample and the pools at
+        NEW_DRAFT_POOL_KEEP of their weight (dropped, they left the large buckets plain until the tail measured the
+        new draft again: `tlt bench rl` run L, 25-47% plain steps after each publish, frozen 9-18%)."""
         with self._lock:
             if prior is not None:
                 self.prior = prior
@@ -328,9 +326,7 @@ class DraftLengthTuner(_Meter):
                 keep = NEW_DRAFT_POOL_KEEP if keep_estimates else 0.0
                 b.pooled = {k: [r * keep, t * keep] for k, (r, t) in b.pooled.items()} if keep else {}
                 b.positions = [[r * keep, t * keep] for r, t in b.positions] if keep else []
-                rows = sum(r for r, _ in b.pooled.values())
-                b.acceptance = fit_acceptance({j: (r, t) for j, (r, t) in b.pooled.items()}) \
-                    if rows >= max(self.min_row_samples, 1) else None
+                b.acceptance = self._fit(b)
                 for k, arm in b.arms.items():
                     if k > 0:
                         arm.num_samples = min(arm.num_samples, 1) if keep_estimates else 0
@@ -366,14 +362,20 @@ class DraftLengthTuner(_Meter):
         if k > 0:
             cell = b.pooled.setdefault(k, [0.0, 0.0])
             cell[0], cell[1] = cell[0] + num_rows, cell[1] + num_tokens
-        rows = sum(r for r, _ in b.pooled.values())
-        b.acceptance = fit_acceptance({j: (r, t) for j, (r, t) in b.pooled.items()}) \
-            if rows >= max(self.min_row_samples, 1) else None
+        b.acceptance = self._fit(b)
+
+    def _fit(self, b: _Bucket) -> float | None:
+        """fit_acceptance of the drafting rows, with the prior's acceptance as min_row_samples more rows at k=1
+        (module doc, 2.); without a prior, None until min_row_samples rows have drafted."""
+        m, counts = max(self.min_row_samples, 1), {k: tuple(cell) for k, cell in b.pooled.items()}
+        if self.prior is not None:
+            rows, tokens = counts.get(1, (0.0, 0.0))
+            counts[1] = (rows + m, tokens + m * (1 + self.prior.acceptance))
+        return fit_acceptance(counts) if sum(r for r, _ in counts.values()) >= m else None
 
     def _rate(self, b: _Bucket, k: int) -> float:
-        """Arm k's tokens/s estimate: its rows times the tokens a row emits at k, over its seconds. The tokens: by
-        the per-position acceptance where every position up to k has min_row_samples rows, else by the pooled
-        geometric acceptance; its own EMA of tokens over seconds for plain, or before either is trusted."""
+        """Arm k's tokens/s estimate: its rows times the tokens a row emits at k (by each position's acceptance, shrunk
+        toward the pooled one) over its seconds; its own EMA of tokens over seconds for plain, or without a pool."""
         arm = b.arms[k]
         if k == 0 or arm.seconds <= 0 or b.acceptance is None:
             return arm.rate
