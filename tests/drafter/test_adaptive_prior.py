@@ -37,9 +37,9 @@ def cpu_prior() -> StepCostPrior:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_an_unlucky_start_does_not_leave_a_paying_draft_plain(seed):
-    """A draft that accepts 0.45 per position (k=2 1.6x plain's tokens per step at 1.29x its cost: 1.24x) rejects
-    everything in its first six drafting steps. Ranked by those steps' own tokens, k > 0 looked slower than plain
-    after the forced tries and plain served most of the next 60 steps (seeds 0 and 3: 49 and 51 of 60); with the
+    """A draft that accepts 0.45 per position (k=2 emits 1.65 tokens a step at 1.29x a plain step's cost: 1.28x plain)
+    rejects everything in its first six drafting steps. Ranked by those steps' own tokens, k > 0 looked slower than
+    plain after the forced tries and plain served most of the next 60 steps (seeds 3 and 5: 49 of 60 each); with the
     prior's acceptance counted in as min_row_samples rows, plain serves only its re-measuring runs."""
     chosen = drive(DraftLengthTuner(4, prior=cpu_prior()), random.Random(seed), 80, unlucky=6, acceptance=0.45)
     assert chosen[20:].count(0) <= 12, chosen
