@@ -30,9 +30,10 @@ from bench.gpu_cells import timed, warm_shapes
 from bench.gpu_decode import cell_of, rotated
 from drafter.decode.engine import Engine, Request
 from drafter.decode.sampling import SamplingParams
-from drafter.draft.adaptive import DraftLengthTuner, FixedDraftLength, StepCostPrior
+from drafter.draft.adaptive import DraftLengthTuner, StepCostPrior
 from drafter.draft.combined import CombinedDrafter
 from drafter.draft.eagle import EagleDrafter
+from drafter.draft.meter import FixedDraftLength
 from drafter.model.loading import encode_prompt
 from workers.tasks import make_task
 

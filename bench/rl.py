@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import shutil
 import sys
 import tempfile
 import time
@@ -102,13 +103,14 @@ def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: 
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
     repeat_s: list[float] = []
     stopped_early = None
+    # the jobs' draft stores and checkpoints (hundreds of MB): removed once Ray's workers are gone
+    store_dir = tempfile.mkdtemp(prefix="tlt-bench-rl-")
     # on CUDA, Ray counts the machine's GPUs; on a CPU, a logical one per worker (each pinned to its own cores)
     ray.init(num_cpus=num_workers, num_gpus=num_workers if device == "cpu" else None, namespace=RAY_NAMESPACE,
              include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     try:
         base["gpus_per_worker"] = gpu_share(int(ray.cluster_resources().get("GPU", 0)), num_workers, device)
         with PrivateRedis() as redis_server:
-            store_dir = tempfile.mkdtemp(prefix="tlt-bench-rl-")
             # the warm draft named on the command line is allowed wherever it is (the server's roots bound REST)
             roots = default_roots(store_dir) + ((str(Path(warm_draft).resolve().parent),) if warm_draft else ())
             settings = Settings(redis_url=redis_server.url, store_dir=store_dir, start_ray=False, policy=policy,
@@ -145,6 +147,7 @@ def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: 
             server.thread.join(30)
     finally:
         ray.shutdown()
+        shutil.rmtree(store_dir, ignore_errors=True)
     full = set(arms) == set(ARMS)
     result = {"bench": "rl", "device": device,
               "config": base | {"num_repeats": num_repeats, "arms": arms, "seed": seed, "warm_draft": warm_draft,

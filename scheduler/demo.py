@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 
-from drafter.draft.adaptive import bucket_low_edge
+from drafter.draft.meter import bucket_low_edge
 from scheduler.client import call
 from scheduler.policy import PolicySettings
 from scheduler.served import (
@@ -310,13 +311,13 @@ def run_demo() -> int:
     say("tlt-scheduler demo: RL on SmolLM2-135M-Instruct (longtail task) through the scheduler's REST API, CPU")
     say("(the first run converts the packaged SmolLM2 GGUF once, ~20 s; later runs reuse it)")
     warm_draft = ensure_warm_draft(SPEC["model"], SPEC["task"])  # before Ray: the build has the cores to itself
+    # the jobs' draft stores and checkpoints: removed once Ray's workers are gone
+    store_dir = tempfile.mkdtemp(prefix="tlt-demo-")
     ray.init(num_cpus=NUM_WORKERS, num_gpus=NUM_WORKERS, namespace=RAY_NAMESPACE, include_dashboard=False,
-             log_to_driver=False,
-             ignore_reinit_error=True)
+             log_to_driver=False, ignore_reinit_error=True)
     try:
         with PrivateRedis() as redis_server:
             say(f"private redis-server at {redis_server.url}; local Ray with {NUM_WORKERS} logical GPUs, a core each")
-            store_dir = tempfile.mkdtemp(prefix="tlt-demo-")
             # the shipped drafts' folder is a model root too: the TLT-on job names its warm draft there
             settings = Settings(redis_url=redis_server.url, store_dir=store_dir, start_ray=False, policy=DEMO_POLICY,
                                 watch_tick_s=0.25, model_roots=default_roots(store_dir) + (str(SHIPPED_DRAFTS),))
@@ -338,6 +339,7 @@ def run_demo() -> int:
             server.thread.join(30)
     finally:
         ray.shutdown()
+        shutil.rmtree(store_dir, ignore_errors=True)
     say(f"total demo time {time.perf_counter() - t0:.0f} s")
     return 0 if ok else 1
 

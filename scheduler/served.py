@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from drafter.draft.adaptive import bucket_low_edge
+from drafter.draft.meter import bucket_low_edge
 
 MAX_TAIL_BUCKET = 4  # the tail's buckets: at most this many live rows (issue 40's "buckets of <= 4 live rows")
 

@@ -19,6 +19,7 @@ import logging
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from workers.pinning import pin_process, place_worker, run_at_idle_priority, usable_cores
 from workers.protocol.client import connect
 from workers.protocol.keys import (
     RAY_NAMESPACE,
@@ -50,7 +51,6 @@ class RolloutWorker:
         """On CPU, pin this process to worker `index`'s cores (workers.pinning); on GPU, nothing (its own GPU, or
         its share of one: JobSpec.gpus_per_worker). ValueError if the job's device cannot be had here."""
         from workers.device import job_device
-        from workers.pinning import pin_process, place_worker, usable_cores
 
         if job_device(spec.device).type != "cpu":
             return None
@@ -65,6 +65,9 @@ class RolloutWorker:
         return placement
 
     def _background(self, fn, *args) -> None:
+        """Idle-time work (a lease, a round's scoring); on a CPU at idle priority (workers.pinning)."""
+        if self.placement is not None:
+            fn, args = run_at_idle_priority, (fn, *args)
         task = asyncio.get_running_loop().create_task(asyncio.to_thread(fn, *args))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

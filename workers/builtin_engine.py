@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Any
 from drafter.decode.engine import Engine, EngineStats, Request
 from drafter.decode.sampling import SamplingParams
 from drafter.decode.warmup import warm_up
-from drafter.draft.adaptive import DraftLengthTuner, FixedDraftLength, StepCostPrior
+from drafter.draft.adaptive import DraftLengthTuner, StepCostPrior
 from drafter.draft.combined import CombinedDrafter
 from drafter.draft.eagle import EagleDrafter
 from drafter.draft.head import head_from_state, new_head
 from drafter.draft.history import HistoryDrafter
+from drafter.draft.meter import FixedDraftLength
 from drafter.model.causal_lm import CausalLM
 from drafter.train.buffer import RolloutBuffer
 from workers.engine import (

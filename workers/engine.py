@@ -28,7 +28,7 @@ import torch
 
 from drafter.decode.engine import EngineStats
 from drafter.decode.sampling import SamplingParams
-from drafter.draft.adaptive import FixedDraftLength
+from drafter.draft.meter import FixedDraftLength
 from drafter.train.buffer import RolloutBuffer
 from workers.engines import ENGINES, Speculation, unavailable_reason
 

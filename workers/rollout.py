@@ -41,6 +41,9 @@ from workers.swap import Swapper
 
 log = logging.getLogger(__name__)
 NUM_THREADS = 1  # torch threads per worker: several workers share a CPU box, each pinned to its own cores
+# how long arriving rollouts wait for a lease's trainer or a round's scoring to stop (within a micro-step or a batch:
+# about a second on a CPU, less on a GPU); past it they start anyway
+ROLLOUT_PREEMPT_WAIT_S = 3.0
 BUFFER_BYTES = 256 << 20  # harvested pairs kept per worker: ~2 steps of SmolLM2 rollouts in bf16
 BUFFER_DTYPE = torch.bfloat16  # the features' dtype in the buffer: half float32's bytes, what the trainer reads
 # the prompt tokens a worker's engine is prepared for, beside JobSpec.max_new_tokens (RolloutEngine.warm_up): a
@@ -146,10 +149,13 @@ class RolloutRunner:
         if self.status.state == WorkerState.FAILED:
             raise RuntimeError(f"worker {self.worker_id} has failed: it generates no more")
         self.status.is_generating = True
-        if self.leases.stop():  # rollouts come first: a lease still running here is preempted now
+        # rollouts come first: a lease still running here is preempted now, and a round's scoring (the scheduler has
+        # it scored again elsewhere); waited for, within its next micro-step or batch: on a CPU that work runs at
+        # idle priority (workers.pinning) and would otherwise crawl on beside the rollouts
+        if self.leases.stop(wait_s=ROLLOUT_PREEMPT_WAIT_S):
             log.warning("worker %s: a drafter lease was still training when rollouts arrived; stopped it",
                         self.worker_id)
-        if self.scorer.preempt():  # and a round's scoring, which the scheduler has scored again elsewhere
+        if self.scorer.preempt(wait_s=ROLLOUT_PREEMPT_WAIT_S):
             log.warning("worker %s: a round was still being scored when rollouts arrived; stopped it", self.worker_id)
         self.status.begin_rollout(rl_step, len(prompts))
         start = time.perf_counter()

@@ -57,6 +57,8 @@ class Scorer:
         self.scoring: str | None = None  # the round under scoring
         self._lock = threading.Lock()
         self._stop = threading.Event()  # set by preempt(): the round's scoring ends at its next batch
+        self._done = threading.Event()  # cleared while a round's run() is under way
+        self._done.set()
 
     def accept(self, request: dict) -> ScoringRequest:
         """The request, checked (ValueError naming the field), or ValueError if a round is under scoring."""
@@ -70,19 +72,24 @@ class Scorer:
             self._stop.clear()
         return req
 
-    def preempt(self) -> bool:
+    def preempt(self, wait_s: float = 0.0) -> bool:
         """Rollouts arrived: a round under scoring stops at its next batch and answers `preempted`, so that the
         scheduler has it scored again elsewhere (scoring is idle-time work: it must not slow a rollout, on this
-        worker's cores or GPU). True if a round was under scoring."""
+        worker's cores or GPU); with wait_s > 0, also wait up to that long for it to have ended. True if a round was
+        under scoring."""
         with self._lock:
             if self.scoring is None:
                 return False
             self._stop.set()
-            return True
+        if wait_s > 0:
+            self._done.wait(wait_s)
+        return True
 
     def run(self, req: ScoringRequest) -> ScoringResult:
         """Merge and score an accepted request; the result (or the error) is written and returned."""
         result = ScoringResult(req.round_id, self.status.worker_id)
+        with self._lock:
+            self._done.clear()
         try:
             if self._stop.is_set() or self.status.is_generating:  # asked on an idle record, rollouts came first
                 raise EvaluationStoppedError("rollouts arrived before it began")
@@ -112,6 +119,7 @@ class Scorer:
         finally:
             with self._lock:
                 self.scoring = None
+                self._done.set()
         result = ScoringResult.from_dict(result.to_dict())  # validated as it is written
         self.redis.set(job_scoring_key(self.status.job_id), result.to_json())
         return result

@@ -84,7 +84,7 @@ class EngineStats:
 
 class DraftLengthChooser(Protocol):
     """Chooses each step's draft length from the live batch size and learns from what the step gave
-    (drafter.draft.adaptive.DraftLengthTuner; FixedDraftLength for a fixed k)."""
+    (drafter.draft.adaptive.DraftLengthTuner; drafter.draft.meter.FixedDraftLength for a fixed k)."""
 
     def choose(self, batch_size: int) -> int: ...
     def record(self, batch_size: int, k: int, num_tokens: int, seconds: float, steady: bool = True) -> None: ...

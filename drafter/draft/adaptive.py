@@ -11,10 +11,17 @@ a change of k) and so serves every arm in runs:
        there at once, in the tail too), and only the arms it expects to pay, and plain, are tried in 1.; without a
        prior every eligible arm is;
     1. forced tries: each arm is served in a run until it has `num_tries` steady steps in the bucket;
-    2. then the arm with the best tokens/s estimate serves: an EMA of rows times the tokens a row emits at k over an EMA
-       of seconds, a row's tokens from the bucket's acceptance of each position given the ones before it, over every
-       drafting row of every k (decayed by POOL_DECAY per step: a step costs much the same whatever it accepts, and one
-       at batch 1 emits 1..k+1 tokens by chance, so a per-arm mean needs many steps to tell two arms apart), or one
+    2. then the arm with the best tokens/s estimate serves: the bucket's live rows times the tokens a row emits at k
+       over a step's seconds now, which is the arm's cost times the bucket's level. A step's seconds drift whichever
+       arm serves (the context grows, rows finish: the same bucket's 4 rows and 3 cost nearly alike in bf16 on a
+       CPU), so an arm's seconds from when it last served are no measure against the serving arm's newest: ranked
+       by them, the serving arm looked the slowest after a few steps and the tuner went round its arms in runs of
+       two (an ad hoc trace at 3 rows). So the first RUN_MEASURES steady steps of a run measure the arm's cost
+       against the level (EMAs), and the later ones move the level (the bucket's first steady step sets both): arms
+       are compared by costs measured beside each other. A row's tokens come from the bucket's acceptance of each
+       position given the ones before it, over every drafting row of every k (decayed by POOL_DECAY per step: a step
+       costs much the same whatever it accepts, and one at batch 1 emits 1..k+1 tokens by chance, so a per-arm mean
+       needs many steps to tell two arms apart), or one
        geometric acceptance fitted to the steps' tokens (fit_acceptance) where a position has fewer than
        `min_row_samples` rows, the prior's acceptance counted in as that many rows more (ranked by its first steps' own
        tokens a paying arm could lose to plain after its forced tries and wait out stale_steps: simulated at 0.45
@@ -44,167 +51,17 @@ reports, and no choice reads it (the chooser serves the k the mix of sources pay
 from __future__ import annotations
 
 import math
-import threading
-from dataclasses import dataclass, field
 
+from drafter.draft.meter import BUCKET_EDGES, Bucket, Meter, arms_for, bucket_low_edge, bucket_of
 from drafter.draft.step_model import StepCostPrior, fit_acceptance, tokens_by_position
 
 # the pooled acceptance's memory: each step of a bucket weighs the earlier ones down by this (about the last 128
 # steps speak: acceptance drifts along a response and with the draft's version)
 POOL_DECAY = 1 - 1 / 128
 NEW_DRAFT_POOL_KEEP = 0.25  # the pooled acceptance's weight kept when a new draft serves (new_draft)
-# upper edges of the live-batch-size buckets; past the last one: one bucket "33+"
-BUCKET_EDGES = (1, 2, 4, 8, 16, 32)
-
-
-def bucket_of(batch_size: int) -> str:
-    """'1', '2', '3-4', '5-8', '9-16', '17-32' or '33+'."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    low = 1
-    for edge in BUCKET_EDGES:
-        if batch_size <= edge:
-            return str(edge) if low == edge else f"{low}-{edge}"
-        low = edge + 1
-    return f"{low}+"
-
-
-def bucket_low_edge(bucket: str) -> int:
-    """A bucket's smallest batch size ('3-4' -> 3, '33+' -> 33)."""
-    return int(bucket.split("-")[0].rstrip("+"))
-
-
-def arms_for(k_max: int) -> tuple[int, ...]:
-    """The draft lengths tried: 0, the powers of two below k_max, and k_max (few arms: little to explore)."""
-    if not isinstance(k_max, int) or k_max < 0:
-        raise ValueError(f"k_max must be an int >= 0, got {k_max!r}")
-    return tuple(sorted({0, k_max} | {1 << i for i in range(5) if (1 << i) < k_max}))
-
-
-@dataclass
-class _Arm:
-    tokens: float = 0.0  # EMA of a step's tokens
-    seconds: float = 0.0  # EMA of a step's seconds
-    num_samples: int = 0  # since its estimate was last made stale
-    rows: float = 0.0  # EMA of a step's live rows
-    num_tries_left: int = 0  # forced tries still owed
-    last_step: int = -1  # the bucket step it last served
-    stale_waits: int = 0  # re-measured this many times since it last won: it waits stale_steps << this when it loses
-
-    @property
-    def rate(self) -> float:  # the ratio of the EMAs (a mean of per-step ratios overweights the lucky fast steps)
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-@dataclass
-class _Bucket:
-    arms: dict[int, _Arm]
-    num_steps: int = 0
-    num_explored: int = 0
-    last_k: int | None = None  # the arm served last step
-    run_left: int = 0  # steps the exploring arm still serves in its run
-    totals: dict[int, list[float]] = field(default_factory=dict)  # k -> [tokens, seconds], all time
-    # k -> [steps, live rows] it served, all time: tokens / rows is the bucket's accepted length at k (plain: 1.0)
-    served: dict[int, list[int]] = field(default_factory=dict)
-    # source -> [rows, tokens drafted, drafts accepted] over the steps a drafter of several sources served, all time
-    sources: dict[str, list[int]] = field(default_factory=dict)
-    # k -> [rows, tokens] of the drafting steps, decayed by POOL_DECAY per step of the bucket: what fit_acceptance reads
-    pooled: dict[int, list[float]] = field(default_factory=dict)
-    acceptance: float | None = None  # the pooled acceptance, the prior's counted in (DraftLengthTuner._fit)
-    # position j's [rows that reached it, rows that had it accepted] (record_rows), aged with `pooled`: one acceptance
-    # misreads a draft accepted in stretches (run S: 1.35 per row-step at k=1, 1.60 at k=2, fitted as 1.37 and 1.51)
-    positions: list[list[float]] = field(default_factory=list)
-
-
-class _Meter:
-    """Per (bucket, k) throughput, for reports and benchmarks."""
-
-    def __init__(self, arms: tuple[int, ...], num_tries: int) -> None:
-        self.arms = arms
-        self._num_tries = num_tries
-        self._buckets: dict[str, _Bucket] = {}
-        self._lock = threading.Lock()  # new_draft comes from the swap listener's thread
-
-    def _bucket(self, batch_size: int) -> _Bucket:
-        name = bucket_of(batch_size)
-        b = self._buckets.get(name)
-        if b is None:
-            b = self._buckets[name] = _Bucket({k: _Arm(num_tries_left=self._num_tries) for k in self.arms})
-        return b
-
-    def _count(self, b: _Bucket, batch_size: int, k: int, num_tokens: int, seconds: float) -> None:
-        """Every step, steady or not, in the totals (reports); called with the lock held."""
-        t = b.totals.setdefault(k, [0.0, 0.0])
-        t[0] += num_tokens
-        t[1] += max(seconds, 0.0)
-        n = b.served.setdefault(k, [0, 0])
-        n[0] += 1
-        n[1] += batch_size
-
-    def record_sources(self, batch_size: int, sources: dict[str, tuple[int, int, int]]) -> None:
-        """A step's drafts per source ({source: (rows, tokens drafted, drafts accepted)}, Drafter.step_sources):
-        counted in the bucket's reports only; no choice depends on them."""
-        with self._lock:
-            b = self._bucket(batch_size)
-            for source, (rows, drafted, accepted) in sources.items():
-                cell = b.sources.setdefault(source, [0, 0, 0])
-                cell[0], cell[1], cell[2] = cell[0] + rows, cell[1] + drafted, cell[2] + accepted
-
-    def record_rows(self, batch_size: int, k: int, rows: list[tuple[int, int]]) -> None:
-        """Each live row's (drafts proposed, drafts accepted) in a step at k, after its record: a meter keeps none."""
-
-    def bucket_sources(self) -> dict[str, dict[str, tuple[int, int, int]]]:
-        """{bucket: {source: (rows, tokens drafted, drafts accepted)}} so far (cumulative), where a drafter of several
-        sources served; 1 + accepted / rows is a source's accepted length there."""
-        with self._lock:
-            return {name: {source: tuple(cell) for source, cell in sorted(b.sources.items())}
-                    for name, b in self._buckets.items() if b.sources}
-
-    def bucket_served(self) -> dict[str, dict[int, tuple[float, int, int, float]]]:
-        """{bucket: {k: (tokens, steps, rows, seconds)}} over every step so far (cumulative: take differences):
-        what each draft length served and emitted there, and its seconds; tokens / rows is the accepted length per
-        row-forward, tokens / seconds its rate (what the choice of k is judged by, steady steps or not)."""
-        with self._lock:
-            return {name: {k: (b.totals[k][0], steps, rows, b.totals[k][1])
-                           for k, (steps, rows) in sorted(b.served.items())}
-                    for name, b in self._buckets.items()}
-
-    def bucket_totals(self) -> dict[str, tuple[float, float]]:
-        """{bucket: (tokens, seconds)} over every step so far, whatever k served (cumulative: take differences)."""
-        with self._lock:
-            return {name: (sum(t for t, _ in b.totals.values()), sum(s for _, s in b.totals.values()))
-                    for name, b in self._buckets.items()}
-
-    def throughput(self) -> dict[str, dict[int, float]]:
-        """{bucket: {k: tokens/s over every step it served}}."""
-        with self._lock:
-            return {name: {k: t / s for k, (t, s) in sorted(b.totals.items()) if s > 0}
-                    for name, b in self._buckets.items()}
-
-
-class FixedDraftLength(_Meter):
-    """Always the same k ("always": k = draft_k; "off": k = 0), measured like the tuner's arms."""
-
-    def __init__(self, k: int) -> None:
-        super().__init__(arms_for(k)[-1:], 0)
-        self.k = k
-
-    def choose(self, batch_size: int) -> int:
-        return self.k
-
-    def record(self, batch_size: int, k: int, num_tokens: int, seconds: float, steady: bool = True) -> None:
-        with self._lock:
-            self._count(self._bucket(batch_size), batch_size, k, num_tokens, seconds)
-
-    def new_draft(self, prior: StepCostPrior | None = None) -> None:
-        return None
-
-    def summary(self) -> dict[str, int]:
-        with self._lock:
-            return {name: self.k for name in self._buckets}
-
-
-class DraftLengthTuner(_Meter):
+# a run's first steady steps that measure its arm's cost against the bucket's level; the later ones move the level
+RUN_MEASURES = 2
+class DraftLengthTuner(Meter):
     """Chooses k in arms_for(k_max) per live-batch bucket from measured tokens/s (see the module doc)."""
 
     def __init__(self, k_max: int, *, num_tries: int = 2, min_row_samples: int = 16, num_retries: int = 1,
@@ -250,8 +107,8 @@ class DraftLengthTuner(_Meter):
             return self.arms if every_arm_at_first else (0,)
         if below is None:
             return (0,)
-        plain = below.arms[0].rate
-        return (0, *(k for k in self.arms if k > 0 and below.arms[k].num_samples > 0 and below.arms[k].rate > plain))
+        plain = self._rate(below, 0)
+        return (0, *(k for k in self.arms if k > 0 and below.arms[k].num_samples > 0 and self._rate(below, k) > plain))
 
     def choose(self, batch_size: int) -> int:
         """The draft length for the next step with `batch_size` sequences live."""
@@ -288,7 +145,7 @@ class DraftLengthTuner(_Meter):
             return self._serve(b, best)
 
     @staticmethod
-    def _serve(b: _Bucket, k: int) -> int:
+    def _serve(b: Bucket, k: int) -> int:
         b.arms[k].last_step, b.last_k = b.num_steps, k
         return k
 
@@ -307,8 +164,17 @@ class DraftLengthTuner(_Meter):
                 return  # captured, rebuilt or switched: measured, not learned
             weight = max(self.ema, 1.0 / (arm.num_samples + 1))  # the first samples are averaged, then EMA
             arm.tokens += weight * (num_tokens - arm.tokens)
-            arm.seconds += weight * (seconds - arm.seconds)
             arm.rows += weight * (batch_size - arm.rows)
+            b.rows += (self.ema if b.rows > 0 else 1.0) * (batch_size - b.rows)
+            if k != b.run_k:
+                b.run_k, b.run_steady = k, 0
+            if b.level <= 0:  # the bucket's first steady step: its arm's cost is the unit
+                b.level, arm.cost = seconds, 1.0
+            elif b.run_steady < RUN_MEASURES or arm.num_samples == 0:  # a run's first steps: the arm against the level
+                arm.cost += weight * (seconds / b.level - arm.cost)
+            else:  # a run going on: the level follows the drift, the arms' costs stay as they were measured
+                b.level += self.ema * (seconds / arm.cost - b.level)
+            b.run_steady += 1
             arm.num_samples += 1
             arm.num_tries_left = max(arm.num_tries_left - 1, 0)
 
@@ -332,7 +198,7 @@ class DraftLengthTuner(_Meter):
                         arm.num_samples = min(arm.num_samples, 1) if keep_estimates else 0
                         arm.num_tries_left = max(arm.num_tries_left, self.num_retries)
 
-    def _best(self, b: _Bucket, eligible: tuple[int, ...], batch_size: int) -> int:
+    def _best(self, b: Bucket, eligible: tuple[int, ...], batch_size: int) -> int:
         """The eligible arm with the best tokens/s estimate; ties go to the shorter draft (cheaper). Before any
         is measured: the prior's best (plain without a prior)."""
         measured = [k for k in eligible if b.arms[k].num_samples > 0]
@@ -343,7 +209,7 @@ class DraftLengthTuner(_Meter):
 
     def record_rows(self, batch_size: int, k: int, rows: list[tuple[int, int]]) -> None:
         """Each live row's (drafts proposed, drafts accepted) in a step at k: into the bucket's per-position
-        acceptance (`_Bucket.positions`), which `_rate` prefers once every position up to k has min_row_samples."""
+        acceptance (`Bucket.positions`), which `_rate` prefers once every position up to k has min_row_samples."""
         with self._lock:
             b = self._bucket(batch_size)
             for drafted, accepted in rows if k > 0 else ():
@@ -353,7 +219,7 @@ class DraftLengthTuner(_Meter):
                     b.positions[j][0] += 1
                     b.positions[j][1] += float(accepted > j)
 
-    def _pool(self, b: _Bucket, k: int, num_rows: int, num_tokens: int) -> None:
+    def _pool(self, b: Bucket, k: int, num_rows: int, num_tokens: int) -> None:
         """A step's rows and tokens into the bucket's pooled acceptance (k = 0: none), older steps decayed: every
         step of the bucket ages it, so what a draft accepted before a long run of plain steps fades as the arm's
         other estimates go stale (see `stale_steps`)."""
@@ -364,7 +230,7 @@ class DraftLengthTuner(_Meter):
             cell[0], cell[1] = cell[0] + num_rows, cell[1] + num_tokens
         b.acceptance = self._fit(b)
 
-    def _fit(self, b: _Bucket) -> float | None:
+    def _fit(self, b: Bucket) -> float | None:
         """fit_acceptance of the drafting rows, with the prior's acceptance as min_row_samples more rows at k=1
         (module doc, 2.); without a prior, None until min_row_samples rows have drafted."""
         m, counts = max(self.min_row_samples, 1), {k: tuple(cell) for k, cell in b.pooled.items()}
@@ -373,15 +239,19 @@ class DraftLengthTuner(_Meter):
             counts[1] = (rows + m, tokens + m * (1 + self.prior.acceptance))
         return fit_acceptance(counts) if sum(r for r, _ in counts.values()) >= m else None
 
-    def _rate(self, b: _Bucket, k: int) -> float:
-        """Arm k's tokens/s estimate: its rows times the tokens a row emits at k (by each position's acceptance, shrunk
-        toward the pooled one) over its seconds; its own EMA of tokens over seconds for plain, or without a pool."""
+    def _rate(self, b: Bucket, k: int) -> float:
+        """Arm k's tokens/s estimate now: the bucket's live rows times the tokens a row emits at k (by each position's
+        acceptance, shrunk toward the pooled one; for plain, or without a pool, the arm's own EMA of tokens per row)
+        over a step's seconds at its cost and the bucket's level."""
         arm = b.arms[k]
-        if k == 0 or arm.seconds <= 0 or b.acceptance is None:
-            return arm.rate
-        m, a = max(self.min_row_samples, 1), b.acceptance  # each position's rows, with m of the geometric fit's
-        by_position = [(accepted + m * a) / (rows + m) for rows, accepted in b.positions[:k]]
-        return arm.rows * tokens_by_position(by_position + [a] * (k - len(by_position)), k) / arm.seconds
+        if arm.cost <= 0 or arm.rows <= 0 or b.level <= 0:
+            return 0.0
+        per_row = arm.tokens / arm.rows
+        if k > 0 and b.acceptance is not None:
+            m, a = max(self.min_row_samples, 1), b.acceptance  # each position's rows, with m of the geometric fit's
+            by_position = [(accepted + m * a) / (rows + m) for rows, accepted in b.positions[:k]]
+            per_row = tokens_by_position(by_position + [a] * (k - len(by_position)), k)
+        return b.rows * per_row / (arm.cost * b.level)
 
     def best(self, batch_size: int) -> int:
         with self._lock:

@@ -32,6 +32,11 @@ from drafter.train.unroll import loss_mask, unrolled_predictions
 
 ROW_TOKENS = 256  # pairs per packed row: long responses are cut into chunks of this many
 NUM_ROWS = 4  # rows per batch: bounds the (rows * tokens * vocab) logits held at once
+# positions scored together on a CPU: their policy logits (64 x 49,152 float32 for SmolLM2, 12.6 MB) stay in the
+# cache through the softmax and the draft temperatures' comparisons instead of a batch's 0.2 GB going through memory
+# several times: a scoring round ran 3.6 s instead of 4.8 beside a one-row decode on the other core (session 38;
+# the decode's own slowdown beside it, about 10%, stayed). A GPU scores a whole batch at once
+CPU_CHUNK_POSITIONS = 64
 
 
 # Draft temperatures calibrate_draft_temperature tries: from the head's own distribution to its argmax.
@@ -81,6 +86,35 @@ def acceptance_by_position(head: EagleHead, policy: CausalLM, rollouts: list[Rol
     return torch.where(reached > 0, survived[0] / reached.clamp(min=1e-12), 0.0).tolist()
 
 
+def _alphas(head: EagleHead, feats: torch.Tensor, preds: list[torch.Tensor], lm_full: torch.Tensor, greedy: bool,
+            draft_temperatures: tuple[float, ...]) -> list[list[torch.Tensor]]:
+    """Per draft temperature and draft step s, alpha (R, T-1): the chance that step s's draft at slot j is accepted
+    (see the module's docstring), computed over chunks of slots (CPU_CHUNK_POSITIONS on a CPU)."""
+    R, T1 = feats.shape[0], feats.shape[1] - 1
+    hidden = head.policy_hidden(feats[:, 1:]).reshape(R * T1, -1)  # the policy at slot j
+    drafted = [pred[:, :-1].reshape(R * T1, -1) for pred in preds]
+    vocab_ids = head.vocab_ids
+    out = [[hidden.new_empty(R * T1, dtype=torch.float32) for _ in preds] for _ in draft_temperatures]
+    step = max(R * T1, 1) if hidden.device.type == "cuda" else CPU_CHUNK_POSITIONS
+    for a in range(0, R * T1, step):
+        target_logits = F.linear(hidden[a:a + step], lm_full).float()  # (c, V)
+        if greedy:
+            target_top = target_logits.argmax(-1)
+        else:
+            p_draft_vocab = target_logits.softmax(-1)[:, vocab_ids]  # (c, V')
+        for s, pred in enumerate(drafted):
+            draft_logits = head.logits(pred[a:a + step]).float()  # (c, V')
+            for i, tau in enumerate(draft_temperatures):
+                if greedy:
+                    alpha = (vocab_ids[draft_logits.argmax(-1)] == target_top).float()
+                elif tau == 0:  # the argmax is proposed: accepted with the policy's probability of it
+                    alpha = p_draft_vocab.gather(-1, draft_logits.argmax(-1, keepdim=True)).squeeze(-1)
+                else:
+                    alpha = torch.minimum(p_draft_vocab, (draft_logits / tau).softmax(-1)).sum(-1)
+                out[i][s][a:a + step] = alpha
+    return [[x.view(R, T1) for x in row] for row in out]
+
+
 @torch.no_grad()
 def _survival(head: EagleHead, policy: CausalLM, rollouts: list[Rollout], k: int, greedy: bool,
               draft_temperatures: tuple[float, ...], stop: threading.Event | None = None
@@ -103,7 +137,6 @@ def _survival(head: EagleHead, policy: CausalLM, rollouts: list[Rollout], k: int
     head.eval()
     dtype = head.fc.weight.dtype
     lm_full = policy.lm_head.weight.to(dtype)  # (V, D)
-    vocab_ids = head.vocab_ids
     n = len(draft_temperatures)
     # sums kept on the device and read once at the end: a float() per batch would wait for the device each time
     total = torch.zeros(n, k, dtype=torch.float64, device=device)
@@ -113,27 +146,13 @@ def _survival(head: EagleHead, policy: CausalLM, rollouts: list[Rollout], k: int
             if stop is not None and stop.is_set():
                 raise EvaluationStoppedError("stopped before the last batch: the worker's rollouts came first")
             batch = batch.to(device, dtype)  # packed on the CPU, where the rollouts are
-            feats = batch.feats
             preds = unrolled_predictions(head, policy.embed_tokens, batch, k)
-            # (R, T-1, V): the policy at slot j
-            target_logits = F.linear(head.policy_hidden(feats[:, 1:]), lm_full).float()
-            R, T1 = target_logits.shape[:2]
-            alphas, valid = [[] for _ in range(n)], []
-            if greedy:
-                target_top = target_logits.argmax(-1)
-            else:
-                p_draft_vocab = target_logits.softmax(-1)[..., vocab_ids]  # (R, T-1, V')
-            for s, pred in enumerate(preds):
-                draft_logits = head.logits(pred[:, :-1]).float()  # (R, T-1, V')
-                for i, tau in enumerate(draft_temperatures):
-                    if greedy:
-                        alpha = (vocab_ids[draft_logits.argmax(-1)] == target_top).float()
-                    elif tau == 0:  # the argmax is proposed: accepted with the policy's probability of it
-                        alpha = p_draft_vocab.gather(-1, draft_logits.argmax(-1, keepdim=True)).squeeze(-1)
-                    else:
-                        alpha = torch.minimum(p_draft_vocab, (draft_logits / tau).softmax(-1)).sum(-1)
-                    # re-index by chain start i = j - s
-                    alphas[i].append(torch.cat([alpha[:, s:], alpha.new_zeros(R, s)], dim=1))
+            alphas = _alphas(head, batch.feats, preds, lm_full, greedy, draft_temperatures)  # [tau][s]: (R, T-1)
+            R = alphas[0][0].shape[0]
+            valid = []
+            for s in range(k):
+                for i in range(n):  # re-index by chain start i = j - s
+                    alphas[i][s] = torch.cat([alphas[i][s][:, s:], alphas[i][s].new_zeros(R, s)], dim=1)
                 ok = loss_mask(batch, s, response_only=True)  # the chain's root is in the segment's response
                 valid.append(torch.cat([ok[:, s:], ok.new_zeros(R, s)], dim=1))
             chain_ok = torch.stack(valid).all(0)  # (R, T-1): every draft step of the chain has its target

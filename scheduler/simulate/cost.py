@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from drafter.draft.adaptive import arms_for
+from drafter.draft.meter import arms_for
 from workers.engines import Speculation
 
 
@@ -105,7 +105,7 @@ class StepCost:
 
 def choose_k(cost: StepCost, rows: np.ndarray, ctx: np.ndarray, rate: float, k_max: int,
              speculation: Speculation) -> np.ndarray:
-    """Draft length per segment. adaptive: of the arms the real tuner tries (drafter.draft.adaptive.arms_for), the
+    """Draft length per segment. adaptive: of the arms the real tuner tries (drafter.draft.meter.arms_for), the
     one with the most tokens per second here (the tuner's choice once it has measured every arm; its
     exploration is not modelled); always: k_max; off: 0."""
     if speculation == Speculation.OFF or k_max == 0:

@@ -5,14 +5,19 @@ every step, hot swaps and GRPO updates included, so their ratios compare speed o
 from __future__ import annotations
 
 import json
+import tempfile
 
 from bench.cli import main
 
 
 def test_coupled_arms_generate_the_same_rollouts_at_every_step(tmp_path, monkeypatch):
     monkeypatch.setenv("TLT_CACHE_DIR", str(tmp_path / "cache"))
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where the bench's job stores go
     assert main(["rl", "--size", "smallest", "--coupled", "--steps", "2", "--out-dir", str(tmp_path), "--json"]) == 0
     result = json.loads((tmp_path / "rl.json").read_text())
+    assert not list(scratch.glob("tlt-bench-rl-*"))  # the jobs' stores (hundreds of MB at full size) are gone
     config = result["config"]
     assert config["coupled_sampling"] is True and config["policy_dtype"] == "float32"  # bf16 would part the arms
     assert result["paired_steps"] == {"paired": 2, "steps": 2}, result["steps"]

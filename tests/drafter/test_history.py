@@ -8,12 +8,13 @@ import torch
 
 from drafter.decode.engine import Engine, Request
 from drafter.decode.sampling import BatchSampling, SamplingParams
-from drafter.draft.adaptive import DraftLengthTuner, FixedDraftLength, StepCostPrior
+from drafter.draft.adaptive import DraftLengthTuner, StepCostPrior
 from drafter.draft.combined import CombinedDrafter, SourceChooser
 from drafter.draft.drafters import NgramDrafter
 from drafter.draft.eagle import EagleDrafter
 from drafter.draft.head import EagleHead
 from drafter.draft.history import HistoryDrafter, ResponseStore, SuffixIndex, prompt_key
+from drafter.draft.meter import FixedDraftLength
 from tests.conftest import on, random_prompts
 
 GREEDY = BatchSampling.from_params([SamplingParams()] * 2)

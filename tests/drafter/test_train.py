@@ -162,6 +162,27 @@ def test_acceptance_by_position_multiplies_to_the_expected_accepted_length(struc
             expected_accepted_length(head, model, buffer.rollouts[:16], 4, greedy), rel=1e-6)
 
 
+def test_scoring_in_chunks_of_slots_gives_the_whole_batchs_scores(structured, monkeypatch):
+    """A CPU scores a batch's slots in chunks (so a batch's logits stay in the cache); chunks of 7 slots, which split
+    rows and chains, give every draft temperature the scores of one chunk holding the whole batch."""
+    import drafter.train.evaluate as evaluate
+
+    model, _, buffer, _ = structured
+    head = new_head(model, None, None)
+    DraftTrainer(model, head, offline_cfg(total_steps=20)).train(buffer, max_steps=20)
+    rollouts, temps = buffer.rollouts[:12], (1.0, 0.6, 0.0)
+    scores = {}
+    for chunk in (7, 1 << 30):
+        monkeypatch.setattr(evaluate, "CPU_CHUNK_POSITIONS", chunk)
+        scores[chunk] = (evaluate.expected_accepted_lengths(head, model, rollouts, 4, False, temps),
+                         evaluate.expected_accepted_lengths(head, model, rollouts, 4, True))
+    (sampled, greedy), (sampled_whole, greedy_whole) = scores[7], scores[1 << 30]
+    # equal up to a product's rounding, which may move an argmax near a tie: one chain of hundreds moves the mean
+    # by under 0.01, a chunk scored at the wrong slots by far more
+    assert sampled == pytest.approx(sampled_whole, abs=0.02) and greedy == pytest.approx(greedy_whole, abs=0.02)
+    assert len(set(sampled)) == 3 and all(1 < x < 5 for x in sampled + greedy)  # distinct, non-trivial scores
+
+
 def test_offline_scores_start_chains_where_decoding_drafts_not_inside_the_prompt(structured):
     """Decoding drafts from the prompt's last pair on (the policy emits the first response token there): a chain
     rooted inside the prompt would score guesses of prompt tokens, which no draft ever makes."""

@@ -114,7 +114,9 @@ def test_cancel_a_queued_job_a_restart_keeps_the_queue_and_a_quota_refuses(clust
             assert [r["queue_position"] for r in now][3:] == [1, 2]
             client.post(f"/v1/jobs/{ids[0]}/cancel", headers=AUTH)  # a GPU frees: the first in line starts
             wait_for(lambda: records(client, ids[3:4], AUTH)[0]["state"] == "RUNNING", 120, "the head to start")
-            assert has_driver(ids[3]) and not has_driver(ids[4])
+            # the job goes RUNNING, then its driver is launched: the record can be read between the two
+            wait_for(lambda: has_driver(ids[3]), 30, "the head's driver to be launched")
+            assert not has_driver(ids[4])
             for job_id in ids:
                 client.post(f"/v1/jobs/{job_id}/cancel", headers=AUTH)
             final = records(client, ids, AUTH)

@@ -22,6 +22,7 @@ from scheduler.policy import PolicySettings
 from scheduler.watcher import Watcher
 from tests.scheduler.running import running_job
 from workers.engines import Speculation
+from workers.pinning import IDLE_PRIORITY_ENV
 from workers.protocol.keys import TltField, job_key, job_tlt_key
 from workers.protocol.states import Phase, WorkerState
 from workers.redis_server import PrivateRedis
@@ -40,7 +41,13 @@ POLICY = PolicySettings(min_lease_s=0.05, min_buffer_tokens=16)
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    # Ray starts its workers at nice 15 (raylet's worker_niceness), and a CPU job's leases and scoring run at idle
+    # priority: beside CI's other test process, at nice 0, this job's workers got about 3% of a core and its
+    # second-long tails' leases and scoring next to nothing (no round was scored in one CI run in two). What these
+    # tests check is the watcher's flow, so the workers run at nice 0 and their background work at their own
+    # priority (tests/workers/test_pinning.py checks idle priority and its starvation guard)
+    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
+             _system_config={"worker_niceness": 0}, runtime_env={"env_vars": {IDLE_PRIORITY_ENV: "0"}})
     store_dir = str(tmp_path_factory.mktemp("drafts"))
     cfg = dataclasses.replace(PRESETS["tiny"], eos_token_ids=(0,), vocab_size=256, max_position=1024)
     model_dir = tmp_path_factory.mktemp("models") / "tiny-eos"
