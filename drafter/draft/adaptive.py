@@ -61,6 +61,8 @@ POOL_DECAY = 1 - 1 / 128
 NEW_DRAFT_POOL_KEEP = 0.25  # the pooled acceptance's weight kept when a new draft serves (new_draft)
 # a run's first steady steps that measure its arm's cost against the bucket's level; the later ones move the level
 RUN_MEASURES = 2
+
+
 class DraftLengthTuner(Meter):
     """Chooses k in arms_for(k_max) per live-batch bucket from measured tokens/s (see the module doc)."""
 
