@@ -94,13 +94,18 @@ class DraftLengthChooser(Protocol):
 
 
 class Engine:
-    def __init__(self, model: CausalLM, tokenizer=None, static: bool | None = None) -> None:
+    def __init__(self, model: CausalLM, tokenizer=None, static: bool | None = None,
+                 keep_buckets: bool | None = None) -> None:
         """static: run the policy on drafter.decode.static's path (static KV cache, bucketed batches, CUDA graphs on a
         GPU) instead of the eager one. None: the static path wherever it applies, which is every call on a GPU
         and, on a CPU, every call that drafts no tree: there its GEMMs on oneDNN's packed weights and its lean
         layer beat the eager path's ops (docs/benchmarks.md, "Engine"). The static path drafts chains only;
-        draft trees run on the eager path."""
-        self.model, self.tokenizer, self.prefer_static = model, tokenizer, static
+        draft trees run on the eager path.
+        keep_buckets: on the static path a batch keeps its bucket while rows finish (a finished row masked until the
+        live rows fit a smaller bucket), as graphs captured per bucket need. None: where its forwards replay CUDA
+        graphs; uncaptured (a CPU) a masked row is compute for nothing, so the batch drops each finished row at once
+        (`keeps_bucket`)."""
+        self.model, self.tokenizer, self.prefer_static, self.prefer_keep = model, tokenizer, static, keep_buckets
         self.static = True if static is None else bool(static)  # the path of the latest call
         self.runner: StaticRunner | None = None
         self.stats = EngineStats()
@@ -124,6 +129,17 @@ class Engine:
         runner.check_weights()
         runner.cache.num_used = 0
         return runner
+
+    @property
+    def keeps_bucket(self) -> bool:
+        """Whether the latest call's batch keeps its bucket while rows finish (keep_buckets; by default where its
+        forwards replay CUDA graphs captured per bucket). Uncaptured, a masked row costs a live row's compute, and a
+        CPU's forward grows with its rows from a few up (docs/benchmarks.md, "Finished rows on a CPU")."""
+        if not self.static:
+            return False
+        if self.prefer_keep is not None:
+            return self.prefer_keep
+        return self.runner is not None and self.runner.cuda_graphs
 
     def shapes_seen(self, drafter: Drafter | None) -> tuple[int, int]:
         """(captures, rebuilds) so far, the engine's and the drafter's: a step that changes them was not steady."""
@@ -233,8 +249,9 @@ class Engine:
                 keep = [j for j in range(len(batch)) if not batch[j].finish_reason]
                 if not keep:
                     break
-                # the static path keeps its bucket (a finished row is masked) until the live rows fit a smaller one
-                if not self.static or batch_bucket(len(keep)) < batch_bucket(len(batch)):
+                # a captured path keeps its bucket (a finished row is masked) until the live rows fit a smaller one;
+                # uncaptured (a CPU's static path, the eager one) a masked row is compute for nothing: compact now
+                if not self.keeps_bucket or batch_bucket(len(keep)) < batch_bucket(len(batch)):
                     order, alive, kept = self._compact(order, keep, cache, drafter)
                     sampling, last_ids = sampling.select(kept), last_ids.index_select(0, to_device(kept, device))
                     num_finished = 0

@@ -74,19 +74,28 @@ def test_a_second_generate_of_the_same_sizes_captures_and_rebuilds_nothing(model
     assert len({len(o.token_ids) for o in plain}) == min(batch, 4)  # rows did finish at different steps
 
 
-def test_the_batch_keeps_its_bucket_until_half_its_rows_finish(model_and_head, device):
-    """9-16 rows run in bucket 16: a finished row is masked, not compacted away, until the live rows fit 8."""
+@pytest.mark.parametrize("keep_buckets", [None, True])
+def test_the_batch_keeps_its_bucket_until_half_its_rows_finish_where_graphs_need_it(model_and_head, device,
+                                                                                    keep_buckets):
+    """9-16 rows run in bucket 16: where graphs are captured (keep_buckets None on CUDA, or True) a finished row is
+    masked, not compacted away, until the live rows fit 8; uncaptured (None on a CPU) each finished row goes at once.
+    Either way the outputs are plain decoding's."""
     model, head = model_and_head
-    engine = Engine(copy.deepcopy(model).to(device), static=True)
+    engine = Engine(copy.deepcopy(model).to(device), static=True, keep_buckets=keep_buckets)
     drafter = EagleDrafter(engine.model, copy.deepcopy(head).to(device), static=True)
+    requests = _requests(16, model.cfg.vocab_size)
+    plain = engine.generate(requests)
     kept = []
     original = drafter.keep_rows
     drafter.keep_rows = lambda rows: (kept.append(len(rows)), original(rows))[1]
-    outs = engine.generate(_requests(16, model.cfg.vocab_size), k=3, drafter=drafter)
+    outs = engine.generate(requests, k=3, drafter=drafter)
     # caps 6, 11, 16, 21 per quarter: 12 live after the first quarter finishes (bucket 16 kept), 8 after the
     # second (bucket 8: compacted once), 4 after the third (bucket 4: once more)
-    assert kept == [8, 4]
+    keeps = keep_buckets if keep_buckets is not None else torch.device(device).type == "cuda"
+    assert engine.keeps_bucket == keeps
+    assert kept == ([8, 4] if keeps else [12, 8, 4])
     assert sorted({len(o.token_ids) for o in outs}) == [6, 11, 16, 21]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
 
 
 def test_switching_between_plain_and_speculation_is_exact_and_cheap(model_and_head, device):
