@@ -13,7 +13,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
@@ -24,6 +23,7 @@ from drafter.decode.static import ShapeCounts, StaticRunner, batch_bucket, slot_
 from drafter.decode.tree import Tree, compact_path, tree_attention, verify_tree
 from drafter.decode.verify_graphs import VerifyGraphs
 from drafter.draft.drafters import Drafter, widen
+from drafter.draft.meter import DraftLengthChooser
 from drafter.model.causal_lm import CausalLM, draft_features
 from drafter.model.config import check_aux_layer_ids, default_aux_layer_ids
 
@@ -82,17 +82,6 @@ class EngineStats:
         return self.num_generated / self.generate_seconds if self.generate_seconds > 0 else 0.0
 
 
-class DraftLengthChooser(Protocol):
-    """Chooses each step's draft length from the live batch size and learns from what the step gave
-    (drafter.draft.adaptive.DraftLengthTuner; drafter.draft.meter.FixedDraftLength for a fixed k)."""
-
-    def choose(self, batch_size: int) -> int: ...
-    def record(self, batch_size: int, k: int, num_tokens: int, seconds: float, steady: bool = True) -> None: ...
-    def record_rows(self, batch_size: int, k: int, rows: list[tuple[int, int]]) -> None: ...  # (drafted, accepted)
-    def record_sources(self, batch_size: int, sources: dict[str, tuple[int, int, int]]) -> None:
-        """What each draft source of the step drafted and had accepted (Drafter.step_sources): reports only."""
-
-
 class Engine:
     def __init__(self, model: CausalLM, tokenizer=None, static: bool | None = None,
                  keep_buckets: bool | None = None) -> None:
@@ -100,11 +89,7 @@ class Engine:
         GPU) instead of the eager one. None: the static path wherever it applies, which is every call on a GPU
         and, on a CPU, every call that drafts no tree: there its GEMMs on oneDNN's packed weights and its lean
         layer beat the eager path's ops (docs/benchmarks.md, "Engine"). The static path drafts chains only;
-        draft trees run on the eager path.
-        keep_buckets: on the static path a batch keeps its bucket while rows finish (a finished row masked until the
-        live rows fit a smaller bucket), as graphs captured per bucket need. None: where its forwards replay CUDA
-        graphs; uncaptured (a CPU) a masked row is compute for nothing, so the batch drops each finished row at once
-        (`keeps_bucket`)."""
+        draft trees run on the eager path. keep_buckets: see `keeps_bucket` (None: where graphs are captured)."""
         self.model, self.tokenizer, self.prefer_static, self.prefer_keep = model, tokenizer, static, keep_buckets
         self.static = True if static is None else bool(static)  # the path of the latest call
         self.runner: StaticRunner | None = None
@@ -132,14 +117,13 @@ class Engine:
 
     @property
     def keeps_bucket(self) -> bool:
-        """Whether the latest call's batch keeps its bucket while rows finish (keep_buckets; by default where its
-        forwards replay CUDA graphs captured per bucket). Uncaptured, a masked row costs a live row's compute, and a
-        CPU's forward grows with its rows from a few up (docs/benchmarks.md, "Finished rows on a CPU")."""
-        if not self.static:
-            return False
-        if self.prefer_keep is not None:
+        """Whether the latest call's batch keeps its bucket while rows finish (a finished row masked until the live
+        rows fit a smaller one), as graphs captured per bucket need: keep_buckets, or where its forwards replay CUDA
+        graphs. Uncaptured (a CPU) a masked row costs a live row's compute: each goes at once (docs/benchmarks.md,
+        "Finished rows on a CPU")."""
+        if self.static and self.prefer_keep is not None:
             return self.prefer_keep
-        return self.runner is not None and self.runner.cuda_graphs
+        return self.static and self.runner is not None and self.runner.cuda_graphs
 
     def shapes_seen(self, drafter: Drafter | None) -> tuple[int, int]:
         """(captures, rebuilds) so far, the engine's and the drafter's: a step that changes them was not steady."""
@@ -249,8 +233,6 @@ class Engine:
                 keep = [j for j in range(len(batch)) if not batch[j].finish_reason]
                 if not keep:
                     break
-                # a captured path keeps its bucket (a finished row is masked) until the live rows fit a smaller one;
-                # uncaptured (a CPU's static path, the eager one) a masked row is compute for nothing: compact now
                 if not self.keeps_bucket or batch_bucket(len(keep)) < batch_bucket(len(batch)):
                     order, alive, kept = self._compact(order, keep, cache, drafter)
                     sampling, last_ids = sampling.select(kept), last_ids.index_select(0, to_device(kept, device))

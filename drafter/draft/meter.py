@@ -1,16 +1,28 @@
 """What every draft-length chooser measures, per live-batch-size bucket: the tokens, seconds, steps and rows each
 draft length k served (reports and benchmarks), the state the adaptive tuner keeps beside them per bucket (`Bucket`,
 `Arm`: drafter.draft.adaptive reads and writes it), and the chooser that always serves one k (`FixedDraftLength`: the
-tuner's baselines). Pure Python: no torch."""
+tuner's baselines); `DraftLengthChooser`, what the engine asks of any chooser. Pure Python: no torch."""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from drafter.draft.step_model import StepCostPrior
+
+
+class DraftLengthChooser(Protocol):
+    """Chooses each step's draft length from the live batch size and learns from what the step gave
+    (drafter.draft.adaptive.DraftLengthTuner; FixedDraftLength, below, for a fixed k)."""
+
+    def choose(self, batch_size: int) -> int: ...
+    def record(self, batch_size: int, k: int, num_tokens: int, seconds: float, steady: bool = True) -> None: ...
+    def record_rows(self, batch_size: int, k: int, rows: list[tuple[int, int]]) -> None: ...  # (drafted, accepted)
+    def record_sources(self, batch_size: int, sources: dict[str, tuple[int, int, int]]) -> None:
+        """What each draft source of the step drafted and had accepted (Drafter.step_sources): reports only."""
+
 
 # upper edges of the live-batch-size buckets; past the last one: one bucket "33+"
 BUCKET_EDGES = (1, 2, 4, 8, 16, 32)
