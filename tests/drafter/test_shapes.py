@@ -89,8 +89,8 @@ def test_the_batch_keeps_its_bucket_until_half_its_rows_finish_where_graphs_need
     original = drafter.keep_rows
     drafter.keep_rows = lambda rows: (kept.append(len(rows)), original(rows))[1]
     outs = engine.generate(requests, k=3, drafter=drafter)
-    # caps 6, 11, 16, 21 per quarter: 12 live after the first quarter finishes (bucket 16 kept), 8 after the
-    # second (bucket 8: compacted once), 4 after the third (bucket 4: once more)
+    # caps 6, 11, 16, 21 per quarter: 12 live after the first quarter finishes (bucket 16: kept where graphs need
+    # it, else compacted), 8 after the second (bucket 8: compacted), 4 after the third (bucket 4: once more)
     keeps = keep_buckets if keep_buckets is not None else torch.device(device).type == "cuda"
     assert engine.keeps_bucket == keeps
     assert kept == ([8, 4] if keeps else [12, 8, 4])
