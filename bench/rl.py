@@ -152,8 +152,10 @@ def bench_rl(*, num_steps: int = 3, num_repeats: int = 2, num_prompts_per_step: 
     result = {"bench": "rl", "device": device,
               "config": base | {"num_repeats": num_repeats, "arms": arms, "seed": seed, "warm_draft": warm_draft,
                                 "max_seconds": max_seconds, "policy": dataclasses.asdict(policy),
-                                # what the workers served (auto resolves per device: workers.device.policy_dtype)
-                                "policy_dtype_served": str(served_dtype(policy_dtype, device)).removeprefix("torch.")},
+                                # what the workers served (auto resolves per device and, for coupled jobs, per
+                                # CPU kernel: workers.device.policy_dtype)
+                                "policy_dtype_served": str(served_dtype(policy_dtype, device, coupled)).removeprefix(
+                                    "torch.")},
               **(figures(runs) if full else partial_figures(runs)),
               "steps": {ARMS[arm]: [[step_row(s, reclaimed_of(r, s["rl_step"])) for s in r["steps"]] for r in rs]
                         for arm, rs in runs.items()},
@@ -320,7 +322,8 @@ def add_arguments(p) -> None:
     p.add_argument("--coupled", action="store_true", help="every arm samples coupled (JobSpec.coupled_sampling: "
                    "Gumbel-max keyed by seed and position), so the arms of a repeat generate the same rollouts and "
                    "the ratios compare speed on identical work; drafts are accepted less often than by default. "
-                   "The policy serves float32 unless --policy-dtype says otherwise (in bf16 the arms' samples part)")
+                   "The policy serves bf16 only on a CPU whose bf16 GEMMs keep each row's bits in row blocks (float32 "
+                   "elsewhere, where bf16 samples would part) unless --policy-dtype says otherwise")
 
 
 def run(args) -> dict:
@@ -331,8 +334,8 @@ def run(args) -> dict:
                          "with --device cuda; on a CPU, --size smallest --policy-dtype bfloat16 runs its path")
     size = SIZES[args.size]
     opt = {key: size[key] if getattr(args, key) is None else getattr(args, key) for key in FULL}
-    if args.coupled and args.policy_dtype is None:  # bf16 logits differ between a verify and a plain forward
-        opt["policy_dtype"] = "float32"  # enough to move coupled samples (drafter.decode.coupled): no pairs
+    if args.coupled and args.policy_dtype is None:  # auto, as coupled jobs resolve it: bf16 only where a verify's
+        opt["policy_dtype"] = "auto"  # logits are plain decoding's to the bit (workers.device.policy_dtype)
     bases = {"smallest": WarmRecipe(), "gpu": GPU_RECIPE}
     recipe = dataclasses.replace(bases[args.size], **RECIPES[args.size]) if args.size in RECIPES else None
     policy = None

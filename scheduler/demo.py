@@ -44,11 +44,11 @@ REPORT_DIR = "artifacts/demo-report"
 # one micro-step of 256 pairs takes ~1 s on a CPU core: leases of a few seconds still train.
 # Coupled sampling (JobSpec.coupled_sampling): both jobs generate the same rollouts, so their rollout times differ
 # by the drafter and the machine alone, not by how long two jobs' T=1 samples happened to be (the demo's claims
-# before session 34 were judged against that spread); it needs the workers' policy in float32 (in bf16 a verify
-# forward's logits part from a one-token forward's, and the samples with them: docs/benchmarks.md, "Paired arms")
+# before session 34 were judged against that spread). policy_dtype auto: for coupled jobs bf16 only where a
+# verify's logits are plain decoding's to the bit (workers.device.policy_dtype; an AMX Xeon), float32 elsewhere
 SPEC = {"model": "smollm2-135m", "task": "longtail", "num_steps": NUM_STEPS, "num_prompts_per_step": 10,
         "group_size": 4, "max_new_tokens": 512, "num_workers": NUM_WORKERS, "draft_k": 4, "seed": 0,
-        "policy_dtype": "float32", "coupled_sampling": True, "drafter": {"num_rows": 1, "max_tokens_per_row": 256}}
+        "policy_dtype": "auto", "coupled_sampling": True, "drafter": {"num_rows": 1, "max_tokens_per_row": 256}}
 # CPU steps are tens of seconds and a worker's share is 2 responses: accept shorter leases and smaller
 # buffers than the GPU-sized defaults (5 s, 512 tokens), or nothing would be reclaimed here
 DEMO_POLICY = PolicySettings(min_lease_s=2.0, min_buffer_tokens=128)

@@ -42,10 +42,13 @@ def job_device(setting: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def policy_dtype(setting: str, device: torch.device | str) -> torch.dtype:
+def policy_dtype(setting: str, device: torch.device | str, coupled: bool = False) -> torch.dtype:
     """The precision `setting` (JobSpec.policy_dtype) means for a policy copy on `device`: auto is bfloat16 where
     the device runs bf16 matmuls natively (a CUDA GPU with bf16, a CPU with AVX512-BF16 or AMX:
     drafter.model.causal_lm.fast_bf16), float32 elsewhere (torch emulates bf16 there, slower than float32).
+    coupled (JobSpec.coupled_sampling): auto is bfloat16 only on a CPU whose bf16 GEMMs compute a row alike in
+    blocks of rows (drafter.decode.projections.row_block: a verify's logits are then plain decoding's to the bit,
+    so coupled samples stay paired), float32 elsewhere (in bf16 they would part within tens of tokens).
     ValueError for anything not in POLICY_DTYPES."""
     if setting not in POLICY_DTYPES:
         raise ValueError(f"policy_dtype must be one of {', '.join(POLICY_DTYPES)}, got {setting!r}")
@@ -53,6 +56,23 @@ def policy_dtype(setting: str, device: torch.device | str) -> torch.dtype:
 
     from drafter.model.causal_lm import fast_bf16
 
+    if setting == "auto" and coupled:
+        return torch.bfloat16 if torch.device(device).type == "cpu" and bf16_rows_exact() else torch.float32
     if setting == "auto":
         return torch.bfloat16 if fast_bf16(device) else torch.float32
     return getattr(torch, setting)
+
+
+# the GEMM shape bf16_rows_exact probes: one of a small policy's (SmolLM2-135M's o_proj is 576 x 576, its MLP's 1536)
+ROWS_PROBE_SHAPE = (1536, 576)
+
+
+def bf16_rows_exact() -> bool:
+    """Whether this CPU has bf16 units and its oneDNN bf16 GEMMs keep a row's bits in blocks of several rows
+    (drafter.decode.projections.row_block, on ROWS_PROBE_SHAPE; cached per process)."""
+    import torch
+
+    from drafter.decode.projections import row_block
+    from drafter.model.causal_lm import fast_bf16, onednn_serves
+
+    return fast_bf16("cpu") and onednn_serves(torch.bfloat16) and row_block(torch.bfloat16, *ROWS_PROBE_SHAPE) > 0

@@ -285,7 +285,8 @@ class Driver:
         here = ray.get_runtime_context().get_node_id()
         # in the workers' precision (JobSpec.policy_dtype; auto as this process's device resolves it: a worker whose
         # device resolves it otherwise casts what it loads): a bf16 sync moves half the bytes
-        state = cast_state(self.policy.state_dict(), policy_dtype(self.spec.policy_dtype, self.device))
+        state = cast_state(self.policy.state_dict(),
+                           policy_dtype(self.spec.policy_dtype, self.device, self.spec.coupled_sampling))
         sources = {}
         if any(node == here for node in nodes.values()):
             message = self.policy_files.write(state, self.policy_version)

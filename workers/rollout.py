@@ -69,7 +69,8 @@ class RolloutRunner:
         torch.set_num_threads(num_threads)
         self.device = job_device(spec.device)  # its GPU under Ray (num_gpus), where the engine and leases run
         # the policy copy it serves, in JobSpec.policy_dtype (the driver's learner keeps float32)
-        loaded = load_model(spec.model, dtype=policy_dtype(spec.policy_dtype, self.device), device=self.device)
+        loaded = load_model(spec.model, dtype=policy_dtype(spec.policy_dtype, self.device, spec.coupled_sampling),
+                            device=self.device)
         self.policy = loaded.model
         self.engine = build_engine(spec, loaded, num_threads)
         self.harvests = harvest_in_engine and self.engine.harvests_pairs

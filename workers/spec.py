@@ -120,7 +120,9 @@ class JobSpec(BaseModel):
         "the precision of the policy copy each rollout worker serves, drafts against and trains the drafter "
         "against. float32: exact, and on CPUs without native bf16 (most: torch emulates it) the faster; bfloat16: "
         "half the weight bytes per decode step and per weight sync, as RL rollouts on GPUs run; auto: bfloat16 "
-        "where the worker's device runs bf16 natively (a GPU, a CPU with AVX512-BF16 or AMX), else float32 "
+        "where the worker's device runs bf16 natively (a GPU, a CPU with AVX512-BF16 or AMX), else float32; "
+        "with coupled_sampling, bfloat16 only on a CPU whose bf16 GEMMs keep each row's bits in blocks of rows "
+        "(a verify's logits are then plain decoding's to the bit), else float32 "
         "(workers.device.policy_dtype). The learner (log-probs, the GRPO update) keeps float32 weights either way: "
         "an update of lr 1e-5 is below bf16's resolution, and would be lost"))
     gpus_per_worker: float = Field(1.0, gt=0, le=1, description=(

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from drafter.decode.capture import capture
+from drafter.decode.projections import decode_row_block, project, project_into
 from drafter.model.causal_lm import CausalLM, PackedWeight, draft_features, onednn_serves
 from drafter.model.config import ModelConfig
 
@@ -170,24 +171,6 @@ class LayerWeights:
     packed: tuple[PackedWeight, PackedWeight, PackedWeight, PackedWeight]  # qkv, o, gate_up, down: the modules'
 
 
-def project(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight,
-            onednn: bool) -> torch.Tensor:
-    """h (N, in) @ weight.T + bias -> (N, out), one op: oneDNN's GEMM on pre-packed weights on a CPU
-    (flat in N where MKL's grows, drafter.model.causal_lm.linear), else F.linear."""
-    if onednn:
-        return torch.ops.mkldnn._linear_pointwise(h, packed.get(weight), bias, "none", [], "")
-    return F.linear(h, weight, bias)
-
-
-def project_into(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor,
-                 packed: PackedWeight, onednn: bool) -> torch.Tensor:
-    """The residual stream plus a projection, x + h @ weight.T, one op: in place on a GPU (addmm_: a captured
-    graph's stream stays put), on a CPU oneDNN's GEMM with the add fused."""
-    if onednn:
-        return torch.ops.mkldnn._linear_pointwise.binary(h, x, packed.get(weight), None, "add")
-    return x.addmm_(h, weight_t)
-
-
 class StaticCache:
     """A static path's KV cache (the policy's, or a draft head's with one layer), with what the engine asks of
     a cache: per-row lengths, the slot capacity, and dropping finished rows (in place: captured graphs hold
@@ -246,6 +229,9 @@ class StaticRunner:
             raise ValueError("cuda_graphs needs a model on a CUDA device")
         # a CPU's GEMMs on oneDNN's packed weights, as the eager path's Linear layers (drafter.model.causal_lm.linear)
         self.onednn = device.type == "cpu" and onednn_serves(dtype)
+        # decode steps' GEMMs in blocks of rows the CPU computes row by row exactly (drafter.decode.projections): a
+        # verify's logits are then plain decoding's to the bit; 0: nothing split
+        self.row_block = decode_row_block(model) if self.onednn else 0
         self.cache = StaticCache(c, c.num_layers, batch_bucket(max_batch), max_len, dtype, device)
         B, T = self.cache.max_batch, MAX_GRAPH_TOKENS
         self.ids = torch.zeros(B * T, dtype=torch.long, device=device)  # graph inputs, (bucket * tokens) used
@@ -307,6 +293,7 @@ class StaticRunner:
             mask = fold_mask(mask, H // Hkv)
         rows = self.rows[:B].view(B, 1)
         onednn = self.onednn and not torch.is_grad_enabled()
+        block = self.row_block if onednn and T <= MAX_GRAPH_TOKENS and logits_for != "none" else 0  # not prefills
         x = model.embed_tokens(ids)  # (B*T, hidden): the residual stream stays 2-D, updated in place
         kept = {}
         wanted = set(aux or ())
@@ -315,21 +302,22 @@ class StaticRunner:
                 kept[i], x = x, x.clone()  # the layers below add into x in place
             p_qkv, p_o, p_gate_up, p_down = w.packed
             h = F.rms_norm(x, (x.shape[-1],), w.in_norm, eps)
-            out = attend(project(h, w.qkv, w.qkv_bias, p_qkv, onednn), (cos, sin), self.rotate, cache_l, keys,
-                         values, rows, positions, mask, (H, Hkv, D))  # (B*T, H*D)
-            x = project_into(x, out, w.o, w.o_t, p_o, onednn)  # residual += o_proj(out)
+            qkv = project(h, w.qkv, w.qkv_bias, p_qkv, onednn, block)
+            out = attend(qkv, (cos, sin), self.rotate, cache_l, keys, values, rows, positions, mask,
+                         (H, Hkv, D))  # (B*T, H*D)
+            x = project_into(x, out, w.o, w.o_t, p_o, onednn, block)  # residual += o_proj(out)
             h = F.rms_norm(x, (x.shape[-1],), w.post_norm, eps)
-            gate, up = project(h, w.gate_up, None, p_gate_up, onednn).chunk(2, dim=-1)
-            x = project_into(x, F.silu(gate) * up, w.down, w.down_t, p_down, onednn)  # residual += down_proj
+            gate, up = project(h, w.gate_up, None, p_gate_up, onednn, block).chunk(2, dim=-1)
+            x = project_into(x, F.silu(gate) * up, w.down, w.down_t, p_down, onednn, block)  # += down_proj
         if len(self.weights) in wanted:
             kept[len(self.weights)] = x
         hidden = model.norm(x)
+        head = model.lm_head
         if logits_for == "none":
             logits = None
-        elif logits_for == "last":
-            logits = model.lm_head(hidden.view(B, T, -1)[:, -1])
         else:
-            logits = model.lm_head(hidden)
+            h = hidden.view(B, T, -1)[:, -1] if logits_for == "last" else hidden
+            logits = project(h, head.weight, head.bias, head._packed, onednn, block) if block else head(h)
         if aux is not None:
             hidden = draft_features(hidden, torch.cat([kept[i] for i in aux], dim=-1))
         return logits, hidden
