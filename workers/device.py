@@ -63,16 +63,14 @@ def policy_dtype(setting: str, device: torch.device | str, coupled: bool = False
     return getattr(torch, setting)
 
 
-# the GEMM shape bf16_rows_exact probes: one of a small policy's (SmolLM2-135M's o_proj is 576 x 576, its MLP's 1536)
-ROWS_PROBE_SHAPE = (1536, 576)
-
-
 def bf16_rows_exact() -> bool:
-    """Whether this CPU has bf16 units and its oneDNN bf16 GEMMs keep a row's bits in blocks of several rows
-    (drafter.decode.projections.row_block, on ROWS_PROBE_SHAPE; cached per process)."""
+    """Whether this CPU has bf16 units and its static-path decode steps in bf16 give a verify's logits plain
+    decoding's bits: a 2-layer random model of SmolLM2-135M's shapes verifies 17 rows x 4 tokens against the same
+    tokens decoded one at a time over another slot bucket (drafter.decode.projections.verify_is_plain; about 1 s,
+    once per process)."""
     import torch
 
-    from drafter.decode.projections import row_block
+    from drafter.decode.projections import verify_is_plain
     from drafter.model.causal_lm import fast_bf16, onednn_serves
 
-    return fast_bf16("cpu") and onednn_serves(torch.bfloat16) and row_block(torch.bfloat16, *ROWS_PROBE_SHAPE) > 0
+    return fast_bf16("cpu") and onednn_serves(torch.bfloat16) and verify_is_plain(torch.bfloat16)

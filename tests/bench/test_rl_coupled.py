@@ -8,6 +8,7 @@ import json
 import tempfile
 
 from bench.cli import main
+from workers.device import policy_dtype
 
 
 def test_coupled_arms_generate_the_same_rollouts_at_every_step(tmp_path, monkeypatch):
@@ -19,7 +20,9 @@ def test_coupled_arms_generate_the_same_rollouts_at_every_step(tmp_path, monkeyp
     result = json.loads((tmp_path / "rl.json").read_text())
     assert not list(scratch.glob("tlt-bench-rl-*"))  # the jobs' stores (hundreds of MB at full size) are gone
     config = result["config"]
-    assert config["coupled_sampling"] is True and config["policy_dtype"] == "float32"  # bf16 would part the arms
+    # auto, as coupled jobs resolve it: bf16 only where a verify's logits are plain decoding's to the bit
+    assert config["coupled_sampling"] is True and config["policy_dtype"] == "auto"
+    assert config["policy_dtype_served"] == str(policy_dtype("auto", "cpu", coupled=True)).removeprefix("torch.")
     assert result["paired_steps"] == {"paired": 2, "steps": 2}, result["steps"]
     tokens = {arm: [s["response_lengths"] for s in runs[0]] for arm, runs in result["steps"].items()}
     assert tokens["plain"] == tokens["frozen"] == tokens["tlt"]

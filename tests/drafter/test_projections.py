@@ -7,17 +7,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.decode.projections import MIN_ROW_BLOCK, ROW_PROBE_MAX, decode_row_block, project, row_block
-from drafter.decode.static import StaticRunner
+from drafter.decode.projections import (
+    MIN_ROW_BLOCK,
+    ROW_PROBE_MAX,
+    SMOLLM2_SHAPES,
+    decode_row_block,
+    project,
+    row_block,
+    verify_and_one_at_a_time,
+    verify_is_plain,
+)
 from drafter.model.causal_lm import PackedWeight, onednn_serves
 from drafter.model.config import ModelConfig
 from drafter.model.loading import random_model
-from workers.device import ROWS_PROBE_SHAPE, bf16_rows_exact, policy_dtype
+from workers.device import bf16_rows_exact, policy_dtype
 
 DTYPES = [torch.float32, torch.bfloat16]
-# SmolLM2-135M's layer shapes (its GEMMs' kernels are the shapes'), two layers and a small vocabulary
-SMOLLM2_SHAPES = ModelConfig(vocab_size=512, hidden_size=576, intermediate_size=1536, num_layers=2, num_heads=9,
-                             num_kv_heads=3, head_dim=64, max_position=512)
+SHAPE = (SMOLLM2_SHAPES["intermediate_size"], SMOLLM2_SHAPES["hidden_size"])  # a GEMM shape to probe
 
 
 def first_parting_rows(dtype: torch.dtype, out_features: int, in_features: int) -> int | None:
@@ -38,15 +44,15 @@ def test_a_row_block_keeps_every_rows_bits_and_blocked_projections_do_too(dtype)
     more rows in blocks is each row alone too; 0 only where the kernel parts rows below MIN_ROW_BLOCK."""
     if not onednn_serves(dtype):
         pytest.skip(f"oneDNN packs no {dtype} weights on this CPU (no bf16 units): no packed GEMM to probe")
-    block = row_block(dtype, *ROWS_PROBE_SHAPE)
-    parting = first_parting_rows(dtype, *ROWS_PROBE_SHAPE)
+    block = row_block(dtype, *SHAPE)
+    parting = first_parting_rows(dtype, *SHAPE)
     if block == 0:
         assert parting is not None and parting <= MIN_ROW_BLOCK
         return
     assert MIN_ROW_BLOCK <= block <= ROW_PROBE_MAX and (parting is None or parting > block)
     g = torch.Generator().manual_seed(2)
-    weight = torch.randn(*ROWS_PROBE_SHAPE, generator=g).to(dtype)
-    h = torch.randn(3 * block + 5, ROWS_PROBE_SHAPE[1], generator=g).to(dtype)
+    weight = torch.randn(*SHAPE, generator=g).to(dtype)
+    h = torch.randn(3 * block + 5, SHAPE[1], generator=g).to(dtype)
     packed = PackedWeight()
     with torch.inference_mode():
         blocked = project(h, weight, None, packed, True, block)
@@ -54,39 +60,17 @@ def test_a_row_block_keeps_every_rows_bits_and_blocked_projections_do_too(dtype)
     assert torch.equal(blocked, alone)
 
 
-def verify_and_one_at_a_time(model, row_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The logits of 17 rows x 4 tokens (68 GEMM rows) verified in one static forward after a prefill, and of the
-    same tokens decoded one at a time; row_block: the runner's, overridden; and the runner's own."""
-    B, P, T = 17, 20, 4
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, model.cfg.vocab_size, (B, P), generator=g)
-    tokens = torch.randint(0, model.cfg.vocab_size, (B, T), generator=g)
-    logits = []
-    with torch.inference_mode():
-        for one_at_a_time in (False, True):
-            runner = StaticRunner(model, max_batch=B, max_len=64)
-            own = runner.row_block
-            if row_block is not None:
-                runner.row_block = row_block
-            runner.forward(prompt, torch.arange(P).expand(B, P), P, logits_for="none")
-            if one_at_a_time:
-                got = torch.cat([runner.forward(tokens[:, j:j + 1], torch.full((B, 1), P + j), P + j + 1)[0]
-                                 for j in range(T)], dim=1)
-            else:
-                got = runner.forward(tokens, P + torch.arange(T).expand(B, T), P + T)[0]
-            logits.append(got.clone())
-    return logits[0], logits[1], own
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_verify_forward_gives_plain_decodings_logits_to_the_bit_where_rows_are_blocked(dtype):
-    """A 2-layer random model of SmolLM2-135M's shapes on the static path: a verify of 68 GEMM rows gives the
-    logits of one-token forwards to the bit where the runner blocks rows, and parts from them unblocked where a
-    GEMM of these shapes parts rows within 68; where the runner cannot block (row_block 0), some GEMM of the
-    model parts rows below MIN_ROW_BLOCK (float32 on a CPU whose GEMV differs from its GEMM: a ~1e-7 difference)."""
+    """A 2-layer random model of SmolLM2-135M's shapes on the static path: a verify of 68 GEMM rows against the same
+    tokens one at a time over another slot bucket. Where the runner blocks rows and the rest of the path keeps a
+    row's bits (an AMX Xeon in bf16: verify_is_plain, which coupled jobs ask), the logits are equal to the bit, and
+    unblocked they part where a GEMM of these shapes parts rows within 68; where the runner cannot block
+    (row_block 0), some GEMM of the model parts rows below MIN_ROW_BLOCK (float32 where the GEMV differs from the
+    GEMM: a ~1e-7 difference)."""
     if not onednn_serves(dtype):
         pytest.skip(f"oneDNN packs no {dtype} weights on this CPU (no bf16 units): the static path runs F.linear")
-    model = random_model(SMOLLM2_SHAPES, 0, dtype)
+    model = random_model(ModelConfig(**SMOLLM2_SHAPES), 0, dtype)
     shapes = [tuple(m.weight.shape) for m in (model.layers[0].attn.o_proj, model.layers[0].attn.qkv_proj,
                                               model.layers[0].mlp.down_proj, model.layers[0].mlp.gate_up_proj,
                                               model.lm_head)]
@@ -96,8 +80,9 @@ def test_a_verify_forward_gives_plain_decodings_logits_to_the_bit_where_rows_are
     if block == 0:
         assert min(parting) <= MIN_ROW_BLOCK
         return
-    assert torch.equal(verified, one_at_a_time)
-    if parting and min(parting) <= 68:  # teeth: unblocked, the verify's GEMMs part rows and the logits with them
+    exact = torch.equal(verified, one_at_a_time)  # where SDPA or a norm parted rows too, coupled jobs serve float32
+    assert exact == verify_is_plain(dtype)
+    if exact and parting and min(parting) <= 68:  # teeth: unblocked, the verify's GEMMs part rows, the logits too
         unblocked, plain, _ = verify_and_one_at_a_time(model, row_block=0)
         assert not torch.equal(unblocked, plain)
 
@@ -109,4 +94,4 @@ def test_coupled_jobs_serve_bf16_only_where_rows_keep_their_bits():
     assert policy_dtype("auto", "cuda", coupled=True) == torch.float32
     assert policy_dtype("bfloat16", "cpu", coupled=True) == torch.bfloat16
     assert policy_dtype("float32", "cpu", coupled=True) == torch.float32
-    assert bf16_rows_exact() == (onednn_serves(torch.bfloat16) and row_block(torch.bfloat16, *ROWS_PROBE_SHAPE) > 0)
+    assert bf16_rows_exact() == (onednn_serves(torch.bfloat16) and verify_is_plain(torch.bfloat16))
