@@ -8,7 +8,8 @@ forward's by an ulp now and then, in bf16 enough to move a coupled sample (draft
 tokens; greedy rows could part likewise where two logits nearly tie. Fed in blocks of at most `row_block` rows,
 every decode step's rows get plain decoding's bits whatever the batch and draft length. `row_block` probes the
 CPU once per (dtype, weight shape); 0 where fewer than MIN_ROW_BLOCK rows keep their bits (float32 there: its GEMV
-and GEMM part at 2 rows by ~1e-7, which coupled samples survive), and then nothing is split. Prefills, whose shapes both sides share, are never split."""
+and GEMM part at 2 rows by ~1e-7, which coupled samples survive), and then nothing is split. Prefills, whose
+shapes both sides share, are never split."""
 
 from __future__ import annotations
 
