@@ -46,9 +46,10 @@ def policy_dtype(setting: str, device: torch.device | str, coupled: bool = False
     """The precision `setting` (JobSpec.policy_dtype) means for a policy copy on `device`: auto is bfloat16 where
     the device runs bf16 matmuls natively (a CUDA GPU with bf16, a CPU with AVX512-BF16 or AMX:
     drafter.model.causal_lm.fast_bf16), float32 elsewhere (torch emulates bf16 there, slower than float32).
-    coupled (JobSpec.coupled_sampling): auto is bfloat16 only on a CPU whose bf16 GEMMs compute a row alike in
-    blocks of rows (drafter.decode.projections.row_block: a verify's logits are then plain decoding's to the bit,
-    so coupled samples stay paired), float32 elsewhere (in bf16 they would part within tens of tokens).
+    coupled (JobSpec.coupled_sampling): auto is bfloat16 only on a CPU where a bf16 verify's logits are plain
+    decoding's to the bit (bf16_rows_exact: the static path's GEMMs in row blocks, drafter.decode.projections), so
+    coupled samples stay paired; float32 elsewhere and on GPUs, whose kernels are not probed (in bf16 coupled
+    samples would part within tens of tokens).
     ValueError for anything not in POLICY_DTYPES."""
     if setting not in POLICY_DTYPES:
         raise ValueError(f"policy_dtype must be one of {', '.join(POLICY_DTYPES)}, got {setting!r}")
@@ -66,11 +67,11 @@ def policy_dtype(setting: str, device: torch.device | str, coupled: bool = False
 def bf16_rows_exact() -> bool:
     """Whether this CPU has bf16 units and its static-path decode steps in bf16 give a verify's logits plain
     decoding's bits: a 2-layer random model of SmolLM2-135M's shapes verifies 17 rows x 4 tokens against the same
-    tokens decoded one at a time over another slot bucket (drafter.decode.projections.verify_is_plain; about 1 s,
+    tokens decoded one at a time over another slot bucket (drafter.decode.exactness.verify_is_plain; about 1 s,
     once per process)."""
     import torch
 
-    from drafter.decode.projections import verify_is_plain
+    from drafter.decode.exactness import verify_is_plain
     from drafter.model.causal_lm import fast_bf16, onednn_serves
 
     return fast_bf16("cpu") and onednn_serves(torch.bfloat16) and verify_is_plain(torch.bfloat16)

@@ -31,9 +31,9 @@ def row_block(dtype: torch.dtype, out_features: int, in_features: int) -> int:
     is fewer than MIN_ROW_BLOCK rows. Seeded random weights: a kernel's row blocking depends on the shapes, not on
     the values. About 0.1-0.5 s once per (dtype, shape) and process."""
     g = torch.Generator().manual_seed(0)
-    weight = (torch.randn(out_features, in_features, generator=g) / in_features ** 0.5).to(dtype)
-    x = torch.randn(ROW_PROBE_MAX, in_features, generator=g).to(dtype)
-    res = torch.randn(ROW_PROBE_MAX, out_features, generator=g).to(dtype)
+    weight = (torch.randn(out_features, in_features, generator=g, device="cpu") / in_features ** 0.5).to(dtype)
+    x = torch.randn(ROW_PROBE_MAX, in_features, generator=g, device="cpu").to(dtype)
+    res = torch.randn(ROW_PROBE_MAX, out_features, generator=g, device="cpu").to(dtype)
     packed = PackedWeight()
     with torch.inference_mode():
         alone = torch.cat([project(x[i:i + 1], weight, None, packed, True) for i in range(ROW_PROBE_MAX)])
@@ -81,48 +81,3 @@ def decode_row_block(model) -> int:
             break
     return block
 
-
-def verify_and_one_at_a_time(model, row_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The logits of 17 rows x 4 tokens (68 GEMM rows) verified in one static forward after a prefill (reading 64
-    slots), and of the same tokens decoded one at a time (reading 128: another slot bucket); row_block overrides
-    the runners' own, which is returned too."""
-    from drafter.decode.static import StaticRunner  # it imports this module
-
-    B, P, T = 17, 20, 4
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, model.cfg.vocab_size, (B, P), generator=g, device=model.device)
-    tokens = torch.randint(0, model.cfg.vocab_size, (B, T), generator=g, device=model.device)
-    logits, own = [], 0
-    with torch.inference_mode():
-        for one_at_a_time in (False, True):
-            runner = StaticRunner(model, max_batch=B, max_len=128)
-            own = runner.row_block
-            if row_block is not None:
-                runner.row_block = row_block
-            runner.forward(prompt, torch.arange(P, device=model.device).expand(B, P), P, logits_for="none")
-            if one_at_a_time:
-                got = torch.cat([runner.forward(tokens[:, j:j + 1],
-                                                torch.full((B, 1), P + j, device=model.device), 128)[0]
-                                 for j in range(T)], dim=1)
-            else:
-                got = runner.forward(tokens, P + torch.arange(T, device=model.device).expand(B, T), P + T)[0]
-            logits.append(got.clone())
-    return logits[0], logits[1], own
-
-
-# SmolLM2-135M's layer shapes (a GEMM's kernel is its shapes'), two layers and a small vocabulary: what
-# verify_is_plain decodes
-SMOLLM2_SHAPES = dict(vocab_size=512, hidden_size=576, intermediate_size=1536, num_layers=2, num_heads=9,
-                      num_kv_heads=3, head_dim=64, max_position=512)
-
-
-@functools.cache
-def verify_is_plain(dtype: torch.dtype) -> bool:
-    """Whether this CPU's static path gives a verify's logits the bits of one-token forwards in `dtype`
-    (verify_and_one_at_a_time on a random model of SMOLLM2_SHAPES): GEMMs in row blocks, SDPA over slot buckets,
-    norms and the LM head all together. Once per dtype and process."""
-    from drafter.model.config import ModelConfig
-    from drafter.model.loading import random_model
-
-    verified, one_at_a_time, _ = verify_and_one_at_a_time(random_model(ModelConfig(**SMOLLM2_SHAPES), 0, dtype))
-    return torch.equal(verified, one_at_a_time)

@@ -7,16 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.decode.projections import (
-    MIN_ROW_BLOCK,
-    ROW_PROBE_MAX,
-    SMOLLM2_SHAPES,
-    decode_row_block,
-    project,
-    row_block,
-    verify_and_one_at_a_time,
-    verify_is_plain,
-)
+from drafter.decode.exactness import SMOLLM2_SHAPES, verify_and_one_at_a_time, verify_is_plain
+from drafter.decode.projections import MIN_ROW_BLOCK, ROW_PROBE_MAX, decode_row_block, project, row_block
 from drafter.model.causal_lm import PackedWeight, onednn_serves
 from drafter.model.config import ModelConfig
 from drafter.model.loading import random_model
