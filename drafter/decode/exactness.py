@@ -20,8 +20,9 @@ def verify_and_one_at_a_time(model, row_block: int | None = None) -> tuple[torch
     the runners' own, which is returned too."""
     B, P, T = 17, 20, 4
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, model.cfg.vocab_size, (B, P), generator=g, device=model.device)
-    tokens = torch.randint(0, model.cfg.vocab_size, (B, T), generator=g, device=model.device)
+    # drawn by the CPU generator, then on the model's device
+    prompt = torch.randint(0, model.cfg.vocab_size, (B, P), generator=g, device="cpu").to(model.device)
+    tokens = torch.randint(0, model.cfg.vocab_size, (B, T), generator=g, device="cpu").to(model.device)
     logits, own = [], 0
     with torch.inference_mode():
         for one_at_a_time in (False, True):

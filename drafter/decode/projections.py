@@ -70,14 +70,19 @@ def project_into(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, weight_
     return x.addmm_(h, weight_t)
 
 
+def decode_linears(model) -> tuple:
+    """A CausalLM's GEMMs of a decode step, one per weight shape (its first layer's, alike in every layer, and the
+    LM head), cheapest first."""
+    layer = model.layers[0]
+    return layer.attn.o_proj, layer.attn.qkv_proj, layer.mlp.down_proj, layer.mlp.gate_up_proj, model.lm_head
+
+
 def decode_row_block(model) -> int:
-    """The row block of a CausalLM's decode steps: the smallest `row_block` of its GEMMs' weight shapes (those of
-    its first layer, alike in every layer, and the LM head's), cheapest first; 0 as soon as one is 0."""
-    layer, block = model.layers[0], ROW_PROBE_MAX
-    for linear in (layer.attn.o_proj, layer.attn.qkv_proj, layer.mlp.down_proj, layer.mlp.gate_up_proj,
-                   model.lm_head):
+    """The row block of a CausalLM's decode steps: the smallest `row_block` of decode_linears' weight shapes; 0 as
+    soon as one is 0."""
+    block = ROW_PROBE_MAX
+    for linear in decode_linears(model):
         block = min(block, row_block(model.dtype, *linear.weight.shape))
         if block == 0:
             break
     return block
-

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from drafter.decode.exactness import SMOLLM2_SHAPES, verify_and_one_at_a_time, verify_is_plain
-from drafter.decode.projections import MIN_ROW_BLOCK, ROW_PROBE_MAX, decode_row_block, project, row_block
+from drafter.decode.projections import (
+    MIN_ROW_BLOCK,
+    ROW_PROBE_MAX,
+    decode_linears,
+    decode_row_block,
+    project,
+    row_block,
+)
 from drafter.model.causal_lm import PackedWeight, onednn_serves
 from drafter.model.config import ModelConfig
 from drafter.model.loading import random_model
@@ -63,9 +70,7 @@ def test_a_verify_forward_gives_plain_decodings_logits_to_the_bit_where_rows_are
     if not onednn_serves(dtype):
         pytest.skip(f"oneDNN packs no {dtype} weights on this CPU (no bf16 units): the static path runs F.linear")
     model = random_model(ModelConfig(**SMOLLM2_SHAPES), 0, dtype)
-    shapes = [tuple(m.weight.shape) for m in (model.layers[0].attn.o_proj, model.layers[0].attn.qkv_proj,
-                                              model.layers[0].mlp.down_proj, model.layers[0].mlp.gate_up_proj,
-                                              model.lm_head)]
+    shapes = [tuple(m.weight.shape) for m in decode_linears(model)]
     parting = [m for s in shapes if (m := first_parting_rows(dtype, *s)) is not None]
     verified, one_at_a_time, block = verify_and_one_at_a_time(model)
     assert block == decode_row_block(model)
