@@ -83,8 +83,8 @@ class RolloutRunner:
         self.warm_up = self._warm_up()
 
     def _warm_up(self) -> dict:
-        """The engine prepared for the job's batches (on a GPU: its CUDA graphs captured) before the first
-        rollout, so that no RL step pays for it: this worker's rows (its share of a step's groups, as
+        """The engine prepared for the job's batches (its static cache sized; on a GPU its CUDA graphs captured)
+        before the first rollout, so that no RL step pays for it: this worker's rows (its share of a step's groups, as
         workers.step_data.assign deals them) of up to WARM_PROMPT_TOKENS + max_new_tokens tokens."""
         spec = self.spec
         rows = max(len(groups) for groups in assign(spec.num_prompts_per_step, spec.num_workers)) * spec.group_size

@@ -45,9 +45,10 @@ def warm_up(engine: Engine, max_batch: int, max_len: int, ks: tuple[int, ...], p
     (every slot bucket of a shape at once). A rollout then pays no capture and no rebuild: a job that met them
     as it went paid them inside its first steps. It runs short batches of `params`'s sampling (greedy or not,
     top-k/top-p: the graphs differ), with record_hidden and aux_layers as the job's generate calls pass them;
-    the engine's stats are left as they were. Where nothing is captured (a CPU) it only compiles coupled rows'
-    noise kernel (coupled.warm_noise), unless `force` (tests). Returns {"seconds", "captures", "rebuilds",
-    "batches"}."""
+    the engine's stats are left as they were. Where nothing is captured (a CPU) it only sizes the static cache
+    (with it the runner's one-off probe of its row blocks, drafter.decode.projections: 2-4 s a job's first rollout
+    paid on a 2-core CPU) and compiles coupled rows' noise kernel (coupled.warm_noise), unless `force` (tests).
+    Returns {"seconds", "captures", "rebuilds", "batches"}."""
     if max_batch < 1 or max_len < WARM_PROMPT + 2:
         raise ValueError(f"warm_up needs max_batch >= 1 and max_len >= {WARM_PROMPT + 2}, got {max_batch}, "
                          f"{max_len}")
@@ -57,9 +58,12 @@ def warm_up(engine: Engine, max_batch: int, max_len: int, ks: tuple[int, ...], p
     # coupled rows' noise kernel, compiled on every device (its first call in a process takes seconds)
     noise_s = warm_noise(engine.model.device) if params.coupled and params.temperature > 0 else 0.0
     captures = engine.model.device.type == "cuda" and engine.prefer_static is not False
-    if not (captures or force):
-        return {"seconds": noise_s, "captures": 0, "rebuilds": 0, "batches": 0}
     start, marks = time.perf_counter(), engine.shapes_seen(drafter)
+    if not (captures or force):
+        if engine.prefer_static is not False:
+            engine.static_runner(max_batch, max_len)
+        return {"seconds": round(time.perf_counter() - start + noise_s, 3), "captures": 0,
+                "rebuilds": engine.shapes_seen(drafter)[1] - marks[1], "batches": 0}
     saved = engine.stats
     engine.stats = EngineStats()
     if engine.prefer_static is not False:

@@ -133,8 +133,11 @@ def test_coupled_must_be_a_bool():
 @pytest.mark.parametrize("coupled", [True, False])
 def test_a_jobs_warm_up_compiles_the_noise_where_its_rows_sample_coupled(model, monkeypatch, coupled):
     """Its first call in a process costs seconds: a job's workers pay it in warm_up, before their first rollout,
-    on a CPU too (where warm_up captures nothing), and only when the job samples coupled."""
+    on a CPU too (where warm_up captures nothing and only sizes the static cache), and only when the job samples
+    coupled."""
     monkeypatch.setattr(coupled_mod, "_compiled", {})  # this process's kernel forgotten: compiled again
-    out = warm_up(Engine(model), 4, 32, (0,), SamplingParams(temperature=1.0, coupled=coupled))
+    engine = Engine(model)
+    out = warm_up(engine, 4, 32, (0,), SamplingParams(temperature=1.0, coupled=coupled))
     assert ("fn" in coupled_mod._compiled) == coupled  # compiled (or, where compiling fails, eager from now on)
-    assert (out["seconds"] > 0) == coupled and out["captures"] == out["batches"] == 0
+    assert out["captures"] == out["batches"] == 0 and out["rebuilds"] == 1 and (out["seconds"] > 0 or not coupled)
+    assert engine.runner.cache.max_batch == 4 and engine.runner.cache.max_len >= 32  # the job's rows fit it
