@@ -50,7 +50,7 @@ def _drafter_train(args: argparse.Namespace) -> int:
 # the options that set a WarmRecipe field; left out (None), the field keeps the device's recipe's value
 _RECIPE_OPTIONS = {"num_prompts": "num_prompts", "num_eval_prompts": "num_eval_prompts", "steps": "num_steps",
                    "max_new_tokens": "max_new_tokens", "temperature": "temperature", "batch_size": "batch_size",
-                   "draft_vocab": "draft_vocab_size", "unroll": "num_unroll"}
+                   "draft_vocab": "draft_vocab_size", "unroll": "num_unroll", "seconds": "train_seconds"}
 
 
 def _task_recipe(args: argparse.Namespace) -> WarmRecipe:
@@ -73,13 +73,9 @@ def _train_on_task(args: argparse.Namespace) -> dict:
     a draft already cached for this model, task and recipe is reused, and its report printed)."""
     from workers.warm import WARM_REPORT, build_warm_draft, ensure_warm_draft
 
-    recipe = _task_recipe(args)
+    recipe = _task_recipe(args)  # --seconds is its train_seconds: the budget it trains (and anneals) to
     if args.out is not None:
-        return build_warm_draft(args.model, args.task, args.out, args.device, recipe, max_seconds=args.seconds,
-                                harvest_file=args.harvest_file)
-    if args.seconds is not None:
-        raise ValueError("--seconds needs --out: the warm-draft cache is keyed by the recipe, which trains "
-                         "a number of steps")
+        return build_warm_draft(args.model, args.task, args.out, args.device, recipe, harvest_file=args.harvest_file)
     path = Path(ensure_warm_draft(args.model, args.task, args.device, recipe))
     return json.loads((path.parent / WARM_REPORT).read_text())
 
@@ -153,8 +149,9 @@ def add_tool_commands(sub) -> None:
                     help=f"training micro-steps (with --task a limit, default {_RECIPE.num_steps}: the recipe's "
                          f"time budget binds, {_RECIPE.train_seconds:.0f} s on a CPU, {GPU_RECIPE.train_seconds:.0f} s "
                          "on cuda)")
-    tr.add_argument("--seconds", type=float, default=None, help="training time budget (with --task, the steps "
-                    "stay a limit too)")
+    tr.add_argument("--seconds", type=float, default=None, help="training time budget (with --task the recipe's, "
+                    f"default {_RECIPE.train_seconds:.0f} s on a CPU, {GPU_RECIPE.train_seconds:.0f} s on cuda; the "
+                    "steps stay a limit too)")
     tr.add_argument("--max-new-tokens", type=int, default=None, help=f"default {_RECIPE.max_new_tokens}")
     tr.add_argument("--temperature", type=float, default=None,
                     help=f"harvest sampling temperature (default {_RECIPE.temperature}, as RL samples)")

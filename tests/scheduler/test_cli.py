@@ -150,8 +150,11 @@ def test_drafter_train_on_a_task_without_out_fills_the_warm_cache_once(tmp_path,
     assert _task_recipe(on_gpu) == GPU_RECIPE
     on_gpu.unroll = 3
     assert _task_recipe(on_gpu) == replace(GPU_RECIPE, num_unroll=3)
-    assert main([*argv, "--seconds", "5"]) == 2  # a time budget is not in the cache key
-    assert "--seconds needs --out" in capsys.readouterr().err
+    # --seconds is the recipe's training budget, longer than its default too (it was once only a cap on it), and
+    # so part of the cache key
+    longer = build_parser().parse_args(["drafter", "train", "--task", "longtail", "--seconds", "1200"])
+    assert _task_recipe(longer) == replace(WarmRecipe(), train_seconds=1200.0)
+    assert _task_recipe(longer).key("tiny", "arithmetic") != WarmRecipe().key("tiny", "arithmetic")
 
 
 def test_drafter_train_needs_prompts_or_a_task(tmp_path, capsys):
