@@ -59,15 +59,13 @@ def warm_up(engine: Engine, max_batch: int, max_len: int, ks: tuple[int, ...], p
     noise_s = warm_noise(engine.model.device) if params.coupled and params.temperature > 0 else 0.0
     captures = engine.model.device.type == "cuda" and engine.prefer_static is not False
     start, marks = time.perf_counter(), engine.shapes_seen(drafter)
+    if engine.prefer_static is not False:
+        engine.static_runner(max_batch, max_len)
     if not (captures or force):
-        if engine.prefer_static is not False:
-            engine.static_runner(max_batch, max_len)
         return {"seconds": round(time.perf_counter() - start + noise_s, 3), "captures": 0,
                 "rebuilds": engine.shapes_seen(drafter)[1] - marks[1], "batches": 0}
     saved = engine.stats
     engine.stats = EngineStats()
-    if engine.prefer_static is not False:
-        engine.static_runner(max_batch, max_len)
     buckets, b = [], batch_bucket(max_batch)
     while b >= 1:  # the largest first: the drafter's cache is sized by its first batch
         buckets.append(b)
