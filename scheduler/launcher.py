@@ -228,9 +228,13 @@ class Launcher:
         finishing a step, and its step count then; or None), and the line the job fails with once that is
         MAX_UNPLACEABLE_S ago and it has not ended, else None. A step finished restarts the clock: the job runs
         degraded on the workers it has left (its driver dropped those Ray cannot place)."""
-        record, gpus = self.reader.get(job_id), self.cluster_gpus()
-        if record is None or record["state"] != JobState.RUNNING or gpus is None:
-            return None, None  # cancelled (its driver is being killed), gone from an emptied Redis, or no Ray to ask
+        record = self.reader.get(job_id)
+        if record is None or record["state"] != JobState.RUNNING or self.is_stopping:
+            return None, None  # cancelled (its driver is being killed), gone from an emptied Redis, or stopping
+        # Ray is asked last, and not once the scheduler stops: with the whole process group signalled its GCS goes
+        # too, and Ray's global state accessor then aborts the process (a failed check, exit 1) instead of raising
+        if (gpus := self.cluster_gpus()) is None:
+            return None, None  # no Ray to ask
         spec = JobSpec.from_stored(record["spec"])
         asked = job_gpus(spec)
         if gpus >= asked:

@@ -293,3 +293,16 @@ def test_a_job_the_cluster_cannot_hold_fails_only_after_the_grace_without_a_step
     assert check("j", (100.0, 4), 100.0 + 2 * MAX_UNPLACEABLE_S) == ((100.0, 4), None)  # it ended: not failed
     store.record["state"] = JobState.CANCELLED.value
     assert check("j", (100.0, 4), 100.0 + 2 * MAX_UNPLACEABLE_S) == (None, None)
+
+
+def test_a_stopping_launcher_never_asks_ray_for_the_clusters_gpus(monkeypatch):
+    """With the whole process group signalled, Ray's GCS goes as the scheduler stops, and asking it for the cluster's
+    resources then aborts the process (a failed check in Ray's global state accessor: exit 1, not 0). Once stopping,
+    check_placeable reads nothing from Ray and fails no job."""
+    asked = []
+    monkeypatch.setattr(Launcher, "cluster_gpus", staticmethod(lambda: asked.append(1) or NUM_GPUS_PER_NODE))
+    launcher = Launcher(OneJob(), Settings(redis_url="redis://unused"))
+    assert launcher.check_placeable("j", None, 100.0) == ((100.0, 3), None) and asked == [1]  # short: the clock runs
+    launcher.is_stopping = True
+    assert launcher.check_placeable("j", (100.0, 3), 100.0 + MAX_UNPLACEABLE_S) == (None, None)
+    assert asked == [1]
