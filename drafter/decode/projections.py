@@ -30,7 +30,17 @@ def row_block(dtype: torch.dtype, out_features: int, in_features: int) -> int:
     an input of up to M rows exactly as that row alone (the plain GEMM and the one with a fused add); 0 where that
     is fewer than MIN_ROW_BLOCK rows. Seeded random weights: a kernel's row blocking depends on the shapes, not on
     the values. About 0.1-0.5 s once per (dtype, shape) and process."""
-    g = torch.Generator().manual_seed(0)
+    m = first_parting_rows(dtype, out_features, in_features, seed=0)
+    if m is None:
+        return ROW_PROBE_MAX
+    return m - 1 if m - 1 >= MIN_ROW_BLOCK else 0
+
+
+def first_parting_rows(dtype: torch.dtype, out_features: int, in_features: int, seed: int) -> int | None:
+    """The fewest rows (2..ROW_PROBE_MAX) for which oneDNN's packed GEMM in `dtype`, plain or with the residual's add
+    fused (`project`, `project_into`: both forms a decode step runs), gives some row other bits than that row alone,
+    on random values drawn from `seed`; None where no count up to ROW_PROBE_MAX does."""
+    g = torch.Generator().manual_seed(seed)
     weight = (torch.randn(out_features, in_features, generator=g, device="cpu") / in_features ** 0.5).to(dtype)
     x = torch.randn(ROW_PROBE_MAX, in_features, generator=g, device="cpu").to(dtype)
     res = torch.randn(ROW_PROBE_MAX, out_features, generator=g, device="cpu").to(dtype)
@@ -42,8 +52,8 @@ def row_block(dtype: torch.dtype, out_features: int, in_features: int) -> int:
         for m in range(2, ROW_PROBE_MAX + 1):
             if not (torch.equal(project(x[:m], weight, None, packed, True), alone[:m])
                     and torch.equal(project_into(res[:m], x[:m], weight, weight.t(), packed, True), alone_add[:m])):
-                return m - 1 if m - 1 >= MIN_ROW_BLOCK else 0
-    return ROW_PROBE_MAX
+                return m
+    return None
 
 
 def project(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight,

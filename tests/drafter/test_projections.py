@@ -13,8 +13,8 @@ from drafter.decode.projections import (
     ROW_PROBE_MAX,
     decode_linears,
     decode_row_block,
+    first_parting_rows,
     project,
-    project_into,
     row_block,
 )
 from drafter.model.causal_lm import PackedWeight, onednn_serves
@@ -24,27 +24,9 @@ from workers.device import bf16_rows_exact, policy_dtype
 
 DTYPES = [torch.float32, torch.bfloat16]
 SHAPE = (SMOLLM2_SHAPES["intermediate_size"], SMOLLM2_SHAPES["hidden_size"])  # a GEMM shape to probe
-
-
-def first_parting_rows(dtype: torch.dtype, out_features: int, in_features: int) -> int | None:
-    """The fewest rows (<= ROW_PROBE_MAX) whose GEMM, plain or with the residual's add fused (project_into: both
-    forms a decode step runs, and row_block probes), gives some row other bits than that row alone; None: none.
-    They part apart: on an AMD EPYC (Zen 4) in bf16 the 576 x 1536 GEMM kept rows to 38 plain and to 7 fused."""
-    g = torch.Generator().manual_seed(1)  # other values than the probe's: the blocking is the shapes'
-    weight = torch.randn(out_features, in_features, generator=g).to(dtype)
-    x = torch.randn(ROW_PROBE_MAX, in_features, generator=g).to(dtype)
-    res = torch.randn(ROW_PROBE_MAX, out_features, generator=g).to(dtype)
-    packed = PackedWeight()
-
-    def fused(r: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return project_into(r, h, weight, weight.t(), packed, True)
-
-    with torch.inference_mode():
-        alone = torch.cat([project(x[i:i + 1], weight, None, packed, True) for i in range(ROW_PROBE_MAX)])
-        alone_add = torch.cat([fused(res[i:i + 1], x[i:i + 1]) for i in range(ROW_PROBE_MAX)])
-        return next((m for m in range(2, ROW_PROBE_MAX + 1)
-                     if not torch.equal(project(x[:m], weight, None, packed, True), alone[:m])
-                     or not torch.equal(fused(res[:m], x[:m]), alone_add[:m])), None)
+# other values than row_block's probe (seed 0): the blocking is the shapes'. Both forms count (plain and fused add):
+# they part apart, on an AMD EPYC (Zen 4) in bf16 the 576 x 1536 GEMM kept rows to 38 plain and to 7 fused
+OTHER_SEED = 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -54,7 +36,7 @@ def test_a_row_block_keeps_every_rows_bits_and_blocked_projections_do_too(dtype)
     if not onednn_serves(dtype):
         pytest.skip(f"oneDNN packs no {dtype} weights on this CPU (no bf16 units): no packed GEMM to probe")
     block = row_block(dtype, *SHAPE)
-    parting = first_parting_rows(dtype, *SHAPE)
+    parting = first_parting_rows(dtype, *SHAPE, seed=OTHER_SEED)
     if block == 0:
         assert parting is not None and parting <= MIN_ROW_BLOCK
         return
@@ -81,7 +63,7 @@ def test_a_verify_forward_gives_plain_decodings_logits_to_the_bit_where_rows_are
         pytest.skip(f"oneDNN packs no {dtype} weights on this CPU (no bf16 units): the static path runs F.linear")
     model = random_model(ModelConfig(**SMOLLM2_SHAPES), 0, dtype)
     shapes = [tuple(m.weight.shape) for m in decode_linears(model)]
-    parting = [m for s in shapes if (m := first_parting_rows(dtype, *s)) is not None]
+    parting = [m for s in shapes if (m := first_parting_rows(dtype, *s, seed=OTHER_SEED)) is not None]
     verified, one_at_a_time, block = verify_and_one_at_a_time(model)
     assert block == decode_row_block(model)
     if block == 0:
