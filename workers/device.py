@@ -45,7 +45,7 @@ def job_device(setting: str) -> torch.device:
 def policy_dtype(setting: str, device: torch.device | str, coupled: bool = False) -> torch.dtype:
     """The precision `setting` (JobSpec.policy_dtype) means for a policy copy on `device`: auto is bfloat16 where
     the device runs bf16 matmuls natively (a CUDA GPU with bf16, a CPU with AVX512-BF16 or AMX:
-    drafter.model.causal_lm.fast_bf16), float32 elsewhere (torch emulates bf16 there, slower than float32).
+    drafter.model.linear.fast_bf16), float32 elsewhere (torch emulates bf16 there, slower than float32).
     coupled (JobSpec.coupled_sampling): auto is bfloat16 only on a CPU where a bf16 verify's logits are plain
     decoding's to the bit (bf16_rows_exact: the static path's GEMMs in row blocks, drafter.decode.projections), so
     coupled samples stay paired; float32 elsewhere and on GPUs, whose kernels are not probed (in bf16 coupled
@@ -55,7 +55,7 @@ def policy_dtype(setting: str, device: torch.device | str, coupled: bool = False
         raise ValueError(f"policy_dtype must be one of {', '.join(POLICY_DTYPES)}, got {setting!r}")
     import torch
 
-    from drafter.model.causal_lm import fast_bf16
+    from drafter.model.linear import fast_bf16
 
     if setting == "auto" and coupled:
         return torch.bfloat16 if torch.device(device).type == "cpu" and bf16_rows_exact() else torch.float32
@@ -72,6 +72,6 @@ def bf16_rows_exact() -> bool:
     import torch
 
     from drafter.decode.exactness import verify_is_plain
-    from drafter.model.causal_lm import fast_bf16, onednn_serves
+    from drafter.model.linear import fast_bf16, onednn_serves
 
     return fast_bf16("cpu") and onednn_serves(torch.bfloat16) and verify_is_plain(torch.bfloat16)

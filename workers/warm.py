@@ -45,7 +45,7 @@ class WarmRecipe:
     tail_fraction: float = 0.75
     train_seconds: float | None = 900.0  # a training budget in seconds (the rate anneals to it); None: num_steps only
     position_loss: str = "reach"  # how the unrolled positions weigh (TrainConfig's)
-    # bf16 autocast in training: None where the device has native bf16 (drafter.model.causal_lm.fast_bf16: 1.5x a
+    # bf16 autocast in training: None where the device has native bf16 (drafter.model.linear.fast_bf16: 1.5x a
     # float32 step on an AVX512-BF16 CPU), never elsewhere (emulated, slower than float32)
     bf16_autocast: bool | None = None
     # the policy's precision while harvesting (JobSpec.policy_dtype's values): "auto", as `make demo` and `tlt bench

@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 
 from drafter.decode.capture import capture
-from drafter.decode.projections import decode_row_block, project, project_into
-from drafter.model.causal_lm import CausalLM, PackedWeight, draft_features, onednn_serves
+from drafter.decode.projections import decode_one_row_forms, decode_row_block, project, project_into
+from drafter.model.causal_lm import CausalLM, draft_features
 from drafter.model.config import ModelConfig
+from drafter.model.linear import PackedWeight, onednn_serves
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # past 128: multiples of 64
 MIN_SLOTS = 64  # slot buckets are powers of two from here (a multiple of 16: SDPA's mask alignment)
@@ -227,11 +228,12 @@ class StaticRunner:
         self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         if self.cuda_graphs and device.type != "cuda":
             raise ValueError("cuda_graphs needs a model on a CUDA device")
-        # a CPU's GEMMs on oneDNN's packed weights, as the eager path's Linear layers (drafter.model.causal_lm.linear)
+        # a CPU's GEMMs on oneDNN's packed weights, as the eager path's Linear layers (drafter.model.linear.linear)
         self.onednn = device.type == "cpu" and onednn_serves(dtype)
         # decode steps' GEMMs in blocks of rows the CPU computes row by row exactly (drafter.decode.projections): a
         # verify's logits are then plain decoding's to the bit; 0: nothing split
         self.row_block = decode_row_block(model) if self.onednn else 0
+        self.one_row_forms = decode_one_row_forms(model) if self.onednn else ()  # probed here, not in a step
         self.cache = StaticCache(c, c.num_layers, batch_bucket(max_batch), max_len, dtype, device)
         B, T = self.cache.max_batch, MAX_GRAPH_TOKENS
         self.ids = torch.zeros(B * T, dtype=torch.long, device=device)  # graph inputs, (bucket * tokens) used

@@ -22,7 +22,8 @@ from drafter.draft.draft_graphs import DraftGraphs
 from drafter.draft.draft_state import DraftRows, PendingSwap, SwapStats
 from drafter.draft.drafters import Drafter, Proposal
 from drafter.draft.head import EagleHead
-from drafter.model.causal_lm import CausalLM, Int8Linear, KVCache, fast_bf16, int8_linear_available, quantize_int8
+from drafter.model.causal_lm import CausalLM, KVCache
+from drafter.model.linear import Int8Linear, fast_bf16, int8_linear_available, quantize_int8
 
 
 def serving_precision(policy: CausalLM, spec: torch.dtype | str | None) -> tuple[torch.dtype, bool]:

@@ -22,17 +22,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from drafter.model.causal_lm import (
-    MLP,
-    Attention,
-    CausalLM,
-    KVCache,
-    Linear,
-    RMSNorm,
-    Rotary,
-    tree_inputs,
-)
+from drafter.model.causal_lm import MLP, Attention, CausalLM, KVCache, RMSNorm, Rotary, tree_inputs
 from drafter.model.config import DRAFT_FORMAT, NUM_AUX_LAYERS, ModelConfig, check_aux_layer_ids, default_aux_layer_ids
+from drafter.model.linear import Linear
 from drafter.train.buffer import RolloutBuffer
 
 

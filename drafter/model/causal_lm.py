@@ -9,14 +9,13 @@ beyond a row's length hold stale values that the mask never reads. Rolling a seq
 from __future__ import annotations
 
 import functools
-import os
-import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from drafter.model.config import ModelConfig
+from drafter.model.linear import Linear
 
 
 class KVCache:
@@ -50,149 +49,6 @@ def attention_mask(positions: torch.Tensor, num_slots: int) -> torch.Tensor:
     """(B, T) absolute query positions -> (B, 1, T, S) bool, True where the slot is visible."""
     slots = torch.arange(num_slots, device=positions.device)
     return slots.view(1, 1, 1, -1) <= positions[:, None, :, None]
-
-
-@functools.cache
-def onednn_linear_available() -> bool:
-    """Whether CPU float32 inference runs its linear layers on oneDNN with pre-packed weights.
-
-    On this project's reference CPU (AMD EPYC, MKL 2024) MKL's sgemm with 2-7 rows costs 2-3x one
-    row, so verifying k drafts cost up to 2.3x a plain decode step; oneDNN with packed weights is
-    flat from 1 to 6 rows and 1.6x faster at one row (docs/benchmarks.md, "Engine"). Set
-    TLT_CPU_LINEAR=mkl to turn it off."""
-    if os.environ.get("TLT_CPU_LINEAR", "onednn").lower() == "mkl":
-        return False
-    ops = torch.ops.mkldnn
-    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
-            and hasattr(ops, "_linear_pointwise"))
-
-
-def fast_bf16(device: torch.device | str) -> bool:
-    """Whether bf16 matmuls run natively on `device`: a CUDA GPU with bf16, or a CPU with AVX512-BF16
-    or AMX tiles (elsewhere torch emulates them, slower than float32)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    if device.type != "cpu":
-        return False
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private in torch 2.x: probe gently
-    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
-
-
-@functools.cache
-def native_cpu_bf16() -> bool:
-    """fast_bf16("cpu"), asked once: oneDNN packs bf16 weights only where the CPU has bf16 units."""
-    return fast_bf16("cpu")
-
-
-# the number of rows oneDNN packs a weight for (its batch-size hint; None: any). On a 2-core AVX2 EPYC at one thread,
-# SmolLM2's forward at 16 decoding rows took 131.8 ms packed for 4 against 142.5 ms for any (min of 3, same
-# process, interleaved), and the same within noise at 1 to 4 rows and at prefill's hundreds
-PACK_HINT_ROWS = 4
-
-
-class PackedWeight:
-    """A weight's oneDNN-packed copy, rebuilt whenever the weight is replaced or updated in place
-    (a policy weight sync, an optimizer step). Never pickled or copied: it is a cache."""
-
-    __slots__ = ("key", "packed")
-
-    def __init__(self) -> None:
-        self.key: tuple | None = None
-        self.packed: torch.Tensor | None = None
-
-    def get(self, weight: torch.Tensor) -> torch.Tensor:
-        try:
-            version = weight._version
-        except RuntimeError:  # an inference tensor: it cannot be updated in place, so never stale
-            version = -1
-        key = (id(weight), weight.data_ptr(), version)
-        if key != self.key:
-            self.packed, self.key = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_HINT_ROWS), key
-        return self.packed
-
-
-def onednn_serves(dtype: torch.dtype) -> bool:
-    """Whether CPU inference in `dtype` runs its GEMMs on oneDNN's packed weights: float32, or bfloat16 where
-    the CPU has bf16 units (oneDNN packs bf16 weights only there), while onednn_linear_available()."""
-    return onednn_linear_available() and (dtype == torch.float32 or (dtype == torch.bfloat16 and native_cpu_bf16()))
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: PackedWeight | None) -> torch.Tensor:
-    """F.linear, on oneDNN with `packed` weights for CPU inference in float32 or bfloat16 (no autograd
-    involved); every other case (training, GPUs, float16, mixed dtypes) is plain F.linear."""
-    if (packed is None or x.device.type != "cpu" or x.dtype != weight.dtype or not onednn_serves(x.dtype)
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
-        return F.linear(x, weight, bias)
-    shape = x.shape
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), packed.get(weight), bias, "none", [], "")
-    return out.view(*shape[:-1], weight.shape[0])
-
-
-class Linear(nn.Linear):
-    """nn.Linear whose CPU float32 inference runs on oneDNN (see `linear`); same weights, same state_dict."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._packed = PackedWeight()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self._packed)
-
-    def __getstate__(self) -> dict:  # deepcopy and pickle: the packed copy is an opaque cache
-        state = self.__dict__.copy()
-        state["_packed"] = PackedWeight()
-        return state
-
-
-@functools.cache
-def int8_linear_available() -> bool:
-    """Whether this torch runs dynamic int8 linear layers on the CPU (fbgemm or x86 quantized engine):
-    int8 weights per output channel, activations quantized per call."""
-    ops = torch.ops.quantized
-    return (torch.backends.quantized.engine in ("x86", "fbgemm") and hasattr(ops, "linear_dynamic")
-            and hasattr(ops, "linear_prepack"))
-
-
-class Int8Linear(nn.Module):
-    """Inference-only linear layer with int8 weights (symmetric, one scale per output channel) and
-    float32 activations quantized per call (torch's dynamic quantization kernels, fbgemm/x86). A
-    quarter of float32's bytes per call: for a draft head at batch 1, which is bound by reading its
-    weights, that is what a draft step costs on a CPU without bf16 units. Built from a float weight,
-    which it does not keep."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
-        if not int8_linear_available():
-            raise ValueError("int8 linear layers need torch's fbgemm/x86 quantized engine (an x86 CPU build)")
-        w = weight.detach().float().cpu()
-        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
-        with warnings.catch_warnings():  # quantized tensors are deprecated as a user API; the kernels are not
-            warnings.simplefilter("ignore", UserWarning)
-            qw = torch.quantize_per_channel(w, scale, torch.zeros(len(scale), dtype=torch.long, device="cpu"), 0,
-                                             torch.qint8)
-            self._packed = torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.detach().float().cpu())
-        self.out_features, self.in_features = w.shape
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        # reduce_range: 7-bit activations, so AVX2 kernels without VNNI cannot saturate their int16 sums
-        out = torch.ops.quantized.linear_dynamic(x.reshape(-1, shape[-1]).float(), self._packed, True)
-        return out.view(*shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
-
-
-def quantize_int8(module: nn.Module) -> nn.Module:
-    """Replace every Linear in `module` by an Int8Linear, in place; returns the module."""
-    for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(module, name, Int8Linear(child.weight, child.bias))
-        else:
-            quantize_int8(child)
-    return module
 
 
 class RMSNorm(nn.Module):

@@ -19,8 +19,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from drafter.draft.head import EagleHead, draft_lm_weight
-from drafter.model.causal_lm import CausalLM, fast_bf16
+from drafter.model.causal_lm import CausalLM
 from drafter.model.config import TrainConfig
+from drafter.model.linear import fast_bf16
 from drafter.train.buffer import PackedBatch, RolloutBuffer, iter_batches
 from drafter.train.checkpoint import DraftMeta, load_trainer_state, save_trainer_state
 from drafter.train.loss import draft_loss

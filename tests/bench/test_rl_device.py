@@ -10,7 +10,7 @@ import pytest
 
 from bench.cli import main
 from bench.rl import gpu_share, record_as
-from drafter.model.causal_lm import fast_bf16
+from drafter.model.linear import fast_bf16
 
 KEYS = {"rollout_speedup", "step_speedup", "frozen_rollout_speedup", "reclaimed_ratio", "reward_delta_se",
         "accepted_length_last_step_tlt", "accepted_length_last_step_frozen", "per_step_mean"}

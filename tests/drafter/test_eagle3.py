@@ -24,8 +24,9 @@ from drafter.draft.eagle3 import (
     write_eagle3_dir,
 )
 from drafter.draft.head import EagleHead, new_head
-from drafter.model.causal_lm import draft_features, int8_linear_available, quantize_int8
+from drafter.model.causal_lm import draft_features
 from drafter.model.config import check_aux_layer_ids, default_aux_layer_ids
+from drafter.model.linear import int8_linear_available, quantize_int8
 from tests.conftest import random_prompts, tiny_model
 
 STANDARD_NAMES = {

@@ -12,8 +12,9 @@ from drafter.draft.draft_state import MAX_SWAP_LOG
 from drafter.draft.drafters import NgramDrafter
 from drafter.draft.eagle import EagleDrafter, serving_dtype, serving_precision
 from drafter.draft.head import EagleHead
-from drafter.model.causal_lm import CausalLM, draft_features, fast_bf16, int8_linear_available
+from drafter.model.causal_lm import CausalLM, draft_features
 from drafter.model.config import default_aux_layer_ids
+from drafter.model.linear import fast_bf16, int8_linear_available
 from drafter.train.buffer import PackedBatch
 from drafter.train.unroll import unrolled_predictions
 from tests.conftest import on, random_prompts, tiny_model

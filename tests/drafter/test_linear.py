@@ -11,16 +11,19 @@ import torch
 import torch.nn.functional as F
 
 from drafter.decode.engine import Engine, Request
+from drafter.decode.projections import project, project_into
 from drafter.decode.sampling import SamplingParams
 from drafter.draft.drafters import NgramDrafter
 from drafter.draft.head import EagleHead
-from drafter.model.causal_lm import (
+from drafter.model.linear import (
+    ONE_ROW_FORMS,
     Int8Linear,
     Linear,
     PackedWeight,
     int8_linear_available,
     linear,
     native_cpu_bf16,
+    one_row_form,
     onednn_linear_available,
     quantize_int8,
 )
@@ -150,3 +153,68 @@ def test_int8_linear_is_close_to_float32_and_quantize_replaces_every_linear():
     assert not any(isinstance(m, torch.nn.Linear) for m in head.modules())
     assert sum(isinstance(m, Int8Linear) for m in head.modules()) == n
     assert float((got - ref).norm() / ref.norm()) < 0.05
+
+
+@pytest.fixture
+def one_row(monkeypatch):
+    """Sets TLT_CPU_ONE_ROW for the test (one_row_form's cache cleared before and after)."""
+    def force(mode: str) -> None:
+        monkeypatch.setenv("TLT_CPU_ONE_ROW", mode)
+        one_row_form.cache_clear()
+    yield force
+    one_row_form.cache_clear()
+
+
+@needs_onednn
+@pytest.mark.parametrize("form", ONE_ROW_FORMS)
+def test_each_one_row_form_matches_f_linear_and_follows_weight_updates(one_row, form):
+    """One-row products (plain decoding's) in each form, through Linear and the static path's project and
+    project_into, equal F.linear to float32 rounding; the transposed copy is rebuilt after an in-place update."""
+    one_row(form)
+    torch.manual_seed(0)
+    layer = Linear(48, 80, bias=True)
+    x, res = torch.randn(1, 48), torch.randn(1, 80)
+    with torch.inference_mode():
+        for _ in range(2):
+            want = F.linear(x, layer.weight, layer.bias)
+            torch.testing.assert_close(layer(x.view(1, 1, 48)).view(1, 80), want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(project(x, layer.weight, layer.bias, layer._packed, True), want,
+                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(project_into(res, x, layer.weight, layer.weight.t(), layer._packed, True),
+                                       res + F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+            assert (layer._packed.t is not None) == (form == "transposed")
+            assert (layer._packed.packed is not None) == (form == "onednn")
+            layer.weight.mul_(2.0)  # a weight sync in place: no copy may serve the old values
+
+
+def test_one_row_form_is_float32_only_and_names_a_bad_setting(one_row):
+    one_row("transposed")
+    assert one_row_form(torch.float32, 80, 48) == ("transposed" if onednn_linear_available() else "onednn")
+    assert one_row_form(torch.bfloat16, 80, 48) == "onednn"  # bf16 keeps oneDNN's row blocks
+    one_row("fast")
+    with pytest.raises(ValueError, match="TLT_CPU_ONE_ROW must be auto or one of onednn, transposed, rows, got 'fast'"):
+        one_row_form(torch.float32, 80, 48)
+
+
+@needs_onednn
+def test_the_probe_picks_a_form_once_per_shape(one_row):
+    one_row("auto")
+    form = one_row_form(torch.float32, 96, 64)
+    assert form in ONE_ROW_FORMS
+    assert one_row_form(torch.float32, 96, 64) == form and one_row_form.cache_info().hits >= 1
+
+
+@needs_onednn
+def test_greedy_speculative_output_is_plain_decodings_in_every_one_row_form(one_row):
+    """One row: plain steps run one_row_form's GEMV, a verify's k + 1 rows oneDNN; greedy outputs still agree,
+    across forms and with speculation on and off."""
+    model = tiny_model(seed=3)
+    prompts = random_prompts([9], model.cfg.vocab_size, seed=5)
+    reqs = [Request(p, SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)) for p in prompts]
+    outputs = {}
+    for form in ONE_ROW_FORMS:
+        one_row(form)
+        for k in (0, 3):
+            outs = Engine(model).generate(reqs, k=k, drafter=NgramDrafter() if k else None)
+            outputs[form, k] = [o.token_ids for o in outs]
+    assert len({tuple(map(tuple, v)) for v in outputs.values()}) == 1

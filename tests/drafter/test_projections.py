@@ -17,8 +17,8 @@ from drafter.decode.projections import (
     project,
     row_block,
 )
-from drafter.model.causal_lm import PackedWeight, onednn_serves
 from drafter.model.config import ModelConfig
+from drafter.model.linear import PackedWeight, onednn_serves
 from drafter.model.loading import random_model
 from workers.device import bf16_rows_exact, policy_dtype
 

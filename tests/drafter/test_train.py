@@ -15,8 +15,9 @@ from drafter.decode.engine import Engine, Request
 from drafter.decode.sampling import SamplingParams
 from drafter.draft.eagle import EagleDrafter
 from drafter.draft.head import EagleConfig, EagleHead, draft_lm_weight, new_head
-from drafter.model.causal_lm import Int8Linear, draft_features, fast_bf16, int8_linear_available
+from drafter.model.causal_lm import draft_features
 from drafter.model.config import TrainConfig, default_aux_layer_ids
+from drafter.model.linear import Int8Linear, fast_bf16, int8_linear_available
 from drafter.train.buffer import PackedBatch, RolloutBuffer, iter_batches
 from drafter.train.checkpoint import DraftMeta, load_draft
 from drafter.train.evaluate import (

@@ -9,7 +9,7 @@ import torch
 from pydantic import ValidationError
 
 from drafter.draft.head import head_config, new_head
-from drafter.model.causal_lm import fast_bf16
+from drafter.model.linear import fast_bf16
 from drafter.model.loading import cast_state
 from drafter.train.checkpoint import DraftMeta
 from workers.device import policy_dtype

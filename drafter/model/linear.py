@@ -1,0 +1,234 @@
+"""CPU inference's linear layers: oneDNN's packed GEMMs (flat in rows, what a verify's several rows run on), a
+one-row product as MKL's GEMV where that is timed faster (plain decoding of one sequence), int8 draft weights; and
+whether a device has bf16 units. Training, GPUs and other dtypes run plain F.linear."""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@functools.cache
+def onednn_linear_available() -> bool:
+    """Whether CPU float32 inference runs its linear layers on oneDNN with pre-packed weights.
+
+    On this project's reference CPU (AMD EPYC, MKL 2024) MKL's sgemm with 2-7 rows costs 2-3x one
+    row, so verifying k drafts cost up to 2.3x a plain decode step; oneDNN with packed weights is
+    flat from 1 to 6 rows and 1.6x faster at one row (docs/benchmarks.md, "Engine"); where MKL's GEMV
+    is faster at one row still (an AVX2 EPYC with slow memory), one_row_form takes it for one-row products.
+    Set TLT_CPU_LINEAR=mkl to turn oneDNN off."""
+    if os.environ.get("TLT_CPU_LINEAR", "onednn").lower() == "mkl":
+        return False
+    ops = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise"))
+
+
+def fast_bf16(device: torch.device | str) -> bool:
+    """Whether bf16 matmuls run natively on `device`: a CUDA GPU with bf16, or a CPU with AVX512-BF16
+    or AMX tiles (elsewhere torch emulates them, slower than float32)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private in torch 2.x: probe gently
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
+@functools.cache
+def native_cpu_bf16() -> bool:
+    """fast_bf16("cpu"), asked once: oneDNN packs bf16 weights only where the CPU has bf16 units."""
+    return fast_bf16("cpu")
+
+
+# the number of rows oneDNN packs a weight for (its batch-size hint; None: any). On a 2-core AVX2 EPYC at one thread,
+# SmolLM2's forward at 16 decoding rows took 131.8 ms packed for 4 against 142.5 ms for any (min of 3, same
+# process, interleaved), and the same within noise at 1 to 4 rows and at prefill's hundreds
+PACK_HINT_ROWS = 4
+
+
+def _weight_key(weight: torch.Tensor) -> tuple:
+    try:
+        version = weight._version
+    except RuntimeError:  # an inference tensor: it cannot be updated in place, so never stale
+        version = -1
+    return id(weight), weight.data_ptr(), version
+
+
+class PackedWeight:
+    """A weight's oneDNN-packed copy and, where one-row products run as a GEMV over it (`one_row_form`), its
+    transposed copy; each rebuilt whenever the weight is replaced or updated in place (a policy weight sync, an
+    optimizer step). Never pickled or copied: it is a cache."""
+
+    __slots__ = ("key", "packed", "t_key", "t")
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.packed: torch.Tensor | None = None
+        self.t_key: tuple | None = None
+        self.t: torch.Tensor | None = None
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor:
+        key = _weight_key(weight)
+        if key != self.key:
+            self.packed, self.key = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_HINT_ROWS), key
+        return self.packed
+
+    def transposed(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight.T (in, out), contiguous: the layout whose one-row product is MKL's streaming GEMV."""
+        key = _weight_key(weight)
+        if key != self.t_key:
+            self.t, self.t_key = weight.detach().t().contiguous(), key
+        return self.t
+
+
+# How a one-row CPU float32 product x @ W.T runs (one_row_form): on oneDNN's packed weight (flat in rows, what a
+# verify's several rows run on), as MKL's GEMV over W's transposed copy (PackedWeight.transposed: one more copy of
+# the weight), or as MKL's GEMV along W's rows (F.linear, no copy)
+ONE_ROW_FORMS = ("onednn", "transposed", "rows")
+# the weight bytes one_row_form streams per form and round: past a CPU's last-level cache, as a decode step reads
+# its weights (SmolLM2-135M's are 540 MB in float32)
+ONE_ROW_PROBE_BYTES = 64 << 20
+ONE_ROW_PROBE_COPIES = 256  # at most this many copies: a tiny model's weights sit in the caches anyway
+ONE_ROW_MARGIN = 1.1  # a GEMV must be this much faster than oneDNN: a near tie keeps oneDNN
+
+
+@functools.cache
+def one_row_form(dtype: torch.dtype, out_features: int, in_features: int) -> str:
+    """Which of ONE_ROW_FORMS a one-row CPU product of this shape runs as: timed once per (dtype, shape) and
+    process, over cold weights, the fastest of the three where it beats oneDNN by ONE_ROW_MARGIN. float32 only
+    (bf16 rows keep oneDNN, whose row blocks pair a verify with plain decoding to the bit:
+    drafter.decode.projections). Decoding one row reads every weight for one row of output, so it is bound by
+    memory: on a 2-core AVX2 EPYC (about 5 GB/s) oneDNN's packed kernel read SmolLM2's weights at about half the
+    speed of MKL's GEMV (the LM head 19.6 against 10.5 ms transposed; the down projection 0.83 against 0.43 ms
+    along its rows), while on earlier boxes oneDNN had been the faster at one row (docs/benchmarks.md, "One-row
+    products"). TLT_CPU_ONE_ROW=auto (the default) times it; onednn, transposed or rows forces that form."""
+    mode = os.environ.get("TLT_CPU_ONE_ROW", "auto").lower()
+    if mode not in ("auto", *ONE_ROW_FORMS):
+        raise ValueError(f"TLT_CPU_ONE_ROW must be auto or one of {', '.join(ONE_ROW_FORMS)}, got {mode!r}")
+    if dtype != torch.float32 or not onednn_linear_available():
+        return "onednn"
+    if mode != "auto":
+        return mode
+    n = min(ONE_ROW_PROBE_COPIES, max(1, ONE_ROW_PROBE_BYTES // (out_features * in_features * 4)))
+    with torch.inference_mode():
+        weights = torch.full((n, out_features, in_features), 1e-3, device="cpu")  # a GEMV's time is not the values'
+        copies = torch.full((n, in_features, out_features), 1e-3, device="cpu")
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_ROWS) for w in weights]
+        x = torch.full((1, in_features), 1e-3, device="cpu")
+        forms = {"onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed],
+                 "transposed": lambda: [torch.mm(x, t) for t in copies],
+                 "rows": lambda: [F.linear(x, w) for w in weights]}
+        best = dict.fromkeys(forms, float("inf"))
+        for _ in range(3):  # interleaved rounds, the fastest of each: a busy moment slows one round, not a form
+            for name, form in forms.items():
+                t0 = time.perf_counter()
+                form()
+                best[name] = min(best[name], time.perf_counter() - t0)
+    fastest = min(best, key=best.get)
+    return fastest if best[fastest] * ONE_ROW_MARGIN < best["onednn"] else "onednn"
+
+
+def one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight,
+            form: str, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + x (1, in) @ weight.T + bias in one of one_row_form's GEMV forms ("transposed" or "rows"); at most
+    one of bias and residual."""
+    t = packed.transposed(weight) if form == "transposed" else weight.t()
+    add = bias if residual is None else residual
+    return torch.mm(x, t) if add is None else torch.addmm(add, x, t)
+
+
+def onednn_serves(dtype: torch.dtype) -> bool:
+    """Whether CPU inference in `dtype` runs its GEMMs on oneDNN's packed weights: float32, or bfloat16 where
+    the CPU has bf16 units (oneDNN packs bf16 weights only there), while onednn_linear_available()."""
+    return onednn_linear_available() and (dtype == torch.float32 or (dtype == torch.bfloat16 and native_cpu_bf16()))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: PackedWeight | None) -> torch.Tensor:
+    """F.linear, on oneDNN with `packed` weights for CPU inference in float32 or bfloat16 (no autograd
+    involved), one row as MKL's GEMV where one_row_form says; every other case (training, GPUs, float16, mixed
+    dtypes) is plain F.linear."""
+    if (packed is None or x.device.type != "cpu" or x.dtype != weight.dtype or not onednn_serves(x.dtype)
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return F.linear(x, weight, bias)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    form = one_row_form(x.dtype, *weight.shape) if x2.shape[0] == 1 else "onednn"
+    if form != "onednn":
+        out = one_row(x2, weight, bias, packed, form)
+    else:
+        out = torch.ops.mkldnn._linear_pointwise(x2, packed.get(weight), bias, "none", [], "")
+    return out.view(*shape[:-1], weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose CPU float32 inference runs on oneDNN (see `linear`); same weights, same state_dict."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._packed = PackedWeight()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self._packed)
+
+    def __getstate__(self) -> dict:  # deepcopy and pickle: the packed copy is an opaque cache
+        state = self.__dict__.copy()
+        state["_packed"] = PackedWeight()
+        return state
+
+
+@functools.cache
+def int8_linear_available() -> bool:
+    """Whether this torch runs dynamic int8 linear layers on the CPU (fbgemm or x86 quantized engine):
+    int8 weights per output channel, activations quantized per call."""
+    ops = torch.ops.quantized
+    return (torch.backends.quantized.engine in ("x86", "fbgemm") and hasattr(ops, "linear_dynamic")
+            and hasattr(ops, "linear_prepack"))
+
+
+class Int8Linear(nn.Module):
+    """Inference-only linear layer with int8 weights (symmetric, one scale per output channel) and
+    float32 activations quantized per call (torch's dynamic quantization kernels, fbgemm/x86). A
+    quarter of float32's bytes per call: for a draft head at batch 1, which is bound by reading its
+    weights, that is what a draft step costs on a CPU without bf16 units. Built from a float weight,
+    which it does not keep."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if not int8_linear_available():
+            raise ValueError("int8 linear layers need torch's fbgemm/x86 quantized engine (an x86 CPU build)")
+        w = weight.detach().float().cpu()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
+        with warnings.catch_warnings():  # quantized tensors are deprecated as a user API; the kernels are not
+            warnings.simplefilter("ignore", UserWarning)
+            qw = torch.quantize_per_channel(w, scale, torch.zeros(len(scale), dtype=torch.long, device="cpu"), 0,
+                                             torch.qint8)
+            self._packed = torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.detach().float().cpu())
+        self.out_features, self.in_features = w.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        # reduce_range: 7-bit activations, so AVX2 kernels without VNNI cannot saturate their int16 sums
+        out = torch.ops.quantized.linear_dynamic(x.reshape(-1, shape[-1]).float(), self._packed, True)
+        return out.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+def quantize_int8(module: nn.Module) -> nn.Module:
+    """Replace every Linear in `module` by an Int8Linear, in place; returns the module."""
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, Int8Linear(child.weight, child.bias))
+        else:
+            quantize_int8(child)
+    return module
