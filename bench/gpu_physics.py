@@ -24,7 +24,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from drafter.decode.static import StaticRunner
-from drafter.model import causal_lm as model_lib
+from drafter.model import linear as model_lib
 from drafter.model.causal_lm import CausalLM
 from drafter.model.config import ModelConfig
 

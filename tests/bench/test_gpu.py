@@ -113,7 +113,9 @@ def test_the_cpu_form_runs_end_to_end_without_the_control_planes_packages(tmp_pa
     assert result["longtail_tail_rows_accepted_history"] >= 1.0
     for name in ("combined", "combined_adaptive"):  # the chooser's drafts per source and bucket
         sources = tail["table"][name]["sources"]
-        assert sources and {s for by in sources.values() for s in by} <= {"history", "eagle"}
+        # the fixed arm drafts every step; the adaptive one may serve plain throughout where plain is cheap
+        assert (sources or name == "combined_adaptive") and {s for by in sources.values() for s in by} <= {
+            "history", "eagle"}
         assert sum(c["rows"] for by in sources.values() for c in by.values()) <= tail["table"][name]["mean_tokens"]
     assert result["longtail_greedy_identical_fraction_history"] == 1.0 and tail["greedy"]["compared"] == 2 * 4
     assert result["train_fp32_tokens_per_s"] > 0 and result["train_bf16_tokens_per_s"] > 0
