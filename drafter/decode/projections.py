@@ -18,7 +18,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from drafter.model.linear import PackedWeight, one_row, one_row_form
+from drafter.model.linear import PackedWeight, one_row, one_row_form, product_form
 
 ROW_PROBE_MAX = 64  # the most rows the probe tries (a block of at least this many: nothing to split in practice)
 MIN_ROW_BLOCK = 8  # a block below this would cost more than it keeps: row_block says 0 (nothing split) then
@@ -64,7 +64,7 @@ def project(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pa
     if onednn:
         if 0 < block < h.shape[0]:
             return torch.cat([project(part, weight, bias, packed, True) for part in h.split(block)])
-        form = one_row_form(h.dtype, *weight.shape) if h.shape[0] == 1 else "onednn"
+        form = product_form(h, weight)
         if form != "onednn":
             return one_row(h, weight, bias, packed, form)
         return torch.ops.mkldnn._linear_pointwise(h, packed.get(weight), bias, "none", [], "")
@@ -80,7 +80,7 @@ def project_into(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, weight_
         if 0 < block < h.shape[0]:
             return torch.cat([project_into(xp, hp, weight, weight_t, packed, True)
                               for xp, hp in zip(x.split(block), h.split(block))])
-        form = one_row_form(h.dtype, *weight.shape) if h.shape[0] == 1 else "onednn"
+        form = product_form(h, weight)
         if form != "onednn":
             return one_row(h, weight, None, packed, form, residual=x)
         return torch.ops.mkldnn._linear_pointwise.binary(h, x, packed.get(weight), None, "add")

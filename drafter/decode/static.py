@@ -233,7 +233,8 @@ class StaticRunner:
         # decode steps' GEMMs in blocks of rows the CPU computes row by row exactly (drafter.decode.projections): a
         # verify's logits are then plain decoding's to the bit; 0: nothing split
         self.row_block = decode_row_block(model) if self.onednn else 0
-        self.one_row_forms = decode_one_row_forms(model) if self.onednn else ()  # probed here, not in a step
+        if self.onednn:
+            decode_one_row_forms(model)  # one-row products' forms probed here, not inside a step
         self.cache = StaticCache(c, c.num_layers, batch_bucket(max_batch), max_len, dtype, device)
         B, T = self.cache.max_batch, MAX_GRAPH_TOKENS
         self.ids = torch.zeros(B * T, dtype=torch.long, device=device)  # graph inputs, (bucket * tokens) used

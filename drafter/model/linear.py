@@ -136,6 +136,11 @@ def one_row_form(dtype: torch.dtype, out_features: int, in_features: int) -> str
     return fastest if best[fastest] * ONE_ROW_MARGIN < best["onednn"] else "onednn"
 
 
+def product_form(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """How a CPU product of x (N, in) by weight runs: one_row_form's choice where N is 1, else "onednn"."""
+    return one_row_form(x.dtype, *weight.shape) if x.shape[0] == 1 else "onednn"
+
+
 def one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight,
             form: str, residual: torch.Tensor | None = None) -> torch.Tensor:
     """residual + x (1, in) @ weight.T + bias in one of one_row_form's GEMV forms ("transposed" or "rows"); at most
@@ -161,7 +166,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return F.linear(x, weight, bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    form = one_row_form(x.dtype, *weight.shape) if x2.shape[0] == 1 else "onednn"
+    form = product_form(x2, weight)
     if form != "onednn":
         out = one_row(x2, weight, bias, packed, form)
     else:
