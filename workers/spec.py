@@ -141,8 +141,9 @@ class JobSpec(BaseModel):
         "draft vocabulary (the tokens the job's rollouts use most); the head's LM slice is a sixth of "
         "SmolLM2's 49k. null: the policy's whole vocabulary"))
     draft_dtype: Literal[ALL_DRAFT_DTYPES] = Field(  # type: ignore[valid-type]
-        "auto", description="precision the draft head serves in; auto: bf16 where the device has bf16 units; int8: "
-        "int8 weights with float32 activations, CPU-only (measured slower at T=1 on a Zen 3 box)")
+        "auto", description="precision the draft head serves in; auto: bf16 where the device has bf16 units, and on "
+        "a CPU its products on int8 copies of its weights where timed faster (TLT_CPU_DRAFT_INT8); int8: int8 "
+        "weights with float32 activations, CPU-only, the head quantized itself (no in-place swaps)")
     draft_tree: str = Field("", pattern=r"^$|^([1-9]|1[0-6])(,([1-9]|1[0-6])){0,15}$", description=(
         "draft candidates at the first depths, e.g. '3,2' (three at the first, two at the second); '' drafts "
         "a chain (the default: on the CPU boxes measured, a tree's drafting and verifying cost more than its extra "

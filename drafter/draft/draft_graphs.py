@@ -127,9 +127,12 @@ class DraftGraphs:
         attn = layer.self_attn
         out = attend(attn.qkv_proj(x_in), rope, self._rotate, cache_l, keys, values,
                      b["rows"][:B].view(B, 1), positions, mask, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim))
-        x = torch.addmm(flat, out, attn.o_proj.weight.t())  # residual + o_proj
+        o_proj, down_proj = attn.o_proj, layer.mlp.down_proj
+        # residual + o_proj (on a CPU head with int8 products, EagleDrafter.int8_products, the layer's own product)
+        x = flat + o_proj(out) if o_proj.int8 else torch.addmm(flat, out, o_proj.weight.t())
         gate, up = layer.mlp.gate_up_proj(layer.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x.addmm_(F.silu(gate) * up, layer.mlp.down_proj.weight.t()).view(B, T, D)
+        act = F.silu(gate) * up
+        return (x + down_proj(act) if down_proj.int8 else x.addmm_(act, down_proj.weight.t())).view(B, T, D)
 
     def _step(self, b: dict, Bp: int, K: int, S: int, greedy: bool, any_greedy: bool, truncates: bool,
               one_hot: bool) -> None:

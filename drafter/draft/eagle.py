@@ -23,7 +23,7 @@ from drafter.draft.draft_state import DraftRows, PendingSwap, SwapStats
 from drafter.draft.drafters import Drafter, Proposal
 from drafter.draft.head import EagleHead
 from drafter.model.causal_lm import CausalLM, KVCache
-from drafter.model.linear import Int8Linear, fast_bf16, int8_linear_available, quantize_int8
+from drafter.model.linear import Int8Linear, Linear, draft_int8_pays, fast_bf16, int8_linear_available, quantize_int8
 
 
 def serving_precision(policy: CausalLM, spec: torch.dtype | str | None) -> tuple[torch.dtype, bool]:
@@ -56,6 +56,11 @@ def serving_dtype(policy: CausalLM, dtype: torch.dtype | str | None) -> torch.dt
     if resolved not in names.values():
         raise ValueError(f"draft dtype must be None, 'auto', 'int8' or one of {sorted(names)}, got {dtype!r}")
     return resolved
+
+
+def linear_shapes(head: EagleHead) -> tuple[tuple[int, int], ...]:
+    """The weight shapes (out, in) of a head's linear layers, each once."""
+    return tuple(sorted({tuple(m.weight.shape) for m in head.modules() if isinstance(m, Linear)}))
 
 
 def same_layout(a: EagleHead, b: EagleHead) -> bool:
@@ -99,6 +104,11 @@ class EagleDrafter(Drafter):
         self.head = prepared  # the head serving (its own LM head over the draft vocabulary included)
         # whether swaps may write into self.head: a copy made here is ours, the caller's own head is not
         self._owns_head = bool(own_head) or prepared is not head
+        # "auto" on a CPU: the head's products run on int8 copies of its weights where that is timed faster
+        # (draft_int8_pays); the head keeps its weights (in-place swaps, scoring and training as before)
+        self.int8_products = (dtype == "auto" and not self.int8 and policy.device.type == "cpu"
+                              and draft_int8_pays(self.dtype, linear_shapes(prepared)))
+        self._mark_int8()
         self.version: int | None = None  # draft version serving, for progress reports
         self.pending = PendingSwap()
         self.swaps = SwapStats()
@@ -118,8 +128,19 @@ class EagleDrafter(Drafter):
 
     @property
     def precision(self) -> str:
-        """What the head drafts in: "int8" (int8 weights, float32 activations), else its dtype's name."""
-        return "int8" if self.int8 else str(self.dtype).removeprefix("torch.")
+        """What the head drafts in: "int8" (int8 weights, float32 activations), else its dtype's name, with
+        " (int8 products)" where its products run on int8 copies of its weights."""
+        if self.int8:
+            return "int8"
+        return str(self.dtype).removeprefix("torch.") + (" (int8 products)" if self.int8_products else "")
+
+    def _mark_int8(self) -> None:
+        """The serving head's linear layers run on int8 copies of their weights iff int8_products and the head is
+        the drafter's own (a caller's head serving as itself stays as the caller left it)."""
+        on = self.int8_products and self._owns_head
+        for module in self.head.modules():
+            if isinstance(module, Linear):
+                module.int8 = on
 
     def _prepare(self, head: EagleHead) -> EagleHead:
         """`head` on the policy's device in the serving precision: itself if it already is, else a copy
@@ -159,6 +180,7 @@ class EagleDrafter(Drafter):
             old.cfg = dataclasses.replace(head.cfg)
             return
         self.head, self._owns_head = head, owned
+        self._mark_int8()
 
     def request_swap(self, head: EagleHead, version: int | None = None, give: bool = False) -> None:
         """Serve `head` from the next draft step on (thread-safe; never mid-forward). Its KV cache is

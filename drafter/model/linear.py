@@ -67,13 +67,15 @@ class PackedWeight:
     transposed copy; each rebuilt whenever the weight is replaced or updated in place (a policy weight sync, an
     optimizer step). Never pickled or copied: it is a cache."""
 
-    __slots__ = ("key", "packed", "t_key", "t")
+    __slots__ = ("key", "packed", "t_key", "t", "q_key", "q")
 
     def __init__(self) -> None:
         self.key: tuple | None = None
         self.packed: torch.Tensor | None = None
         self.t_key: tuple | None = None
         self.t: torch.Tensor | None = None
+        self.q_key: tuple | None = None
+        self.q = None  # int8_prepack's packed parameters
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
         key = _weight_key(weight)
@@ -87,6 +89,13 @@ class PackedWeight:
         if key != self.t_key:
             self.t, self.t_key = weight.detach().t().contiguous(), key
         return self.t
+
+    def int8(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        """The weight's int8 copy (int8_prepack), rebuilt when the weight changes: a product of `int8_product`."""
+        key = (_weight_key(weight), None if bias is None else _weight_key(bias))
+        if key != self.q_key:
+            self.q, self.q_key = int8_prepack(weight, bias), key
+        return self.q
 
 
 # How a one-row CPU float32 product x @ W.T runs (one_row_form): on oneDNN's packed weight (flat in rows, what a
@@ -157,10 +166,14 @@ def onednn_serves(dtype: torch.dtype) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: PackedWeight | None) -> torch.Tensor:
+           packed: PackedWeight | None, int8: bool = False) -> torch.Tensor:
     """F.linear, on oneDNN with `packed` weights for CPU inference in float32 or bfloat16 (no autograd
-    involved), one row as MKL's GEMV where one_row_form says; every other case (training, GPUs, float16, mixed
-    dtypes) is plain F.linear."""
+    involved), one row as MKL's GEMV where one_row_form says; int8: on the packed int8 copy of the weights
+    instead (a draft head where draft_int8_pays); every other case (training, GPUs, float16, mixed dtypes) is
+    plain F.linear."""
+    if int8 and packed is not None and x.device.type == "cpu" and not (
+            torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return int8_product(x, packed.int8(weight, bias), weight.shape[0])
     if (packed is None or x.device.type != "cpu" or x.dtype != weight.dtype or not onednn_serves(x.dtype)
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return F.linear(x, weight, bias)
@@ -175,18 +188,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose CPU float32 inference runs on oneDNN (see `linear`); same weights, same state_dict."""
+    """nn.Linear whose CPU float32 inference runs on oneDNN (see `linear`); same weights, same state_dict.
+    int8: its CPU inference runs on an int8 copy of its weights (set by the drafter that serves it; a copy of the
+    module is a plain one again)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._packed = PackedWeight()
+        self.int8 = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self._packed)
+        return linear(x, self.weight, self.bias, self._packed, self.int8)
 
     def __getstate__(self) -> dict:  # deepcopy and pickle: the packed copy is an opaque cache
         state = self.__dict__.copy()
-        state["_packed"] = PackedWeight()
+        state["_packed"], state["int8"] = PackedWeight(), False
         return state
 
 
@@ -199,6 +215,76 @@ def int8_linear_available() -> bool:
             and hasattr(ops, "linear_prepack"))
 
 
+def int8_prepack(weight: torch.Tensor, bias: torch.Tensor | None):
+    """A float weight (out, in) as torch's dynamic int8 kernels take it: symmetric, one scale per output channel,
+    packed with the bias (float32)."""
+    if not int8_linear_available():
+        raise ValueError("int8 linear layers need torch's fbgemm/x86 quantized engine (an x86 CPU build)")
+    w = weight.detach().float().cpu()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
+    with warnings.catch_warnings():  # quantized tensors are deprecated as a user API; the kernels are not
+        warnings.simplefilter("ignore", UserWarning)
+        qw = torch.quantize_per_channel(w, scale, torch.zeros(len(scale), dtype=torch.long, device="cpu"), 0,
+                                         torch.qint8)
+        return torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.detach().float().cpu())
+
+
+def int8_product(x: torch.Tensor, packed, out_features: int) -> torch.Tensor:
+    """x (..., in) @ W.T + b on int8_prepack's `packed` W and b, in x's dtype: x quantized per call (7-bit, so
+    AVX2 kernels without VNNI cannot saturate their int16 sums), the product in float32."""
+    shape = x.shape
+    out = torch.ops.quantized.linear_dynamic(x.reshape(-1, shape[-1]).float(), packed, True)
+    return out.view(*shape[:-1], out_features).to(x.dtype)
+
+
+# draft_int8_pays: a draft head's products at one row are served from int8 copies of its weights where that is
+# this much faster, summed over the head's weight shapes, than its own precision's (oneDNN's packed GEMM)
+DRAFT_INT8_MARGIN = 1.1
+DRAFT_INT8_MODES = ("auto", "on", "off")
+
+
+@functools.cache
+def draft_int8_pays(dtype: torch.dtype, shapes: tuple[tuple[int, int], ...]) -> bool:
+    """Whether a CPU draft head of these weight shapes (out, in) in `dtype` drafts faster with its products on int8
+    copies of its weights (PackedWeight.int8; the head itself keeps its weights, trains and swaps as before): timed
+    once per (dtype, shapes) and process at one row over cold weights, as a tail's drafting reads them (the policy's
+    evict the head's every step). On a 2-core AMD EPYC with AVX512-BF16 the shipped head's products at one row took
+    0.79 ms in int8 against 1.55 in bf16, and a k = 2 step at one row 46.6-48.2 ms against 50.5-51.8
+    (docs/benchmarks.md, "Int8 draft products"). TLT_CPU_DRAFT_INT8=auto (the default) times it; on or off forces
+    the answer (on still needs torch's int8 kernels)."""
+    mode = os.environ.get("TLT_CPU_DRAFT_INT8", "auto").lower()
+    if mode not in DRAFT_INT8_MODES:
+        raise ValueError(f"TLT_CPU_DRAFT_INT8 must be one of {', '.join(DRAFT_INT8_MODES)}, got {mode!r}")
+    if mode == "off" or not int8_linear_available():
+        return False
+    if mode == "on":
+        return True
+    times = [_dense_and_int8_seconds(dtype, out_features, in_features) for out_features, in_features in shapes]
+    return sum(t[1] for t in times) * DRAFT_INT8_MARGIN < sum(t[0] for t in times)
+
+
+def _dense_and_int8_seconds(dtype: torch.dtype, out_features: int, in_features: int) -> tuple[float, float]:
+    """(seconds, seconds): a one-row product of this shape in `dtype` as `linear` runs it, and on int8 copies; the
+    fastest of 3 interleaved rounds over cold copies of the weight (a busy moment slows one round, not a form)."""
+    n = min(ONE_ROW_PROBE_COPIES, max(2, ONE_ROW_PROBE_BYTES // (out_features * in_features * 4)))
+    with torch.inference_mode():
+        # a list: one tensor object per copy, as a layer holds its weight (the packed copies are keyed by it)
+        weights = list(torch.full((n, out_features, in_features), 1e-3, device="cpu").to(dtype).unbind(0))
+        x = torch.full((1, in_features), 1e-3, device="cpu", dtype=dtype)
+        packs = [PackedWeight() for _ in range(n)]
+        forms = (lambda: [linear(x, w, None, p) for w, p in zip(weights, packs)],
+                 lambda: [int8_product(x, p.int8(w, None), out_features) for w, p in zip(weights, packs)])
+        for form in forms:  # untimed: packs and quantizes the copies
+            form()
+        best = [float("inf")] * len(forms)
+        for _ in range(3):
+            for i, form in enumerate(forms):
+                t0 = time.perf_counter()
+                form()
+                best[i] = min(best[i], time.perf_counter() - t0)
+    return best[0], best[1]
+
+
 class Int8Linear(nn.Module):
     """Inference-only linear layer with int8 weights (symmetric, one scale per output channel) and
     float32 activations quantized per call (torch's dynamic quantization kernels, fbgemm/x86). A
@@ -208,22 +294,11 @@ class Int8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        if not int8_linear_available():
-            raise ValueError("int8 linear layers need torch's fbgemm/x86 quantized engine (an x86 CPU build)")
-        w = weight.detach().float().cpu()
-        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
-        with warnings.catch_warnings():  # quantized tensors are deprecated as a user API; the kernels are not
-            warnings.simplefilter("ignore", UserWarning)
-            qw = torch.quantize_per_channel(w, scale, torch.zeros(len(scale), dtype=torch.long, device="cpu"), 0,
-                                             torch.qint8)
-            self._packed = torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.detach().float().cpu())
-        self.out_features, self.in_features = w.shape
+        self._packed = int8_prepack(weight, bias)
+        self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        # reduce_range: 7-bit activations, so AVX2 kernels without VNNI cannot saturate their int16 sums
-        out = torch.ops.quantized.linear_dynamic(x.reshape(-1, shape[-1]).float(), self._packed, True)
-        return out.view(*shape[:-1], self.out_features)
+        return int8_product(x.float(), self._packed, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
