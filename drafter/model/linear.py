@@ -249,8 +249,8 @@ def draft_int8_pays(dtype: torch.dtype, shapes: tuple[tuple[int, int], ...]) -> 
     copies of its weights (PackedWeight.int8; the head itself keeps its weights, trains and swaps as before): timed
     once per (dtype, shapes) and process at one row over cold weights, as a tail's drafting reads them (the policy's
     evict the head's every step). On a 2-core AMD EPYC with AVX512-BF16 the shipped head's products at one row took
-    0.79 ms in int8 against 1.55 in bf16, and a k = 2 step at one row 46.6-48.2 ms against 50.5-51.8
-    (docs/benchmarks.md, "Int8 draft products"). TLT_CPU_DRAFT_INT8=auto (the default) times it; on or off forces
+    0.79 ms in int8 against 1.55 in bf16, and a step at one row 40.8 ms against 42.2 at k = 2, 44.5 against 49.1 at
+    k = 4 (docs/benchmarks.md, "Int8 draft products"). TLT_CPU_DRAFT_INT8=auto (the default) times it; on or off forces
     the answer (on still needs torch's int8 kernels)."""
     mode = os.environ.get("TLT_CPU_DRAFT_INT8", "auto").lower()
     if mode not in DRAFT_INT8_MODES:
