@@ -98,6 +98,18 @@ class PackedWeight:
         return self.q
 
 
+def fastest_seconds(forms: dict, rounds: int = 3) -> dict:
+    """{name: seconds}: the fastest of `rounds` interleaved timed calls of each form (a busy moment slows one round,
+    not a form): how one_row_form and draft_int8_pays compare theirs."""
+    best = dict.fromkeys(forms, float("inf"))
+    for _ in range(rounds):
+        for name, form in forms.items():
+            t0 = time.perf_counter()
+            form()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
 # How a one-row CPU float32 product x @ W.T runs (one_row_form): on oneDNN's packed weight (flat in rows, what a
 # verify's several rows run on), as MKL's GEMV over W's transposed copy (PackedWeight.transposed: one more copy of
 # the weight), or as MKL's GEMV along W's rows (F.linear, no copy)
@@ -135,12 +147,7 @@ def one_row_form(dtype: torch.dtype, out_features: int, in_features: int) -> str
         forms = {"onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed],
                  "transposed": lambda: [torch.mm(x, t) for t in copies],
                  "rows": lambda: [F.linear(x, w) for w in weights]}
-        best = dict.fromkeys(forms, float("inf"))
-        for _ in range(3):  # interleaved rounds, the fastest of each: a busy moment slows one round, not a form
-            for name, form in forms.items():
-                t0 = time.perf_counter()
-                form()
-                best[name] = min(best[name], time.perf_counter() - t0)
+        best = fastest_seconds(forms)
     fastest = min(best, key=best.get)
     return fastest if best[fastest] * ONE_ROW_MARGIN < best["onednn"] else "onednn"
 
@@ -264,25 +271,20 @@ def draft_int8_pays(dtype: torch.dtype, shapes: tuple[tuple[int, int], ...]) -> 
 
 
 def _dense_and_int8_seconds(dtype: torch.dtype, out_features: int, in_features: int) -> tuple[float, float]:
-    """(seconds, seconds): a one-row product of this shape in `dtype` as `linear` runs it, and on int8 copies; the
-    fastest of 3 interleaved rounds over cold copies of the weight (a busy moment slows one round, not a form)."""
+    """(seconds, seconds): a one-row product of this shape in `dtype` as `linear` runs it, and on int8 copies
+    (fastest_seconds over cold copies of the weight)."""
     n = min(ONE_ROW_PROBE_COPIES, max(2, ONE_ROW_PROBE_BYTES // (out_features * in_features * 4)))
     with torch.inference_mode():
         # a list: one tensor object per copy, as a layer holds its weight (the packed copies are keyed by it)
         weights = list(torch.full((n, out_features, in_features), 1e-3, device="cpu").to(dtype).unbind(0))
         x = torch.full((1, in_features), 1e-3, device="cpu", dtype=dtype)
         packs = [PackedWeight() for _ in range(n)]
-        forms = (lambda: [linear(x, w, None, p) for w, p in zip(weights, packs)],
-                 lambda: [int8_product(x, p.int8(w, None), out_features) for w, p in zip(weights, packs)])
-        for form in forms:  # untimed: packs and quantizes the copies
+        forms = {"dense": lambda: [linear(x, w, None, p) for w, p in zip(weights, packs)],
+                 "int8": lambda: [int8_product(x, p.int8(w, None), out_features) for w, p in zip(weights, packs)]}
+        for form in forms.values():  # untimed: packs and quantizes the copies
             form()
-        best = [float("inf")] * len(forms)
-        for _ in range(3):
-            for i, form in enumerate(forms):
-                t0 = time.perf_counter()
-                form()
-                best[i] = min(best[i], time.perf_counter() - t0)
-    return best[0], best[1]
+        best = fastest_seconds(forms)
+    return best["dense"], best["int8"]
 
 
 class Int8Linear(nn.Module):
