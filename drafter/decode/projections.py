@@ -18,7 +18,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from drafter.model.linear import PackedWeight, one_row, one_row_form, product_form
+from drafter.model.linear import PackedWeight, one_row_form, product_form, skinny_rows, small_product
 
 ROW_PROBE_MAX = 64  # the most rows the probe tries (a block of at least this many: nothing to split in practice)
 MIN_ROW_BLOCK = 8  # a block below this would cost more than it keeps: row_block says 0 (nothing split) then
@@ -59,14 +59,15 @@ def first_parting_rows(dtype: torch.dtype, out_features: int, in_features: int, 
 def project(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight,
             onednn: bool, block: int = 0) -> torch.Tensor:
     """h (N, in) @ weight.T + bias -> (N, out), one op: oneDNN's GEMM on pre-packed weights on a CPU
-    (flat in N where MKL's grows, drafter.model.linear.linear; one row as MKL's GEMV where one_row_form says), else
-    F.linear. block > 0: in row blocks of at most that many (row_block)."""
+    (flat in N where MKL's grows, drafter.model.linear.linear; one row as MKL's GEMV where one_row_form says, a few
+    on the few-row kernel where skinny_rows says), else F.linear. block > 0: in row blocks of at most that many
+    (row_block)."""
     if onednn:
         if 0 < block < h.shape[0]:
             return torch.cat([project(part, weight, bias, packed, True) for part in h.split(block)])
         form = product_form(h, weight)
         if form != "onednn":
-            return one_row(h, weight, bias, packed, form)
+            return small_product(h, weight, bias, packed, form)
         return torch.ops.mkldnn._linear_pointwise(h, packed.get(weight), bias, "none", [], "")
     return F.linear(h, weight, bias)
 
@@ -74,15 +75,15 @@ def project(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pa
 def project_into(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor,
                  packed: PackedWeight, onednn: bool, block: int = 0) -> torch.Tensor:
     """The residual stream plus a projection, x + h @ weight.T, one op: in place on a GPU (addmm_: a captured
-    graph's stream stays put), on a CPU oneDNN's GEMM with the add fused (in row blocks, as `project`; one row as
-    MKL's GEMV where one_row_form says)."""
+    graph's stream stays put), on a CPU oneDNN's GEMM with the add fused (in row blocks, as `project`; one row or a
+    few in the forms product_form says)."""
     if onednn:
         if 0 < block < h.shape[0]:
             return torch.cat([project_into(xp, hp, weight, weight_t, packed, True)
                               for xp, hp in zip(x.split(block), h.split(block))])
         form = product_form(h, weight)
         if form != "onednn":
-            return one_row(h, weight, None, packed, form, residual=x)
+            return small_product(h, weight, None, packed, form, residual=x)
         return torch.ops.mkldnn._linear_pointwise.binary(h, x, packed.get(weight), None, "add")
     return x.addmm_(h, weight_t)
 
@@ -94,10 +95,11 @@ def decode_linears(model) -> tuple:
     return layer.attn.o_proj, layer.attn.qkv_proj, layer.mlp.down_proj, layer.mlp.gate_up_proj, model.lm_head
 
 
-def decode_one_row_forms(model) -> tuple[str, ...]:
-    """one_row_form for each of decode_linears' weight shapes: asked when a runner is built, so that no decode step
-    times the probe."""
-    return tuple(one_row_form(model.dtype, *linear.weight.shape) for linear in decode_linears(model))
+def decode_product_forms(model) -> tuple[tuple[str, frozenset[int]], ...]:
+    """(one_row_form, skinny_rows) for each of decode_linears' weight shapes: asked when a runner is built, so that
+    no decode step times the probes."""
+    return tuple((one_row_form(model.dtype, *linear.weight.shape), skinny_rows(model.dtype, *linear.weight.shape))
+                 for linear in decode_linears(model))
 
 
 def decode_row_block(model) -> int:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from drafter.decode.capture import capture
-from drafter.decode.projections import decode_one_row_forms, decode_row_block, project, project_into
+from drafter.decode.projections import decode_product_forms, decode_row_block, project, project_into
 from drafter.model.causal_lm import CausalLM, draft_features
 from drafter.model.config import ModelConfig
 from drafter.model.linear import PackedWeight, onednn_serves
@@ -234,7 +234,7 @@ class StaticRunner:
         # verify's logits are then plain decoding's to the bit; 0: nothing split
         self.row_block = decode_row_block(model) if self.onednn else 0
         if self.onednn:
-            decode_one_row_forms(model)  # one-row products' forms probed here, not inside a step
+            decode_product_forms(model)  # the one- and few-row products' forms probed here, not inside a step
         self.cache = StaticCache(c, c.num_layers, batch_bucket(max_batch), max_len, dtype, device)
         B, T = self.cache.max_batch, MAX_GRAPH_TOKENS
         self.ids = torch.zeros(B * T, dtype=torch.long, device=device)  # graph inputs, (bucket * tokens) used

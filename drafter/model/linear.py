@@ -1,6 +1,7 @@
 """CPU inference's linear layers: oneDNN's packed GEMMs (flat in rows, what a verify's several rows run on), a
-one-row product as MKL's GEMV where that is timed faster (plain decoding of one sequence), int8 draft weights; and
-whether a device has bf16 units. Training, GPUs and other dtypes run plain F.linear."""
+one-row product as MKL's GEMV where that is timed faster (plain decoding of one sequence), a few rows on the few-row
+kernel where that is (drafter.model.skinny), int8 draft weights; and whether a device has bf16 units. Training,
+GPUs and other dtypes run plain F.linear."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from drafter.model import skinny
 
 
 @functools.cache
@@ -67,7 +70,7 @@ class PackedWeight:
     transposed copy; each rebuilt whenever the weight is replaced or updated in place (a policy weight sync, an
     optimizer step). Never pickled or copied: it is a cache."""
 
-    __slots__ = ("key", "packed", "t_key", "t", "q_key", "q")
+    __slots__ = ("key", "packed", "t_key", "t", "q_key", "q", "s_key", "s")
 
     def __init__(self) -> None:
         self.key: tuple | None = None
@@ -76,6 +79,8 @@ class PackedWeight:
         self.t: torch.Tensor | None = None
         self.q_key: tuple | None = None
         self.q = None  # int8_prepack's packed parameters
+        self.s_key: tuple | None = None
+        self.s: torch.Tensor | None = None
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
         key = _weight_key(weight)
@@ -96,6 +101,13 @@ class PackedWeight:
         if key != self.q_key:
             self.q, self.q_key = int8_prepack(weight, bias), key
         return self.q
+
+    def skinny(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight as the few-row kernel reads it (drafter.model.skinny.pack), rebuilt when the weight changes."""
+        key = _weight_key(weight)
+        if key != self.s_key:
+            self.s, self.s_key = skinny.pack(weight), key
+        return self.s
 
 
 def fastest_seconds(forms: dict, rounds: int = 3) -> dict:
@@ -152,15 +164,61 @@ def one_row_form(dtype: torch.dtype, out_features: int, in_features: int) -> str
     return fastest if best[fastest] * ONE_ROW_MARGIN < best["onednn"] else "onednn"
 
 
+# skinny_rows: the few-row kernel serves a product of 2 or more rows where it is this much faster than oneDNN
+SKINNY_MARGIN = 1.1
+SKINNY_MODES = ("auto", "on", "off")
+
+
+@functools.cache
+def skinny_rows(dtype: torch.dtype, out_features: int, in_features: int) -> frozenset[int]:
+    """The row counts (2 to skinny.max_rows()) at which a CPU float32 product of this shape runs on the few-row kernel
+    (drafter.model.skinny): timed once per shape and process against oneDNN's packed GEMM over cold weights, as
+    one_row_form times one row; those where it is SKINNY_MARGIN faster. A decode step of a few rows (a verify's k + 1
+    tokens of one row, plain decoding of 2-6 rows) is bound by reading the weights: on a 2-core AVX2 EPYC oneDNN read
+    SmolLM2's LM head at 3 rows in 15.9-18.2 ms, the kernel in 7.1-8.4, one row's GEMV in 5.6-6.2 (docs/benchmarks.md,
+    "Few-row products"). Empty for other dtypes (bf16 keeps oneDNN's row blocks), without oneDNN or the kernel.
+    TLT_CPU_SKINNY=auto (the default) times it; on takes every count the kernel does, off none."""
+    mode = os.environ.get("TLT_CPU_SKINNY", "auto").lower()
+    if mode not in SKINNY_MODES:
+        raise ValueError(f"TLT_CPU_SKINNY must be one of {', '.join(SKINNY_MODES)}, got {mode!r}")
+    counts = range(2, skinny.max_rows() + 1)
+    if (mode == "off" or dtype != torch.float32 or not onednn_linear_available()
+            or not skinny.takes(2, out_features, in_features)):
+        return frozenset()
+    if mode == "on":
+        return frozenset(counts)
+    n = min(ONE_ROW_PROBE_COPIES, max(1, ONE_ROW_PROBE_BYTES // (out_features * in_features * 4)))
+    with torch.inference_mode():
+        weights = torch.full((n, out_features, in_features), 1e-3, device="cpu")
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_ROWS) for w in weights]
+        kernels = [skinny.pack(w) for w in weights]
+        takes = set()
+        for rows in counts:
+            x = torch.full((rows, in_features), 1e-3, device="cpu")
+            best = fastest_seconds({
+                "onednn": lambda x=x: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed],
+                "skinny": lambda x=x: [skinny.product(x, k) for k in kernels]})
+            if best["skinny"] * SKINNY_MARGIN < best["onednn"]:
+                takes.add(rows)
+    return frozenset(takes)
+
+
 def product_form(x: torch.Tensor, weight: torch.Tensor) -> str:
-    """How a CPU product of x (N, in) by weight runs: one_row_form's choice where N is 1, else "onednn"."""
-    return one_row_form(x.dtype, *weight.shape) if x.shape[0] == 1 else "onednn"
+    """How a CPU product of x (N, in) by weight runs: one_row_form's choice where N is 1, "skinny" where skinny_rows
+    has N, else "onednn"."""
+    rows = x.shape[0]
+    if rows == 1:
+        return one_row_form(x.dtype, *weight.shape)
+    return "skinny" if rows in skinny_rows(x.dtype, *weight.shape) else "onednn"
 
 
-def one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight,
-            form: str, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """residual + x (1, in) @ weight.T + bias in one of one_row_form's GEMV forms ("transposed" or "rows"); at most
-    one of bias and residual."""
+def small_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight,
+                  form: str, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + x (N, in) @ weight.T + bias in one of product_form's forms other than oneDNN: one row as one of
+    one_row_form's GEMVs ("transposed" or "rows"), a few rows on the few-row kernel ("skinny"); at most one of
+    bias and residual."""
+    if form == "skinny":
+        return skinny.product(x, packed.skinny(weight), bias, residual)
     t = packed.transposed(weight) if form == "transposed" else weight.t()
     add = bias if residual is None else residual
     return torch.mm(x, t) if add is None else torch.addmm(add, x, t)
@@ -175,7 +233,8 @@ def onednn_serves(dtype: torch.dtype) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: PackedWeight | None, int8: bool = False) -> torch.Tensor:
     """F.linear, on oneDNN with `packed` weights for CPU inference in float32 or bfloat16 (no autograd
-    involved), one row as MKL's GEMV where one_row_form says; int8: on the packed int8 copy of the weights
+    involved), one row as MKL's GEMV where one_row_form says, a few on the few-row kernel where skinny_rows
+    says; int8: on the packed int8 copy of the weights
     instead (a draft head where draft_int8_pays); every other case (training, GPUs, float16, mixed dtypes) is
     plain F.linear."""
     if int8 and packed is not None and x.device.type == "cpu" and not (
@@ -188,7 +247,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     x2 = x.reshape(-1, shape[-1])
     form = product_form(x2, weight)
     if form != "onednn":
-        out = one_row(x2, weight, bias, packed, form)
+        out = small_product(x2, weight, bias, packed, form)
     else:
         out = torch.ops.mkldnn._linear_pointwise(x2, packed.get(weight), bias, "none", [], "")
     return out.view(*shape[:-1], weight.shape[0])

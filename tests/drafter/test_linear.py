@@ -40,7 +40,8 @@ def test_packed_linear_matches_f_linear_for_every_row_count():
         x = torch.randn(2, rows, 48)
         with torch.inference_mode():
             got = layer(x)
-        assert layer._packed.packed is not None  # the oneDNN path ran
+        # a packed path ran: oneDNN's, or the few-row kernel's (skinny_rows)
+        assert layer._packed.packed is not None or layer._packed.s is not None
         torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
@@ -68,7 +69,7 @@ def test_mixed_dtypes_fall_back_to_f_linear():
 def test_pack_is_rebuilt_after_an_in_place_update_or_a_new_weight():
     torch.manual_seed(0)
     layer = Linear(16, 8, bias=False)
-    x = torch.randn(3, 16)
+    x = torch.randn(12, 16)  # past the few-row kernel's rows (tests/drafter/test_skinny.py): oneDNN's GEMM
     with torch.inference_mode():
         layer(x)
     first = layer._packed.packed
