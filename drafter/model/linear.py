@@ -174,10 +174,11 @@ def skinny_rows(dtype: torch.dtype, out_features: int, in_features: int) -> froz
     """The row counts (2 to skinny.max_rows()) at which a CPU float32 product of this shape runs on the few-row kernel
     (drafter.model.skinny): timed once per shape and process against oneDNN's packed GEMM over cold weights, as
     one_row_form times one row; those where it is SKINNY_MARGIN faster. A decode step of a few rows (a verify's k + 1
-    tokens of one row, plain decoding of 2-6 rows) is bound by reading the weights: on a 2-core AVX2 EPYC oneDNN read
-    SmolLM2's LM head at 3 rows in 15.9-18.2 ms, the kernel in 7.1-8.4, one row's GEMV in 5.6-6.2 (docs/benchmarks.md,
-    "Few-row products"). Empty for other dtypes (bf16 keeps oneDNN's row blocks), without oneDNN or the kernel.
-    TLT_CPU_SKINNY=auto (the default) times it; on takes every count the kernel does, off none."""
+    tokens of a row or two, plain decoding of a few rows) is bound by reading the weights: on a 2-core AVX2 EPYC
+    oneDNN read SmolLM2's LM head at 3 rows in 11.0 ms and at 8 in 14.1, the kernel in 7.7 and 11.1, one row's GEMV
+    in 6.0 (docs/benchmarks.md, "Few-row products"). Empty for other dtypes (bf16 keeps oneDNN's row blocks),
+    without oneDNN or the kernel. TLT_CPU_SKINNY=auto (the default) times it; on takes every count the kernel does,
+    off none."""
     mode = os.environ.get("TLT_CPU_SKINNY", "auto").lower()
     if mode not in SKINNY_MODES:
         raise ValueError(f"TLT_CPU_SKINNY must be one of {', '.join(SKINNY_MODES)}, got {mode!r}")
