@@ -124,8 +124,8 @@ def fastest_seconds(forms: dict, rounds: int = 3) -> dict:
 
 # How a one-row CPU float32 product x @ W.T runs (one_row_form): on oneDNN's packed weight (flat in rows, what a
 # verify's several rows run on), as MKL's GEMV over W's transposed copy (PackedWeight.transposed: one more copy of
-# the weight), or as MKL's GEMV along W's rows (F.linear, no copy)
-ONE_ROW_FORMS = ("onednn", "transposed", "rows")
+# the weight), as MKL's GEMV along W's rows (F.linear, no copy), or on the few-row kernel (drafter.model.skinny)
+ONE_ROW_FORMS = ("onednn", "transposed", "rows", "skinny")
 # the weight bytes one_row_form streams per form and round: past a CPU's last-level cache, as a decode step reads
 # its weights (SmolLM2-135M's are 540 MB in float32)
 ONE_ROW_PROBE_BYTES = 64 << 20
@@ -136,18 +136,24 @@ ONE_ROW_MARGIN = 1.1  # a GEMV must be this much faster than oneDNN: a near tie 
 @functools.cache
 def one_row_form(dtype: torch.dtype, out_features: int, in_features: int) -> str:
     """Which of ONE_ROW_FORMS a one-row CPU product of this shape runs as: timed once per (dtype, shape) and
-    process, over cold weights, the fastest of the three where it beats oneDNN by ONE_ROW_MARGIN. float32 only
+    process, over cold weights, the fastest of the others where it beats oneDNN by ONE_ROW_MARGIN. float32 only
     (bf16 rows keep oneDNN, whose row blocks pair a verify with plain decoding to the bit:
     drafter.decode.projections). Decoding one row reads every weight for one row of output, so it is bound by
     memory: on a 2-core AVX2 EPYC (about 5 GB/s) oneDNN's packed kernel read SmolLM2's weights at about half the
     speed of MKL's GEMV (the LM head 19.6 against 10.5 ms transposed; the down projection 0.83 against 0.43 ms
     along its rows), while on earlier boxes oneDNN had been the faster at one row (docs/benchmarks.md, "One-row
-    products"). TLT_CPU_ONE_ROW=auto (the default) times it; onednn, transposed or rows forces that form."""
+    products"); the few-row kernel read the q/k/v, o and down projections faster still there (150 against 175 us
+    for q/k/v). TLT_CPU_ONE_ROW=auto (the default) times it; onednn, transposed, rows or skinny forces that form
+    (skinny where the kernel takes the shape)."""
     mode = os.environ.get("TLT_CPU_ONE_ROW", "auto").lower()
     if mode not in ("auto", *ONE_ROW_FORMS):
         raise ValueError(f"TLT_CPU_ONE_ROW must be auto or one of {', '.join(ONE_ROW_FORMS)}, got {mode!r}")
     if dtype != torch.float32 or not onednn_linear_available():
         return "onednn"
+    kernel = skinny.takes(1, out_features, in_features)
+    if mode == "skinny" and not kernel:
+        raise ValueError(f"TLT_CPU_ONE_ROW=skinny: the few-row kernel does not take a {out_features} x {in_features} "
+                         "weight here (it needs an AVX2 CPU, a C compiler, outputs in 8s and an even input count)")
     if mode != "auto":
         return mode
     n = min(ONE_ROW_PROBE_COPIES, max(1, ONE_ROW_PROBE_BYTES // (out_features * in_features * 4)))
@@ -159,6 +165,9 @@ def one_row_form(dtype: torch.dtype, out_features: int, in_features: int) -> str
         forms = {"onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed],
                  "transposed": lambda: [torch.mm(x, t) for t in copies],
                  "rows": lambda: [F.linear(x, w) for w in weights]}
+        if kernel:
+            kernels = [skinny.pack(w) for w in weights]
+            forms["skinny"] = lambda: [skinny.product(x, k) for k in kernels]
         best = fastest_seconds(forms)
     fastest = min(best, key=best.get)
     return fastest if best[fastest] * ONE_ROW_MARGIN < best["onednn"] else "onednn"
@@ -216,8 +225,8 @@ def product_form(x: torch.Tensor, weight: torch.Tensor) -> str:
 def small_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight,
                   form: str, residual: torch.Tensor | None = None) -> torch.Tensor:
     """residual + x (N, in) @ weight.T + bias in one of product_form's forms other than oneDNN: one row as one of
-    one_row_form's GEMVs ("transposed" or "rows"), a few rows on the few-row kernel ("skinny"); at most one of
-    bias and residual."""
+    one_row_form's GEMVs ("transposed" or "rows"), one or a few rows on the few-row kernel ("skinny"); at most one
+    of bias and residual."""
     if form == "skinny":
         return skinny.product(x, packed.skinny(weight), bias, residual)
     t = packed.transposed(weight) if form == "transposed" else weight.t()

@@ -15,6 +15,7 @@ from drafter.decode.projections import project, project_into
 from drafter.decode.sampling import SamplingParams
 from drafter.draft.drafters import NgramDrafter
 from drafter.draft.head import EagleHead
+from drafter.model import skinny
 from drafter.model.linear import (
     ONE_ROW_FORMS,
     Int8Linear,
@@ -171,6 +172,8 @@ def one_row(monkeypatch):
 def test_each_one_row_form_matches_f_linear_and_follows_weight_updates(one_row, form):
     """One-row products (plain decoding's) in each form, through Linear and the static path's project and
     project_into, equal F.linear to float32 rounding; the transposed copy is rebuilt after an in-place update."""
+    if form == "skinny" and skinny.library() is None:
+        pytest.skip("no AVX2/FMA CPU or no C compiler here: the few-row kernel is not built")
     one_row(form)
     torch.manual_seed(0)
     layer = Linear(48, 80, bias=True)
@@ -185,6 +188,7 @@ def test_each_one_row_form_matches_f_linear_and_follows_weight_updates(one_row, 
                                        res + F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
             assert (layer._packed.t is not None) == (form == "transposed")
             assert (layer._packed.packed is not None) == (form == "onednn")
+            assert (layer._packed.s is not None) == (form == "skinny")
             layer.weight.mul_(2.0)  # a weight sync in place: no copy may serve the old values
 
 
@@ -193,7 +197,8 @@ def test_one_row_form_is_float32_only_and_names_a_bad_setting(one_row):
     assert one_row_form(torch.float32, 80, 48) == ("transposed" if onednn_linear_available() else "onednn")
     assert one_row_form(torch.bfloat16, 80, 48) == "onednn"  # bf16 keeps oneDNN's row blocks
     one_row("fast")
-    with pytest.raises(ValueError, match="TLT_CPU_ONE_ROW must be auto or one of onednn, transposed, rows, got 'fast'"):
+    with pytest.raises(ValueError,
+                       match="TLT_CPU_ONE_ROW must be auto or one of onednn, transposed, rows, skinny, got 'fast'"):
         one_row_form(torch.float32, 80, 48)
 
 

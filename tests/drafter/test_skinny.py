@@ -13,7 +13,7 @@ from drafter.decode.sampling import SamplingParams
 from drafter.draft.eagle import EagleDrafter
 from drafter.draft.head import EagleHead
 from drafter.model import skinny
-from drafter.model.linear import Linear, onednn_linear_available, product_form, skinny_rows
+from drafter.model.linear import Linear, one_row_form, onednn_linear_available, product_form, skinny_rows
 from tests.conftest import on, random_prompts, tiny_model
 
 needs_kernel = pytest.mark.skipif(skinny.library() is None or not onednn_linear_available(),
@@ -63,10 +63,17 @@ def test_what_the_kernel_refuses_is_named():
         skinny.product(torch.randn(2, 40), packed)
 
 
-def test_a_bad_setting_is_named(skinny_mode):
+def test_a_bad_setting_is_named(skinny_mode, monkeypatch):
     skinny_mode("fast")
     with pytest.raises(ValueError, match="TLT_CPU_SKINNY must be one of auto, on, off, got 'fast'"):
         skinny_rows(torch.float32, 80, 48)
+    monkeypatch.setenv("TLT_CPU_ONE_ROW", "skinny")  # one row forced onto the kernel, a shape it does not take
+    one_row_form.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="TLT_CPU_ONE_ROW=skinny: the few-row kernel does not take a 81 x 48"):
+            one_row_form(torch.float32, 81, 48)
+    finally:
+        one_row_form.cache_clear()
 
 
 @needs_kernel
