@@ -18,7 +18,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from drafter.model.linear import PackedWeight, one_row_form, product_form, skinny_rows, small_product
+from drafter.model.linear import PackedWeight, product_form, product_forms, small_product
 
 ROW_PROBE_MAX = 64  # the most rows the probe tries (a block of at least this many: nothing to split in practice)
 MIN_ROW_BLOCK = 8  # a block below this would cost more than it keeps: row_block says 0 (nothing split) then
@@ -96,10 +96,8 @@ def decode_linears(model) -> tuple:
 
 
 def decode_product_forms(model) -> tuple[tuple[str, frozenset[int]], ...]:
-    """(one_row_form, skinny_rows) for each of decode_linears' weight shapes: asked when a runner is built, so that
-    no decode step times the probes."""
-    return tuple((one_row_form(model.dtype, *linear.weight.shape), skinny_rows(model.dtype, *linear.weight.shape))
-                 for linear in decode_linears(model))
+    """product_forms for each of decode_linears' weight shapes: asked when a runner is built."""
+    return product_forms(model.dtype, tuple(tuple(linear.weight.shape) for linear in decode_linears(model)))
 
 
 def decode_row_block(model) -> int:

@@ -23,7 +23,15 @@ from drafter.draft.draft_state import DraftRows, PendingSwap, SwapStats
 from drafter.draft.drafters import Drafter, Proposal
 from drafter.draft.head import EagleHead
 from drafter.model.causal_lm import CausalLM, KVCache
-from drafter.model.linear import Int8Linear, Linear, draft_int8_pays, fast_bf16, int8_linear_available, quantize_int8
+from drafter.model.linear import (
+    Int8Linear,
+    Linear,
+    draft_int8_pays,
+    fast_bf16,
+    int8_linear_available,
+    product_forms,
+    quantize_int8,
+)
 
 
 def serving_precision(policy: CausalLM, spec: torch.dtype | str | None) -> tuple[torch.dtype, bool]:
@@ -109,6 +117,8 @@ class EagleDrafter(Drafter):
         self.int8_products = (dtype == "auto" and not self.int8 and policy.device.type == "cpu"
                               and draft_int8_pays(self.dtype, linear_shapes(prepared)))
         self._mark_int8()
+        if policy.device.type == "cpu" and not (self.int8 or self.int8_products):
+            product_forms(self.dtype, linear_shapes(prepared))  # its products' forms probed here, not in a step
         self.version: int | None = None  # draft version serving, for progress reports
         self.pending = PendingSwap()
         self.swaps = SwapStats()

@@ -213,6 +213,12 @@ def skinny_rows(dtype: torch.dtype, out_features: int, in_features: int) -> froz
     return frozenset(takes)
 
 
+def product_forms(dtype: torch.dtype, shapes) -> tuple[tuple[str, frozenset[int]], ...]:
+    """(one_row_form, skinny_rows) for each weight shape (out, in): what a runner or a drafter asks when it is built,
+    so that no decode step times the probes."""
+    return tuple((one_row_form(dtype, *shape), skinny_rows(dtype, *shape)) for shape in shapes)
+
+
 def product_form(x: torch.Tensor, weight: torch.Tensor) -> str:
     """How a CPU product of x (N, in) by weight runs: one_row_form's choice where N is 1, "skinny" where skinny_rows
     has N, else "onednn"."""

@@ -10,10 +10,17 @@ import torch.nn.functional as F
 
 from drafter.decode.engine import Engine, Request
 from drafter.decode.sampling import SamplingParams
-from drafter.draft.eagle import EagleDrafter
+from drafter.draft.eagle import EagleDrafter, linear_shapes
 from drafter.draft.head import EagleHead
 from drafter.model import skinny
-from drafter.model.linear import Linear, one_row_form, onednn_linear_available, product_form, skinny_rows
+from drafter.model.linear import (
+    Linear,
+    draft_int8_pays,
+    one_row_form,
+    onednn_linear_available,
+    product_form,
+    skinny_rows,
+)
 from tests.conftest import on, random_prompts, tiny_model
 
 needs_kernel = pytest.mark.skipif(skinny.library() is None or not onednn_linear_available(),
@@ -140,3 +147,17 @@ def test_greedy_speculation_on_the_kernel_is_plain_decoding(skinny_mode, device)
     assert (model.lm_head._packed.s is not None) is served
     plain, spec = Engine(model).generate(reqs), Engine(model).generate(reqs, k=1, drafter=drafter)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+def test_a_drafter_probes_its_products_forms_when_built_not_in_a_step(skinny_mode, monkeypatch):
+    monkeypatch.setenv("TLT_CPU_DRAFT_INT8", "off")  # int8 products take neither form
+    draft_int8_pays.cache_clear()
+    try:
+        skinny_mode("on")
+        policy = tiny_model()
+        drafter = EagleDrafter(policy, EagleHead(policy.cfg), "float32", own_head=True)
+        assert not drafter.int8_products
+        probed = skinny_rows.cache_info().currsize
+        assert probed >= len(linear_shapes(drafter.head)) > 0
+    finally:
+        draft_int8_pays.cache_clear()
