@@ -118,6 +118,10 @@ def product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = N
     if lib is None or packed.shape[1] != k or not takes(rows, n, k) or x.dtype != torch.float32:
         raise ValueError(f"the few-row kernel does not take {rows} rows of {k} {x.dtype} inputs by a packed "
                          f"{tuple(packed.shape)} weight (kernel {'loaded' if lib is not None else 'unavailable'})")
+    for name, t, shape in (("bias", bias, (n,)), ("add", add, (rows, n))):  # the kernel reads them unchecked
+        if t is not None and (tuple(t.shape) != shape or t.dtype != torch.float32 or t.device.type != "cpu"):
+            raise ValueError(f"the few-row kernel's {name} must be a CPU float32 tensor of shape {shape}, got "
+                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
     x = x.contiguous()
     out = torch.empty((rows, n), dtype=torch.float32, device="cpu")
     bias = None if bias is None else bias.contiguous()

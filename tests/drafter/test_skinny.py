@@ -68,6 +68,10 @@ def test_what_the_kernel_refuses_is_named():
         skinny.product(torch.randn(too_many, 48), packed)
     with pytest.raises(ValueError, match="does not take 2 rows of 40 torch.float32 inputs"):
         skinny.product(torch.randn(2, 40), packed)
+    with pytest.raises(ValueError, match=r"add must be a CPU float32 tensor of shape \(3, 80\), got \(2, 80\)"):
+        skinny.product(torch.randn(3, 48), packed, add=torch.randn(2, 80))
+    with pytest.raises(ValueError, match=r"bias must be a CPU float32 tensor of shape \(80,\), got \(40,\)"):
+        skinny.product(torch.randn(3, 48), packed, bias=torch.randn(40))
 
 
 def test_a_bad_setting_is_named(skinny_mode, monkeypatch):
