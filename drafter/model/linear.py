@@ -9,6 +9,7 @@ import functools
 import os
 import time
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -133,6 +134,21 @@ ONE_ROW_PROBE_COPIES = 256  # at most this many copies: a tiny model's weights s
 ONE_ROW_MARGIN = 1.1  # a GEMV must be this much faster than oneDNN: a near tie keeps oneDNN
 
 
+def probe_copies(out_features: int, in_features: int, least: int = 1) -> int:
+    """How many float32 copies of a weight of this shape the probes stream: ONE_ROW_PROBE_BYTES, at least `least`,
+    at most ONE_ROW_PROBE_COPIES."""
+    return min(ONE_ROW_PROBE_COPIES, max(least, ONE_ROW_PROBE_BYTES // (out_features * in_features * 4)))
+
+
+def onednn_probe(out_features: int, in_features: int) -> tuple[torch.Tensor, Callable]:
+    """(weights, onednn): probe_copies' float32 copies of a weight of this shape (a product's time is not the
+    values'), and onednn(x), a form for fastest_seconds that multiplies x by every copy on oneDNN's packed GEMM, as
+    `linear` runs it. Call in inference mode."""
+    weights = torch.full((probe_copies(out_features, in_features), out_features, in_features), 1e-3, device="cpu")
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_ROWS) for w in weights]
+    return weights, lambda x: lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed]
+
+
 @functools.cache
 def one_row_form(dtype: torch.dtype, out_features: int, in_features: int) -> str:
     """Which of ONE_ROW_FORMS a one-row CPU product of this shape runs as: timed once per (dtype, shape) and
@@ -156,13 +172,11 @@ def one_row_form(dtype: torch.dtype, out_features: int, in_features: int) -> str
                          "weight here (it needs an AVX2 CPU, a C compiler, outputs in 8s and an even input count)")
     if mode != "auto":
         return mode
-    n = min(ONE_ROW_PROBE_COPIES, max(1, ONE_ROW_PROBE_BYTES // (out_features * in_features * 4)))
     with torch.inference_mode():
-        weights = torch.full((n, out_features, in_features), 1e-3, device="cpu")  # a GEMV's time is not the values'
-        copies = torch.full((n, in_features, out_features), 1e-3, device="cpu")
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_ROWS) for w in weights]
+        weights, onednn = onednn_probe(out_features, in_features)
+        copies = torch.full((len(weights), in_features, out_features), 1e-3, device="cpu")
         x = torch.full((1, in_features), 1e-3, device="cpu")
-        forms = {"onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed],
+        forms = {"onednn": onednn(x),
                  "transposed": lambda: [torch.mm(x, t) for t in copies],
                  "rows": lambda: [F.linear(x, w) for w in weights]}
         if kernel:
@@ -197,17 +211,14 @@ def skinny_rows(dtype: torch.dtype, out_features: int, in_features: int) -> froz
         return frozenset()
     if mode == "on":
         return frozenset(counts)
-    n = min(ONE_ROW_PROBE_COPIES, max(1, ONE_ROW_PROBE_BYTES // (out_features * in_features * 4)))
     with torch.inference_mode():
-        weights = torch.full((n, out_features, in_features), 1e-3, device="cpu")
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_ROWS) for w in weights]
+        weights, onednn = onednn_probe(out_features, in_features)
         kernels = [skinny.pack(w) for w in weights]
         takes = set()
         for rows in counts:
             x = torch.full((rows, in_features), 1e-3, device="cpu")
-            best = fastest_seconds({
-                "onednn": lambda x=x: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed],
-                "skinny": lambda x=x: [skinny.product(x, k) for k in kernels]})
+            best = fastest_seconds({"onednn": onednn(x),
+                                    "skinny": lambda x=x: [skinny.product(x, k) for k in kernels]})
             if best["skinny"] * SKINNY_MARGIN < best["onednn"]:
                 takes.add(rows)
     return frozenset(takes)
@@ -348,7 +359,7 @@ def draft_int8_pays(dtype: torch.dtype, shapes: tuple[tuple[int, int], ...]) -> 
 def _dense_and_int8_seconds(dtype: torch.dtype, out_features: int, in_features: int) -> tuple[float, float]:
     """(seconds, seconds): a one-row product of this shape in `dtype` as `linear` runs it, and on int8 copies
     (fastest_seconds over cold copies of the weight)."""
-    n = min(ONE_ROW_PROBE_COPIES, max(2, ONE_ROW_PROBE_BYTES // (out_features * in_features * 4)))
+    n = probe_copies(out_features, in_features, least=2)
     with torch.inference_mode():
         # a list: one tensor object per copy, as a layer holds its weight (the packed copies are keyed by it)
         weights = list(torch.full((n, out_features, in_features), 1e-3, device="cpu").to(dtype).unbind(0))

@@ -85,13 +85,14 @@ def library() -> ctypes.CDLL | None:
     lib.tlt_skinny.restype = ctypes.c_int
     lib.tlt_skinny.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 5
     lib.tlt_skinny_max_rows.restype = ctypes.c_int
+    lib.max_rows = lib.tlt_skinny_max_rows()  # read once: `takes` asks it on every product
     return lib
 
 
 def max_rows() -> int:
     """The most rows one call takes (skinny.c's SKINNY_MAX_ROWS); 0 where the kernel is unavailable."""
     lib = library()
-    return lib.tlt_skinny_max_rows() if lib is not None else 0
+    return lib.max_rows if lib is not None else 0
 
 
 def takes(rows: int, out_features: int, in_features: int) -> bool:
