@@ -23,15 +23,8 @@ from drafter.draft.draft_state import DraftRows, PendingSwap, SwapStats
 from drafter.draft.drafters import Drafter, Proposal
 from drafter.draft.head import EagleHead
 from drafter.model.causal_lm import CausalLM, KVCache
-from drafter.model.linear import (
-    Int8Linear,
-    Linear,
-    draft_int8_pays,
-    fast_bf16,
-    int8_linear_available,
-    product_forms,
-    quantize_int8,
-)
+from drafter.model.int8 import Int8Linear, int8_linear_available, quantize_int8
+from drafter.model.linear import Linear, draft_int8_pays, fast_bf16, product_forms
 
 
 def serving_precision(policy: CausalLM, spec: torch.dtype | str | None) -> tuple[torch.dtype, bool]:

@@ -41,7 +41,7 @@ from safetensors import SafetensorError, safe_open
 from drafter.draft.head import EagleConfig, EagleHead, head_from_state
 from drafter.model.causal_lm import CausalLM
 from drafter.model.config import DRAFT_FORMAT, NUM_AUX_LAYERS, ModelConfig, check_aux_layer_ids, default_aux_layer_ids
-from drafter.model.linear import Int8Linear
+from drafter.model.int8 import Int8Linear
 from drafter.train.checkpoint import save_file_atomic
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"

@@ -1,14 +1,13 @@
 """CPU inference's linear layers: oneDNN's packed GEMMs (flat in rows, what a verify's several rows run on), a
 one-row product as MKL's GEMV where that is timed faster (plain decoding of one sequence), a few rows on the few-row
-kernel where that is (drafter.model.skinny), int8 draft weights; and whether a device has bf16 units. Training,
-GPUs and other dtypes run plain F.linear."""
+kernel where that is (drafter.model.skinny), a draft head's products on int8 copies of its weights where that is
+(drafter.model.int8); and whether a device has bf16 units. Training, GPUs and other dtypes run plain F.linear."""
 
 from __future__ import annotations
 
 import functools
 import os
 import time
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafter.model import skinny
+from drafter.model.int8 import int8_linear_available, int8_prepack, int8_product
 
 
 @functools.cache
@@ -132,6 +132,17 @@ ONE_ROW_FORMS = ("onednn", "transposed", "rows", "skinny")
 ONE_ROW_PROBE_BYTES = 64 << 20
 ONE_ROW_PROBE_COPIES = 256  # at most this many copies: a tiny model's weights sit in the caches anyway
 ONE_ROW_MARGIN = 1.1  # a GEMV must be this much faster than oneDNN: a near tie keeps oneDNN
+# a weight of at most this many bytes is not timed: it sits in a core's L2 cache, where a product costs its call,
+# not its reads, and timing it would cost a process about a second a shape (a tiny model's job worker paid 5-8 s).
+# It takes what the probes chose for such shapes on a 2-core AVX2 EPYC (64 x 64: oneDNN 48 us a product, the
+# kernel 15, MKL over the transposed copy 5 at one row; 13, 40 and 9 at 3 rows): one row as "transposed", 2 or
+# more rows on the few-row kernel where it takes the shape. SmolLM2-135M's smallest weight (k/v, 192 x 576) is 442 KB
+SMALL_WEIGHT_BYTES = 256 << 10
+
+
+def small_weight(out_features: int, in_features: int) -> bool:
+    """Whether a float32 weight of this shape is at most SMALL_WEIGHT_BYTES: one the probes do not time."""
+    return out_features * in_features * 4 <= SMALL_WEIGHT_BYTES
 
 
 def probe_copies(out_features: int, in_features: int, least: int = 1) -> int:
@@ -152,7 +163,8 @@ def onednn_probe(out_features: int, in_features: int) -> tuple[torch.Tensor, Cal
 @functools.cache
 def one_row_form(dtype: torch.dtype, out_features: int, in_features: int) -> str:
     """Which of ONE_ROW_FORMS a one-row CPU product of this shape runs as: timed once per (dtype, shape) and
-    process, over cold weights, the fastest of the others where it beats oneDNN by ONE_ROW_MARGIN. float32 only
+    process, over cold weights, the fastest of the others where it beats oneDNN by ONE_ROW_MARGIN ("transposed"
+untimed for a small_weight). float32 only
     (bf16 rows keep oneDNN, whose row blocks pair a verify with plain decoding to the bit:
     drafter.decode.projections). Decoding one row reads every weight for one row of output, so it is bound by
     memory: on a 2-core AVX2 EPYC (about 5 GB/s) oneDNN's packed kernel read SmolLM2's weights at about half the
@@ -172,6 +184,8 @@ def one_row_form(dtype: torch.dtype, out_features: int, in_features: int) -> str
                          "weight here (it needs an AVX2 CPU, a C compiler, outputs in 8s and an even input count)")
     if mode != "auto":
         return mode
+    if small_weight(out_features, in_features):
+        return "transposed"
     with torch.inference_mode():
         weights, onednn = onednn_probe(out_features, in_features)
         copies = torch.full((len(weights), in_features, out_features), 1e-3, device="cpu")
@@ -196,8 +210,9 @@ SKINNY_MODES = ("auto", "on", "off")
 def skinny_rows(dtype: torch.dtype, out_features: int, in_features: int) -> frozenset[int]:
     """The row counts (2 to skinny.max_rows()) at which a CPU float32 product of this shape runs on the few-row kernel
     (drafter.model.skinny): timed once per shape and process against oneDNN's packed GEMM over cold weights, as
-    one_row_form times one row; those where it is SKINNY_MARGIN faster. A decode step of a few rows (a verify's k + 1
-    tokens of a row or two, plain decoding of a few rows) is bound by reading the weights: on a 2-core AVX2 EPYC
+    one_row_form times one row; those where it is SKINNY_MARGIN faster (every count, untimed, for a small_weight).
+    A decode step of a few rows (a verify's k + 1 tokens of a row or two, plain decoding of a few rows) is bound by
+    reading the weights: on a 2-core AVX2 EPYC
     oneDNN read SmolLM2's LM head at 3 rows in 11.0 ms and at 8 in 14.1, the kernel in 7.7 and 11.1, one row's GEMV
     in 6.0 (docs/benchmarks.md, "Few-row products"). Empty for other dtypes (bf16 keeps oneDNN's row blocks),
     without oneDNN or the kernel. TLT_CPU_SKINNY=auto (the default) times it; on takes every count the kernel does,
@@ -209,7 +224,7 @@ def skinny_rows(dtype: torch.dtype, out_features: int, in_features: int) -> froz
     if (mode == "off" or dtype != torch.float32 or not onednn_linear_available()
             or not skinny.takes(2, out_features, in_features)):
         return frozenset()
-    if mode == "on":
+    if mode == "on" or small_weight(out_features, in_features):
         return frozenset(counts)
     with torch.inference_mode():
         weights, onednn = onednn_probe(out_features, in_features)
@@ -299,37 +314,6 @@ class Linear(nn.Linear):
         return state
 
 
-@functools.cache
-def int8_linear_available() -> bool:
-    """Whether this torch runs dynamic int8 linear layers on the CPU (fbgemm or x86 quantized engine):
-    int8 weights per output channel, activations quantized per call."""
-    ops = torch.ops.quantized
-    return (torch.backends.quantized.engine in ("x86", "fbgemm") and hasattr(ops, "linear_dynamic")
-            and hasattr(ops, "linear_prepack"))
-
-
-def int8_prepack(weight: torch.Tensor, bias: torch.Tensor | None):
-    """A float weight (out, in) as torch's dynamic int8 kernels take it: symmetric, one scale per output channel,
-    packed with the bias (float32)."""
-    if not int8_linear_available():
-        raise ValueError("int8 linear layers need torch's fbgemm/x86 quantized engine (an x86 CPU build)")
-    w = weight.detach().float().cpu()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
-    with warnings.catch_warnings():  # quantized tensors are deprecated as a user API; the kernels are not
-        warnings.simplefilter("ignore", UserWarning)
-        qw = torch.quantize_per_channel(w, scale, torch.zeros(len(scale), dtype=torch.long, device="cpu"), 0,
-                                         torch.qint8)
-        return torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.detach().float().cpu())
-
-
-def int8_product(x: torch.Tensor, packed, out_features: int) -> torch.Tensor:
-    """x (..., in) @ W.T + b on int8_prepack's `packed` W and b, in x's dtype: x quantized per call (7-bit, so
-    AVX2 kernels without VNNI cannot saturate their int16 sums), the product in float32."""
-    shape = x.shape
-    out = torch.ops.quantized.linear_dynamic(x.reshape(-1, shape[-1]).float(), packed, True)
-    return out.view(*shape[:-1], out_features).to(x.dtype)
-
-
 # draft_int8_pays: a draft head's products at one row are served from int8 copies of its weights where that is
 # this much faster, summed over the head's weight shapes, than its own precision's (oneDNN's packed GEMM)
 DRAFT_INT8_MARGIN = 1.1
@@ -343,8 +327,9 @@ def draft_int8_pays(dtype: torch.dtype, shapes: tuple[tuple[int, int], ...]) -> 
     once per (dtype, shapes) and process at one row over cold weights, as a tail's drafting reads them (the policy's
     evict the head's every step). On a 2-core AMD EPYC with AVX512-BF16 the shipped head's products at one row took
     0.79 ms in int8 against 1.55 in bf16, and a step at one row 40.8 ms against 42.2 at k = 2, 44.5 against 49.1 at
-    k = 4 (docs/benchmarks.md, "Int8 draft products"). TLT_CPU_DRAFT_INT8=auto (the default) times it; on or off forces
-    the answer (on still needs torch's int8 kernels)."""
+    k = 4 (docs/benchmarks.md, "Int8 draft products"). A head whose every weight is a small_weight is not timed: it
+    keeps its precision. TLT_CPU_DRAFT_INT8=auto (the default) times it; on or off forces the answer (on still needs
+    torch's int8 kernels)."""
     mode = os.environ.get("TLT_CPU_DRAFT_INT8", "auto").lower()
     if mode not in DRAFT_INT8_MODES:
         raise ValueError(f"TLT_CPU_DRAFT_INT8 must be one of {', '.join(DRAFT_INT8_MODES)}, got {mode!r}")
@@ -352,6 +337,8 @@ def draft_int8_pays(dtype: torch.dtype, shapes: tuple[tuple[int, int], ...]) -> 
         return False
     if mode == "on":
         return True
+    if all(small_weight(*shape) for shape in shapes):  # a tiny head: int8 costs its calls (64 x 64: 103 us, 34 dense)
+        return False
     times = [_dense_and_int8_seconds(dtype, out_features, in_features) for out_features, in_features in shapes]
     return sum(t[1] for t in times) * DRAFT_INT8_MARGIN < sum(t[0] for t in times)
 
@@ -371,32 +358,3 @@ def _dense_and_int8_seconds(dtype: torch.dtype, out_features: int, in_features: 
             form()
         best = fastest_seconds(forms)
     return best["dense"], best["int8"]
-
-
-class Int8Linear(nn.Module):
-    """Inference-only linear layer with int8 weights (symmetric, one scale per output channel) and
-    float32 activations quantized per call (torch's dynamic quantization kernels, fbgemm/x86). A
-    quarter of float32's bytes per call: for a draft head at batch 1, which is bound by reading its
-    weights, that is what a draft step costs on a CPU without bf16 units. Built from a float weight,
-    which it does not keep."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self._packed = int8_prepack(weight, bias)
-        self.out_features, self.in_features = weight.shape
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_product(x.float(), self._packed, self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
-
-
-def quantize_int8(module: nn.Module) -> nn.Module:
-    """Replace every Linear in `module` by an Int8Linear, in place; returns the module."""
-    for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(module, name, Int8Linear(child.weight, child.bias))
-        else:
-            quantize_int8(child)
-    return module

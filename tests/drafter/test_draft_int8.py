@@ -14,7 +14,9 @@ from drafter.decode.engine import Engine, Request
 from drafter.decode.sampling import SamplingParams
 from drafter.draft.eagle import EagleDrafter, linear_shapes
 from drafter.draft.head import EagleHead
-from drafter.model.linear import Linear, draft_int8_pays, int8_linear_available
+from drafter.model import linear as linear_module
+from drafter.model.int8 import int8_linear_available
+from drafter.model.linear import Linear, draft_int8_pays
 from tests.conftest import on, random_prompts, tiny_model
 
 needs_int8 = pytest.mark.skipif(not int8_linear_available(), reason="no fbgemm/x86 int8 kernels in this torch")
@@ -59,8 +61,9 @@ def test_a_bad_setting_is_named(int8_mode):
 
 
 @needs_int8
-def test_the_probe_decides_once_per_dtype_and_shapes(int8_mode):
+def test_the_probe_decides_once_per_dtype_and_shapes(int8_mode, monkeypatch):
     int8_mode("auto")
+    monkeypatch.setattr(linear_module, "SMALL_WEIGHT_BYTES", 0)  # this tiny head timed too
     head = EagleHead(tiny_model().cfg)
     shapes = linear_shapes(head)
     assert len(linears(head)) == 6 and len(shapes) == 5  # o and the LM head share one

@@ -26,7 +26,7 @@ from drafter.draft.eagle3 import (
 from drafter.draft.head import EagleHead, new_head
 from drafter.model.causal_lm import draft_features
 from drafter.model.config import check_aux_layer_ids, default_aux_layer_ids
-from drafter.model.linear import int8_linear_available, quantize_int8
+from drafter.model.int8 import int8_linear_available, quantize_int8
 from tests.conftest import random_prompts, tiny_model
 
 STANDARD_NAMES = {

@@ -14,7 +14,8 @@ from drafter.draft.eagle import EagleDrafter, serving_dtype, serving_precision
 from drafter.draft.head import EagleHead
 from drafter.model.causal_lm import CausalLM, draft_features
 from drafter.model.config import default_aux_layer_ids
-from drafter.model.linear import fast_bf16, int8_linear_available
+from drafter.model.int8 import int8_linear_available
+from drafter.model.linear import fast_bf16
 from drafter.train.buffer import PackedBatch
 from drafter.train.unroll import unrolled_predictions
 from tests.conftest import on, random_prompts, tiny_model

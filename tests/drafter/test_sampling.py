@@ -26,7 +26,7 @@ from drafter.draft.drafters import Drafter, NgramDrafter, Proposal
 from drafter.draft.eagle import EagleDrafter
 from drafter.draft.head import EagleConfig, EagleHead
 from drafter.draft.history import HistoryDrafter
-from drafter.model.linear import int8_linear_available
+from drafter.model.int8 import int8_linear_available
 from tests.conftest import tiny_model
 
 VOCAB, NEW, NUM_SAMPLES, ALPHA = 6, 3, 20_000, 1e-3

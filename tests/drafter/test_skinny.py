@@ -12,6 +12,7 @@ from drafter.decode.engine import Engine, Request
 from drafter.decode.sampling import SamplingParams
 from drafter.draft.eagle import EagleDrafter, linear_shapes
 from drafter.draft.head import EagleHead
+from drafter.model import linear as linear_module
 from drafter.model import skinny
 from drafter.model.linear import (
     Linear,
@@ -88,7 +89,7 @@ def test_a_bad_setting_is_named(skinny_mode, monkeypatch):
 
 
 @needs_kernel
-def test_the_setting_and_the_dtype_decide_which_row_counts_it_serves(skinny_mode):
+def test_the_setting_and_the_dtype_decide_which_row_counts_it_serves(skinny_mode, monkeypatch):
     every = frozenset(range(2, skinny.max_rows() + 1))
     skinny_mode("on")
     assert skinny_rows(torch.float32, 80, 48) == every
@@ -99,6 +100,7 @@ def test_the_setting_and_the_dtype_decide_which_row_counts_it_serves(skinny_mode
     skinny_mode("off")
     assert skinny_rows(torch.float32, 80, 48) == frozenset()
     skinny_mode("auto")
+    monkeypatch.setattr(linear_module, "SMALL_WEIGHT_BYTES", 0)  # this small shape timed too
     timed = skinny_rows(torch.float32, 96, 64)  # timed against oneDNN, once per shape and process
     assert timed <= every and skinny_rows(torch.float32, 96, 64) is timed and skinny_rows.cache_info().hits >= 1
 
@@ -165,3 +167,28 @@ def test_a_drafter_probes_its_products_forms_when_built_not_in_a_step(skinny_mod
         assert probed >= len(linear_shapes(drafter.head)) > 0
     finally:
         draft_int8_pays.cache_clear()
+
+
+def test_small_weights_are_not_timed(monkeypatch):
+    """A small_weight sits in a core's caches, where a product costs its call: the probes take their fixed forms
+    without timing it (a tiny model's job worker paid seconds for it); a larger shape is timed."""
+    def timed(forms, rounds=3):
+        raise AssertionError("timed")
+    monkeypatch.setattr(linear_module, "fastest_seconds", timed)
+    monkeypatch.setenv("TLT_CPU_ONE_ROW", "auto")
+    monkeypatch.setenv("TLT_CPU_SKINNY", "auto")
+    monkeypatch.setenv("TLT_CPU_DRAFT_INT8", "auto")
+    for probe in (one_row_form, skinny_rows, draft_int8_pays):
+        probe.cache_clear()
+    try:
+        assert draft_int8_pays(torch.float32, ((64, 192), (64, 64))) is False
+        if not onednn_linear_available():
+            return
+        assert one_row_form(torch.float32, 64, 64) == "transposed"
+        every = frozenset(range(2, skinny.max_rows() + 1)) if skinny.library() is not None else frozenset()
+        assert skinny_rows(torch.float32, 64, 64) == every
+        with pytest.raises(AssertionError, match="timed"):  # SmolLM2's k/v projection, 442 KB
+            one_row_form(torch.float32, 192, 576)
+    finally:
+        for probe in (one_row_form, skinny_rows, draft_int8_pays):
+            probe.cache_clear()

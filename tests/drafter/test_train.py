@@ -17,7 +17,8 @@ from drafter.draft.eagle import EagleDrafter
 from drafter.draft.head import EagleConfig, EagleHead, draft_lm_weight, new_head
 from drafter.model.causal_lm import draft_features
 from drafter.model.config import TrainConfig, default_aux_layer_ids
-from drafter.model.linear import Int8Linear, fast_bf16, int8_linear_available
+from drafter.model.int8 import Int8Linear, int8_linear_available
+from drafter.model.linear import fast_bf16
 from drafter.train.buffer import PackedBatch, RolloutBuffer, iter_batches
 from drafter.train.checkpoint import DraftMeta, load_draft
 from drafter.train.evaluate import (
