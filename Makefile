@@ -73,7 +73,7 @@ SERIAL_TESTS := tests/scheduler/test_schema_fuzz.py
 
 test: $(STAMP) $(ENGINES_STAMP) system-deps
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(addprefix --ignore=,$(SERIAL_TESTS))
+	$(BIN)/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile $(addprefix --ignore=,$(SERIAL_TESTS))
 	$(BIN)/python -m pytest -q $(SERIAL_TESTS)
 	$(ENGINES_BIN)/python -m pytest -q -m "$(ENGINE_MARKS)" tests/engines
 
