@@ -162,17 +162,15 @@ def onednn_probe(out_features: int, in_features: int) -> tuple[torch.Tensor, Cal
 
 @functools.cache
 def one_row_form(dtype: torch.dtype, out_features: int, in_features: int) -> str:
-    """Which of ONE_ROW_FORMS a one-row CPU product of this shape runs as: timed once per (dtype, shape) and
-    process, over cold weights, the fastest of the others where it beats oneDNN by ONE_ROW_MARGIN ("transposed"
-untimed for a small_weight). float32 only
-    (bf16 rows keep oneDNN, whose row blocks pair a verify with plain decoding to the bit:
-    drafter.decode.projections). Decoding one row reads every weight for one row of output, so it is bound by
-    memory: on a 2-core AVX2 EPYC (about 5 GB/s) oneDNN's packed kernel read SmolLM2's weights at about half the
-    speed of MKL's GEMV (the LM head 19.6 against 10.5 ms transposed; the down projection 0.83 against 0.43 ms
-    along its rows), while on earlier boxes oneDNN had been the faster at one row (docs/benchmarks.md, "One-row
-    products"); the few-row kernel read the q/k/v, o and down projections faster still there (150 against 175 us
-    for q/k/v). TLT_CPU_ONE_ROW=auto (the default) times it; onednn, transposed, rows or skinny forces that form
-    (skinny where the kernel takes the shape)."""
+    """Which of ONE_ROW_FORMS a one-row CPU product of this shape runs as: timed once per (dtype, shape) and process,
+    over cold weights, the fastest of the others where it beats oneDNN by ONE_ROW_MARGIN ("transposed", untimed, for a
+    small_weight). float32 only (bf16 rows keep oneDNN, whose row blocks pair a verify with plain decoding to the bit:
+    drafter.decode.projections). Decoding one row reads every weight for one row of output, so it is bound by memory: on
+    a 2-core AVX2 EPYC (about 5 GB/s) oneDNN's packed kernel read SmolLM2's weights at about half the speed of MKL's
+    GEMV (the LM head 19.6 against 10.5 ms transposed; the down projection 0.83 against 0.43 ms along its rows), while
+    on earlier boxes oneDNN had been the faster at one row (docs/benchmarks.md, "One-row products"); the few-row kernel
+    read the q/k/v, o and down projections faster still there (150 against 175 us for q/k/v). TLT_CPU_ONE_ROW=auto (the
+    default) times it; onednn, transposed, rows or skinny forces that form (skinny where the kernel takes the shape)."""
     mode = os.environ.get("TLT_CPU_ONE_ROW", "auto").lower()
     if mode not in ("auto", *ONE_ROW_FORMS):
         raise ValueError(f"TLT_CPU_ONE_ROW must be auto or one of {', '.join(ONE_ROW_FORMS)}, got {mode!r}")
@@ -210,13 +208,12 @@ SKINNY_MODES = ("auto", "on", "off")
 def skinny_rows(dtype: torch.dtype, out_features: int, in_features: int) -> frozenset[int]:
     """The row counts (2 to skinny.max_rows()) at which a CPU float32 product of this shape runs on the few-row kernel
     (drafter.model.skinny): timed once per shape and process against oneDNN's packed GEMM over cold weights, as
-    one_row_form times one row; those where it is SKINNY_MARGIN faster (every count, untimed, for a small_weight).
-    A decode step of a few rows (a verify's k + 1 tokens of a row or two, plain decoding of a few rows) is bound by
-    reading the weights: on a 2-core AVX2 EPYC
-    oneDNN read SmolLM2's LM head at 3 rows in 11.0 ms and at 8 in 14.1, the kernel in 7.7 and 11.1, one row's GEMV
-    in 6.0 (docs/benchmarks.md, "Few-row products"). Empty for other dtypes (bf16 keeps oneDNN's row blocks),
-    without oneDNN or the kernel. TLT_CPU_SKINNY=auto (the default) times it; on takes every count the kernel does,
-    off none."""
+    one_row_form times one row; those where it is SKINNY_MARGIN faster (every count, untimed, for a small_weight). A
+    decode step of a few rows (a verify's k + 1 tokens of a row or two, plain decoding of a few rows) is bound by
+    reading the weights: on a 2-core AVX2 EPYC oneDNN read SmolLM2's LM head at 3 rows in 11.0 ms and at 8 in 14.1, the
+    kernel in 7.7 and 11.1, one row's GEMV in 6.0 (docs/benchmarks.md, "Few-row products"). Empty for other dtypes (bf16
+    keeps oneDNN's row blocks), without oneDNN or the kernel. TLT_CPU_SKINNY=auto (the default) times it; on takes every
+    count the kernel does, off none."""
     mode = os.environ.get("TLT_CPU_SKINNY", "auto").lower()
     if mode not in SKINNY_MODES:
         raise ValueError(f"TLT_CPU_SKINNY must be one of {', '.join(SKINNY_MODES)}, got {mode!r}")
