@@ -136,8 +136,9 @@ ONE_ROW_MARGIN = 1.1  # a GEMV must be this much faster than oneDNN: a near tie 
 # not its reads, and timing it would cost a process about a second a shape (a tiny model's job worker paid 5-8 s).
 # It takes what the probes chose for such shapes on a 2-core AVX2 EPYC (64 x 64: oneDNN 48 us a product, the
 # kernel 15, MKL over the transposed copy 5 at one row; 13, 40 and 9 at 3 rows): one row as "transposed", 2 or
-# more rows on the few-row kernel where it takes the shape. SmolLM2-135M's smallest weight (k/v, 192 x 576) is 442 KB
-SMALL_WEIGHT_BYTES = 256 << 10
+# more rows on the few-row kernel where it takes the shape. It is the size below which the probes could not stream
+# ONE_ROW_PROBE_BYTES in ONE_ROW_PROBE_COPIES copies (256 KB); SmolLM2-135M's smallest weight (k/v, 192 x 576) is 442 KB
+SMALL_WEIGHT_BYTES = ONE_ROW_PROBE_BYTES // ONE_ROW_PROBE_COPIES
 
 
 def small_weight(out_features: int, in_features: int) -> bool:
