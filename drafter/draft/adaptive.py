@@ -38,9 +38,12 @@ a change of k) and so serves every arm in runs:
        as one sample (the pooled acceptance at a quarter of its weight).
 Eligible arms (without a prior, and beside the prior's): what a step gains from drafting k tokens shrinks as the batch
 grows (each row's extra k tokens are compute a wider batch no longer hides), so a bucket drafts k > 0 only where the
-nearest smaller bucket measured has found k faster than plain. The smallest bucket ("1", the end of every rollout that
-shrinks) tries every arm; a large batch is never slowed by trying drafts that a smaller batch already shows do not pay.
-A rollout reaches its small buckets last, so without a prior its first large-batch steps decode plainly.
+nearest smaller bucket measured has found k faster than plain by more than the step-cost model says the step's extra
+cost grows from its rows to this bucket's (`StepCostPrior.relative_cost`; on a CPU about 5-10% a bucket: `tlt bench rl`
+run AT served k = 1 at 9-16 rows, 0.95x its plain, on 5-8 rows' 1.05x). The smallest bucket ("1", the end of every
+rollout that shrinks) tries every arm; a large batch is never slowed by trying drafts that a smaller batch already
+shows do not pay. A rollout reaches its small buckets last, so without a prior its first large-batch steps decode
+plainly.
 The engine asks `choose(batch_size)` before each step and reports `record(batch_size, k, num_tokens, seconds)` after it;
 the choice depends only on past steps, so verification stays lossless.
 A drafter of two sources (drafter.draft.combined: history or the EAGLE head, per row) also says which source drafted how
@@ -109,8 +112,13 @@ class DraftLengthTuner(Meter):
             return self.arms if every_arm_at_first else (0,)
         if below is None:
             return (0,)
+        # what k gained below, carried to this bucket's rows by the step-cost model: a k that barely paid there
+        # (measured within noise of plain) is not tried where each row's k extra tokens cost more
+        here = self._buckets.get(name)
+        costs, rows = self.prior or StepCostPrior(), max(bucket_low_edge(name), here.rows if here else 0.0)
         plain = self._rate(below, 0)
-        return (0, *(k for k in self.arms if k > 0 and below.arms[k].num_samples > 0 and self._rate(below, k) > plain))
+        return (0, *(k for k in self.arms if k > 0 and below.arms[k].num_samples > 0 and self._rate(below, k)
+                     * costs.relative_cost(below.rows, k) / costs.relative_cost(rows, k) > plain))
 
     def choose(self, batch_size: int) -> int:
         """The draft length for the next step with `batch_size` sequences live."""

@@ -81,10 +81,13 @@ class StepCostPrior:
     def expected_tokens(self, k: int) -> float:
         return expected_tokens(self.acceptance, k)
 
+    def relative_cost(self, batch_size: float, k: int) -> float:
+        """A step at k over a plain step's seconds at batch_size (the model above, acceptance aside)."""
+        return (1 + batch_size * (k + 1) / self.knee_tokens + k * self.draft_cost) / (1 + batch_size / self.knee_tokens)
+
     def gain(self, batch_size: int, k: int) -> float:
         """Expected tokens/s of k over plain's at batch_size."""
-        plain = 1 + batch_size / self.knee_tokens
-        return self.expected_tokens(k) * plain / (1 + batch_size * (k + 1) / self.knee_tokens + k * self.draft_cost)
+        return self.expected_tokens(k) / self.relative_cost(batch_size, k)
 
 
 # A CPU core runs out of compute near 8 tokens per forward: SmolLM2-135M plain decoding, one pinned core per worker,

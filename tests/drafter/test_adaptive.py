@@ -202,11 +202,24 @@ def test_a_bucket_drafts_only_what_the_nearest_smaller_one_found_paying():
     assert run(tuner, {0: 400, 1: 300, 2: 250, 4: 200}, 16, 50, rng) == [0] * 50  # nothing smaller measured yet
     run(tuner, {0: 30, 1: 40, 2: 35, 4: 25}, 1, 300, rng)  # at batch 1 only k=1 and k=2 beat plain
     assert tuner.summary() == {"1": 1, "9-16": 0}
-    chosen = run(tuner, {0: 60, 1: 70, 2: 50, 4: 40}, 2, 300, rng)
+    chosen = run(tuner, {0: 60, 1: 85, 2: 50, 4: 40}, 2, 300, rng)
     assert set(chosen) == {0, 1, 2} and tuner.best(2) == 1  # never k=4; k=1 wins here too
     chosen = run(tuner, {0: 400, 1: 300, 2: 250, 4: 200}, 16, 300, rng)  # nearest smaller measured: bucket 2
     assert set(chosen) == {0, 1} and tuner.best(16) == 0  # bucket 2 found only k=1 faster than plain
     assert run(tuner, {0: 800, 1: 500, 2: 400, 4: 300}, 40, 100, rng) == [0] * 100  # 9-16 found nothing
+
+
+def test_a_draft_length_that_barely_pays_in_a_smaller_bucket_is_not_tried_in_a_larger_one():
+    """What k gains shrinks with the batch by the step-cost model (StepCostPrior.relative_cost): k = 1 at 1.17x plain
+    with 2 rows is expected at 0.94x with 16 (the default knee of 32 tokens), so bucket 9-16 never tries it; at
+    1.42x (expected 1.14x) it does."""
+    for gain, tried in ((70 / 60, {0}), (85 / 60, {0, 1})):
+        tuner, rng = DraftLengthTuner(2), random.Random(7)
+        run(tuner, {0: 30, 1: 40, 2: 25}, 1, 200, rng)
+        run(tuner, {0: 60, 1: 60 * gain, 2: 50}, 2, 300, rng)
+        assert set(run(tuner, {0: 400, 1: 300, 2: 250}, 16, 200, rng)) == tried
+    costs = StepCostPrior()
+    assert 70 / 60 * costs.relative_cost(2, 1) / costs.relative_cost(16, 1) == pytest.approx(0.94, abs=0.01)
 
 
 @pytest.mark.parametrize("loss", [0.15, 0.5])
