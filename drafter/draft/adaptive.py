@@ -40,10 +40,10 @@ Eligible arms (without a prior, and beside the prior's): what a step gains from 
 grows (each row's extra k tokens are compute a wider batch no longer hides), so a bucket drafts k > 0 only where the
 nearest smaller bucket measured has found k faster than plain by more than the step-cost model says the step's extra
 cost grows from its rows to this bucket's (`StepCostPrior.relative_cost`; on a CPU about 5-10% a bucket: `tlt bench rl`
-run AT served k = 1 at 9-16 rows, 0.95x its plain, on 5-8 rows' 1.05x). The smallest bucket ("1", the end of every
-rollout that shrinks) tries every arm; a large batch is never slowed by trying drafts that a smaller batch already
-shows do not pay. A rollout reaches its small buckets last, so without a prior its first large-batch steps decode
-plainly.
+run AT served k = 1 at 9-16 rows, 0.95x its plain, on 5-8 rows' 1.05x); what a smaller bucket measured of k overrules
+the prior's expectation of k. The smallest bucket ("1", the end of every rollout that shrinks) tries every arm; a
+large batch is never slowed by trying drafts that a smaller batch already shows do not pay. A rollout reaches its
+small buckets last, so without a prior its first large-batch steps decode plainly.
 The engine asks `choose(batch_size)` before each step and reports `record(batch_size, k, num_tokens, seconds)` after it;
 the choice depends only on past steps, so verification stays lossless.
 A drafter of two sources (drafter.draft.combined: history or the EAGLE head, per row) also says which source drafted how
@@ -95,30 +95,32 @@ class DraftLengthTuner(Meter):
         return {k: self.prior.gain(low, k) for k in self.arms}
 
     def _eligible(self, batch_size: int) -> tuple[int, ...]:
-        """The arms a bucket may serve: 0, the k > 0 the prior expects to pay, and the k > 0 the nearest smaller
-        bucket measured found faster than plain (every arm in the smallest bucket when there is no prior).
-        Called with the lock held."""
-        if self.prior is not None:
-            expected = self._expected(batch_size)
-            return tuple(sorted({0, *(k for k in self.arms if expected[k] > 1.0), *self._paying_below(batch_size)}))
-        return self._paying_below(batch_size, every_arm_at_first=True)
-
-    def _paying_below(self, batch_size: int, every_arm_at_first: bool = False) -> tuple[int, ...]:
-        name = bucket_of(batch_size)
+        """The arms a bucket may serve: 0, and each k > 0 that the nearest smaller bucket measured faster than plain
+        by more than the step-cost model says k's extra cost grows from its rows to this bucket's; a k that bucket has
+        not measured yet (or every k, where no smaller bucket has measured plain) is eligible where the prior
+        expects it to pay (every arm in the smallest bucket when there is no prior). Measured gains overrule the
+        prior: a prior from a draft's held-out score can expect k = 1 to pay at 9 rows where the rollouts' tail
+        measures it short (`tlt bench rl` run AU: 0.91x its plain there). Called with the lock held."""
+        name, expected = bucket_of(batch_size), self._expected(batch_size)
         order = [bucket_of(e) for e in BUCKET_EDGES] + [bucket_of(BUCKET_EDGES[-1] + 1)]
         smaller = [self._buckets.get(n) for n in order[: order.index(name)]]
         below = next((sb for sb in reversed(smaller) if sb is not None and sb.arms[0].num_samples > 0), None)
-        if name == order[0]:
-            return self.arms if every_arm_at_first else (0,)
+        if below is None and name == order[0] and self.prior is None:
+            return self.arms
         if below is None:
-            return (0,)
+            return (0, *(k for k in self.arms if k > 0 and expected.get(k, 0.0) > 1.0))
         # what k gained below, carried to this bucket's rows by the step-cost model: a k that barely paid there
         # (measured within noise of plain) is not tried where each row's k extra tokens cost more
         here = self._buckets.get(name)
         costs, rows = self.prior or StepCostPrior(), max(bucket_low_edge(name), here.rows if here else 0.0)
         plain = self._rate(below, 0)
-        return (0, *(k for k in self.arms if k > 0 and below.arms[k].num_samples > 0 and self._rate(below, k)
-                     * costs.relative_cost(below.rows, k) / costs.relative_cost(rows, k) > plain))
+
+        def pays(k: int) -> bool:
+            if below.arms[k].num_samples == 0:
+                return expected.get(k, 0.0) > 1.0
+            return self._rate(below, k) * costs.relative_cost(below.rows, k) / costs.relative_cost(rows, k) > plain
+
+        return (0, *(k for k in self.arms if k > 0 and pays(k)))
 
     def choose(self, batch_size: int) -> int:
         """The draft length for the next step with `batch_size` sequences live."""

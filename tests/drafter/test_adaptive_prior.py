@@ -8,7 +8,7 @@ import random
 import pytest
 
 from drafter.draft.adaptive import DraftLengthTuner, StepCostPrior
-from tests.drafter.test_adaptive import COSTS, drive_drifting
+from tests.drafter.test_adaptive import COSTS, drive_drifting, run
 
 
 def cpu_prior() -> StepCostPrior:
@@ -43,3 +43,15 @@ def test_the_pool_starts_at_the_prior_and_the_rows_outweigh_it():
     bare.choose(1)
     bare.record(1, 2, 2, COSTS[2])
     assert bare._buckets["1"].acceptance is None
+
+
+def test_what_a_smaller_bucket_measured_overrules_the_prior_in_a_larger_one():
+    """A prior from a strong held-out score (2.42 at k=4, a CPU's knee of 8 tokens) expects k=1 to pay at 9 rows, so
+    bucket 9-16 tries it before anything smaller is measured. Once bucket 5-8 measured k=1 at 1.03x plain (expected
+    at 12 rows: 1.03 x 1.45 / 1.62 = 0.92x), 9-16 serves plain only."""
+    prior = StepCostPrior.from_accepted_length(2.42, 4, **StepCostPrior.step_costs("cpu"))
+    assert prior.gain(9, 1) > 1.0 > prior.gain(9, 2)
+    tuner, rng = DraftLengthTuner(4, prior=prior), random.Random(8)
+    assert set(run(tuner, {0: 200, 1: 180, 2: 150, 4: 120}, 12, 20, rng)) == {0, 1}
+    run(tuner, {0: 100, 1: 103, 2: 95, 4: 80}, 6, 300, rng)
+    assert run(tuner, {0: 200, 1: 180, 2: 150, 4: 120}, 12, 100, rng) == [0] * 100
