@@ -65,7 +65,8 @@ def cluster():
                 time.sleep(0.3)
         yield f"127.0.0.1:{port}"
     finally:
-        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        # `ray start --block` outlived SIGTERM's 30 s in CI (a teardown of 30.05 s): 5 s, then SIGKILL
+        for sig, wait_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
             try:
                 os.killpg(head.pid, sig)  # the head, its raylet and GCS, and the workers they started
             except ProcessLookupError:
