@@ -36,7 +36,7 @@ a change of k) and so serves every arm in runs:
     3. a new draft (`new_draft`: a hot swap) makes every speculative arm's estimate stale: each is tried again
        `num_retries` times; its old estimate dropped, or, for a draft published for beating the serving one, kept
        as one sample (the pooled acceptance at a quarter of its weight).
-Eligible arms (without a prior, and beside the prior's): what a step gains from drafting k tokens shrinks as the batch
+Eligible arms (with a prior or without): what a step gains from drafting k tokens shrinks as the batch
 grows (each row's extra k tokens are compute a wider batch no longer hides), so a bucket drafts k > 0 only where the
 nearest smaller bucket measured has found k faster than plain by more than the step-cost model says the step's extra
 cost grows from its rows to this bucket's (`StepCostPrior.relative_cost`; on a CPU about 5-10% a bucket: `tlt bench rl`
@@ -64,6 +64,8 @@ POOL_DECAY = 1 - 1 / 128
 NEW_DRAFT_POOL_KEEP = 0.25  # the pooled acceptance's weight kept when a new draft serves (new_draft)
 # a run's first steady steps that measure its arm's cost against the bucket's level; the later ones move the level
 RUN_MEASURES = 2
+# the step-cost model a tuner without a prior carries a smaller bucket's gains by (DraftLengthTuner._eligible)
+DEFAULT_COSTS = StepCostPrior()
 
 
 class DraftLengthTuner(Meter):
@@ -112,7 +114,7 @@ class DraftLengthTuner(Meter):
         # what k gained below, carried to this bucket's rows by the step-cost model: a k that barely paid there
         # (measured within noise of plain) is not tried where each row's k extra tokens cost more
         here = self._buckets.get(name)
-        costs, rows = self.prior or StepCostPrior(), max(bucket_low_edge(name), here.rows if here else 0.0)
+        costs, rows = self.prior or DEFAULT_COSTS, max(bucket_low_edge(name), here.rows if here else 0.0)
         plain = self._rate(below, 0)
 
         def pays(k: int) -> bool:
