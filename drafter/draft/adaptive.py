@@ -40,12 +40,11 @@ Eligible arms (with a prior or without): what a step gains from drafting k token
 grows (each row's extra k tokens are compute a wider batch no longer hides), so a bucket drafts k > 0 only where the
 nearest smaller bucket measured has found k faster than plain by more than the step-cost model says the step's extra
 cost grows from its rows to this bucket's (`StepCostPrior.relative_cost`; on a CPU about 5-10% a bucket: `tlt bench rl`
-run AT served k = 1 at 9-16 rows, 0.95x its plain, on 5-8 rows' 1.05x), or that this bucket has measured itself
-for the serving draft (its own estimates then rank it: on a CPU one row's plain step runs as GEMVs, so k gains less
-there than with 2 rows); what a smaller bucket measured of k overrules the prior's expectation of k. The smallest
-bucket ("1", the end of every rollout that shrinks) tries every arm; a large batch is never slowed by trying drafts
-that a smaller batch already shows do not pay. A rollout reaches its
-small buckets last, so without a prior its first large-batch steps decode plainly.
+run AT served k = 1 at 9-16 rows, 0.95x its plain, on 5-8 rows' 1.05x); what a smaller bucket measured of k overrules
+the prior's expectation of k, but for the one-row bucket's, which only adds to it (a CPU's one-row plain step runs as
+GEMVs: k gains less there than with 2 rows). The smallest bucket ("1", the end of every rollout that shrinks) tries
+every arm; a large batch is never slowed by trying drafts that a smaller batch already shows do not pay. A rollout
+reaches its small buckets last, so without a prior its first large-batch steps decode plainly.
 The engine asks `choose(batch_size)` before each step and reports `record(batch_size, k, num_tokens, seconds)` after it;
 the choice depends only on past steps, so verification stays lossless.
 A drafter of two sources (drafter.draft.combined: history or the EAGLE head, per row) also says which source drafted how
@@ -104,13 +103,12 @@ class DraftLengthTuner(Meter):
         not measured yet (or every k, where no smaller bucket has measured plain) is eligible where the prior
         expects it to pay (every arm in the smallest bucket when there is no prior). Measured gains overrule the
         prior: a prior from a draft's held-out score can expect k = 1 to pay at 9 rows where the rollouts' tail
-        measures it short (`tlt bench rl` run AU: 0.91x its plain there). And a k this bucket has measured for the
-        serving draft stays eligible, ranked by its own estimates: gains do not always shrink with the rows (on a
-        CPU one row's plain step runs as GEMVs, cheap beside a verify's GEMMs: `tlt bench rl` run AW's frozen arm
-        served plain in 279 of one worker's 286 two-row steps while k = 1 and 2 ran 1.4-1.6x plain there; one row's
-        gain near 1x vetoing them is one way this tuner did that, which tests/drafter/test_adaptive.py reproduces;
-        the run kept no trace of its estimates).
-        Called with the lock held."""
+        measures it short (`tlt bench rl` run AU: 0.91x its plain there). The one-row bucket's gains only add to the
+        prior's: on a CPU its plain steps run as GEMVs, so a k near 1x there can pay 1.4x with 2 rows (`tlt bench
+        rl` run AW's frozen arm served plain in 279 of one worker's 286 two-row steps while k = 1 and 2 ran 1.4-1.6x
+        plain there; one row's near-1x vetoing them is one way this tuner did that, which
+        tests/drafter/test_adaptive.py reproduces; the run kept no trace of its estimates). Called with the lock
+        held."""
         name, expected = bucket_of(batch_size), self._expected(batch_size)
         order = [bucket_of(e) for e in BUCKET_EDGES] + [bucket_of(BUCKET_EDGES[-1] + 1)]
         smaller = [self._buckets.get(n) for n in order[: order.index(name)]]
@@ -126,11 +124,12 @@ class DraftLengthTuner(Meter):
         plain = self._rate(below, 0)
 
         def pays(k: int) -> bool:
-            if here is not None and here.arms[k].cost > 0:  # measured here: its own estimates rank and re-measure it
-                return True
             if below.arms[k].num_samples == 0:
                 return expected.get(k, 0.0) > 1.0
-            return self._rate(below, k) * costs.relative_cost(below.rows, k) / costs.relative_cost(rows, k) > plain
+            carried = self._rate(below, k) * costs.relative_cost(below.rows, k) / costs.relative_cost(rows, k) > plain
+            # one row's gain is a floor for more rows, not a ceiling: there a CPU's plain step runs as GEMVs, cheap
+            # beside any verify's GEMMs, so k gains more with 2 rows than with 1; the prior's expectation stands too
+            return carried or (below is smaller[0] and expected.get(k, 0.0) > 1.0)
 
         return (0, *(k for k in self.arms if k > 0 and pays(k)))
 
@@ -220,8 +219,6 @@ class DraftLengthTuner(Meter):
                 for k, arm in b.arms.items():
                     if k > 0:
                         arm.num_samples = min(arm.num_samples, 1) if keep_estimates else 0
-                        if not keep_estimates:  # nor measured here any more (_eligible): a new draft's cost is its own
-                            arm.cost = 0.0
                         arm.num_tries_left = max(arm.num_tries_left, self.num_retries)
 
     def _best(self, b: Bucket, eligible: tuple[int, ...], batch_size: int) -> int:

@@ -222,12 +222,12 @@ def test_a_draft_length_that_barely_pays_in_a_smaller_bucket_is_not_tried_in_a_l
     assert 70 / 60 * costs.relative_cost(2, 1) / costs.relative_cost(16, 1) == pytest.approx(0.94, abs=0.01)
 
 
-def test_what_a_bucket_measured_paying_is_not_vetoed_by_a_smaller_bucket():
+def test_one_rows_near_plain_gain_does_not_veto_two_rows_drafting():
     """Gains need not shrink with the rows: on a CPU one row's plain step runs as GEMVs, so k = 1 can pay 1.45x with
     2 rows and about 1x with one. A rollout meets 2 rows first; once one row measured k near plain (carried to 2 rows
-    by the step-cost model: under plain), the 2-row bucket's own measurement still ranks k there. Before, the veto
-    left it plain in some seeds (`tlt bench rl` run AW: 279 of a worker's 286 two-row steps plain while k = 1 and 2
-    ran 1.4-1.6x plain there)."""
+    by the step-cost model: under plain), the prior's expectation still keeps k in play at 2 rows, where it is
+    measured and served. Carried as a veto, it left 2 rows plain in some seeds (`tlt bench rl` run AW: 279 of a
+    worker's 286 two-row steps plain while k = 1 and 2 ran 1.4-1.6x plain there)."""
     prior = StepCostPrior.from_accepted_length(2.1, 4, **StepCostPrior.step_costs("cpu"))
     two_rows, one_row = {0: 60, 1: 87, 2: 80}, {0: 30, 1: 30.5, 2: 29}
     for seed in range(6):
