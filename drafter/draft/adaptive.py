@@ -8,7 +8,8 @@ that learns from steady steps only (the engine reports no step that captured a g
 a change of k) and so serves every arm in runs:
     0. a prior (`StepCostPrior`: the draft's calibrated acceptance and the device's step costs) ranks the arms before
        anything is measured: its best arm serves a bucket's first steps (a draft that pays at a batch size is used
-       there at once, in the tail too), and only the arms it expects to pay, and plain, are tried in 1.; without a
+       there at once, in the tail too), and only the arms it expects to pay (by PRIOR_MARGIN past the smallest
+       bucket: its costs are rough where the rows outgrow a CPU's compute), and plain, are tried in 1.; without a
        prior every eligible arm is;
     1. forced tries: each arm is served in a run until it has `num_tries` steady steps in the bucket;
     2. then the arm with the best tokens/s estimate serves: the bucket's live rows times the tokens a row emits at k
@@ -67,6 +68,11 @@ NEW_DRAFT_POOL_KEEP = 0.25  # the pooled acceptance's weight kept when a new dra
 RUN_MEASURES = 2
 # the step-cost model a tuner without a prior carries a smaller bucket's gains by (DraftLengthTuner._eligible)
 DEFAULT_COSTS = StepCostPrior()
+# the gain the prior must expect of k for a bucket past the smallest to try k on its word alone: its step-cost model is
+# rough where the rows outgrow a CPU's compute (bf16 on an AVX512-BF16 EPYC, `tlt bench rl` run AY: a k = 1 step at
+# 9-16 rows cost 2.1 plain ones against the model's 1.6, and the shipped draft's prior, 1.00x there, had the frozen
+# arm serve k = 1 in 62 of its steps there at 0.69x its plain rate)
+PRIOR_MARGIN = 1.1
 
 
 class DraftLengthTuner(Meter):
@@ -101,7 +107,8 @@ class DraftLengthTuner(Meter):
         """The arms a bucket may serve: 0, and each k > 0 that the nearest smaller bucket measured faster than plain
         by more than the step-cost model says k's extra cost grows from its rows to this bucket's; a k that bucket has
         not measured yet (or every k, where no smaller bucket has measured plain) is eligible where the prior
-        expects it to pay (every arm in the smallest bucket when there is no prior). Measured gains overrule the
+        expects it to pay, by PRIOR_MARGIN past the smallest bucket (every arm in the smallest bucket when there is
+        no prior). Measured gains overrule the
         prior: a prior from a draft's held-out score can expect k = 1 to pay at 9 rows where the rollouts' tail
         measures it short (`tlt bench rl` run AU: 0.91x its plain there). The one-row bucket's gains only add to the
         prior's: on a CPU its plain steps run as GEMVs, so a k near 1x there can pay 1.4x with 2 rows (`tlt bench
@@ -111,12 +118,13 @@ class DraftLengthTuner(Meter):
         held."""
         name, expected = bucket_of(batch_size), self._expected(batch_size)
         order = [bucket_of(e) for e in BUCKET_EDGES] + [bucket_of(BUCKET_EDGES[-1] + 1)]
+        margin = 1.0 if name == order[0] else PRIOR_MARGIN
         smaller = [self._buckets.get(n) for n in order[: order.index(name)]]
         below = next((sb for sb in reversed(smaller) if sb is not None and sb.arms[0].num_samples > 0), None)
         if below is None and name == order[0] and self.prior is None:
             return self.arms
         if below is None:
-            return (0, *(k for k in self.arms if k > 0 and expected.get(k, 0.0) > 1.0))
+            return (0, *(k for k in self.arms if k > 0 and expected.get(k, 0.0) > margin))
         # what k gained below, carried to this bucket's rows by the step-cost model: a k that barely paid there
         # (measured within noise of plain) is not tried where each row's k extra tokens cost more
         here = self._buckets.get(name)
@@ -125,11 +133,11 @@ class DraftLengthTuner(Meter):
 
         def pays(k: int) -> bool:
             if below.arms[k].num_samples == 0:
-                return expected.get(k, 0.0) > 1.0
+                return expected.get(k, 0.0) > margin
             carried = self._rate(below, k) * costs.relative_cost(below.rows, k) / costs.relative_cost(rows, k) > plain
             # one row's gain is a floor for more rows, not a ceiling: there a CPU's plain step runs as GEMVs, cheap
             # beside any verify's GEMMs, so k gains more with 2 rows than with 1; the prior's expectation stands too
-            return carried or (below is smaller[0] and expected.get(k, 0.0) > 1.0)
+            return carried or (below is smaller[0] and expected.get(k, 0.0) > margin)
 
         return (0, *(k for k in self.arms if k > 0 and pays(k)))
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from drafter.draft.adaptive import DraftLengthTuner, StepCostPrior
+from drafter.draft.adaptive import PRIOR_MARGIN, DraftLengthTuner, StepCostPrior
 from tests.drafter.test_adaptive import COSTS, drive_drifting, run
 
 
@@ -46,12 +46,24 @@ def test_the_pool_starts_at_the_prior_and_the_rows_outweigh_it():
 
 
 def test_what_a_smaller_bucket_measured_overrules_the_prior_in_a_larger_one():
-    """A prior from a strong held-out score (2.42 at k=4, a CPU's knee of 8 tokens) expects k=1 to pay at 9 rows, so
-    bucket 9-16 tries it before anything smaller is measured. Once bucket 5-8 measured k=1 at 1.03x plain (expected
-    at 12 rows: 1.03 x 1.45 / 1.62 = 0.92x), 9-16 serves plain only."""
-    prior = StepCostPrior.from_accepted_length(2.42, 4, **StepCostPrior.step_costs("cpu"))
-    assert prior.gain(9, 1) > 1.0 > prior.gain(9, 2)
+    """A prior from a strong held-out score (2.83 at k=4, a CPU's knee of 8 tokens) expects k=1 to gain 1.1x at 9
+    rows (PRIOR_MARGIN), so bucket 9-16 tries it before anything smaller is measured. Once bucket 5-8 measured k=1
+    at 1.03x plain (expected at 12 rows: 1.03 x 1.45 / 1.62 = 0.92x), 9-16 serves plain only."""
+    prior = StepCostPrior.from_accepted_length(2.83, 4, **StepCostPrior.step_costs("cpu"))
+    assert prior.gain(9, 1) > PRIOR_MARGIN > prior.gain(9, 2)
     tuner, rng = DraftLengthTuner(4, prior=prior), random.Random(8)
     assert set(run(tuner, {0: 200, 1: 180, 2: 150, 4: 120}, 12, 20, rng)) == {0, 1}
     run(tuner, {0: 100, 1: 103, 2: 95, 4: 80}, 6, 300, rng)
     assert run(tuner, {0: 200, 1: 180, 2: 150, 4: 120}, 12, 100, rng) == [0] * 100
+
+
+def test_a_large_bucket_tries_no_draft_length_the_prior_expects_to_break_even():
+    """The shipped draft's prior (2.12 at k=4, a CPU's knee) expects k=1 at 1.00x plain at 9 rows: under PRIOR_MARGIN,
+    so bucket 9-16, met before anything smaller is measured, decodes plainly (`tlt bench rl` run AY: tried there,
+    k = 1 ran 0.69x plain), while the smallest bucket, which learns only by trying, tries every k the prior expects
+    to pay at all."""
+    prior = StepCostPrior.from_accepted_length(2.12, 4, **StepCostPrior.step_costs("cpu"))
+    assert 1.0 < prior.gain(9, 1) < PRIOR_MARGIN and prior.gain(1, 1) > PRIOR_MARGIN
+    tuner, rng = DraftLengthTuner(4, prior=prior), random.Random(2)
+    assert run(tuner, {0: 200, 1: 140, 2: 110, 4: 80}, 12, 60, rng) == [0] * 60
+    assert set(run(tuner, {0: 30, 1: 40, 2: 44, 4: 41}, 1, 60, rng)) == {0, 1, 2, 4}
