@@ -108,14 +108,13 @@ class DraftLengthTuner(Meter):
         by more than the step-cost model says k's extra cost grows from its rows to this bucket's; a k that bucket has
         not measured yet (or every k, where no smaller bucket has measured plain) is eligible where the prior
         expects it to pay, by PRIOR_MARGIN past the smallest bucket (every arm in the smallest bucket when there is
-        no prior). Measured gains overrule the
-        prior: a prior from a draft's held-out score can expect k = 1 to pay at 9 rows where the rollouts' tail
-        measures it short (`tlt bench rl` run AU: 0.91x its plain there). The one-row bucket's gains only add to the
-        prior's: on a CPU its plain steps run as GEMVs, so a k near 1x there can pay 1.4x with 2 rows (`tlt bench
-        rl` run AW's frozen arm served plain in 279 of one worker's 286 two-row steps while k = 1 and 2 ran 1.4-1.6x
-        plain there; one row's near-1x vetoing them is one way this tuner did that, which
-        tests/drafter/test_adaptive.py reproduces; the run kept no trace of its estimates). Called with the lock
-        held."""
+        no prior). Measured gains overrule the prior: a prior from a draft's held-out score can expect k = 1 to pay
+        at 9 rows where the rollouts' tail measures it short (`tlt bench rl` run AU: 0.91x its plain there). The
+        one-row bucket's gains only add to the prior's: on a CPU its plain steps run as GEMVs, so a k near 1x there
+        can pay 1.4x with 2 rows (`tlt bench rl` run AW's frozen arm served plain in 279 of one worker's 286 two-row
+        steps while k = 1 and 2 ran 1.4-1.6x plain there; one row's near-1x vetoing them is one way this tuner did
+        that, which tests/drafter/test_adaptive.py reproduces; the run kept no trace of its estimates). Called with
+        the lock held."""
         name, expected = bucket_of(batch_size), self._expected(batch_size)
         order = [bucket_of(e) for e in BUCKET_EDGES] + [bucket_of(BUCKET_EDGES[-1] + 1)]
         margin = 1.0 if name == order[0] else PRIOR_MARGIN
