@@ -117,26 +117,29 @@ class DraftLengthTuner(Meter):
         the lock held."""
         name, expected = bucket_of(batch_size), self._expected(batch_size)
         order = [bucket_of(e) for e in BUCKET_EDGES] + [bucket_of(BUCKET_EDGES[-1] + 1)]
+        # the arms the prior alone would have this bucket try: by PRIOR_MARGIN past the smallest bucket
         margin = 1.0 if name == order[0] else PRIOR_MARGIN
+        hoped = {k for k in self.arms if k > 0 and expected.get(k, 0.0) > margin}
         smaller = [self._buckets.get(n) for n in order[: order.index(name)]]
         below = next((sb for sb in reversed(smaller) if sb is not None and sb.arms[0].num_samples > 0), None)
         if below is None and name == order[0] and self.prior is None:
             return self.arms
         if below is None:
-            return (0, *(k for k in self.arms if k > 0 and expected.get(k, 0.0) > margin))
+            return (0, *(k for k in self.arms if k in hoped))
         # what k gained below, carried to this bucket's rows by the step-cost model: a k that barely paid there
         # (measured within noise of plain) is not tried where each row's k extra tokens cost more
         here = self._buckets.get(name)
+        one_row = smaller[0]  # the smallest bucket's, whose gains only add to the prior's
         costs, rows = self.prior or DEFAULT_COSTS, max(bucket_low_edge(name), here.rows if here else 0.0)
         plain = self._rate(below, 0)
 
         def pays(k: int) -> bool:
             if below.arms[k].num_samples == 0:
-                return expected.get(k, 0.0) > margin
+                return k in hoped
             carried = self._rate(below, k) * costs.relative_cost(below.rows, k) / costs.relative_cost(rows, k) > plain
             # one row's gain is a floor for more rows, not a ceiling: there a CPU's plain step runs as GEMVs, cheap
             # beside any verify's GEMMs, so k gains more with 2 rows than with 1; the prior's expectation stands too
-            return carried or (below is smaller[0] and expected.get(k, 0.0) > margin)
+            return carried or (below is one_row and k in hoped)
 
         return (0, *(k for k in self.arms if k > 0 and pays(k)))
 
